@@ -1,0 +1,3 @@
+from rmqfast.cli import main
+
+raise SystemExit(main())
