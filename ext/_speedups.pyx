@@ -1,0 +1,638 @@
+# cython: language_level=3
+"""Compiled hot path of rmqfast: the frame scanner and its counters.
+
+This is the C twin of ``rmqfast/codec/_scan_py.py``; read that module's docstring for the
+theory of operation.  Both implement the same algorithm step by step, and the test suite
+runs them side by side on the same inputs.  The difference is that nothing here creates a
+Python object per frame: the buffer is read through a raw pointer, counters are C arrays,
+and topics are counted in an open-addressing table of fixed-size C strings.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcmp, memcpy
+
+DEF CODE_SLOTS_C = 2048
+DEF TOPIC_SLOTS_C = 1024
+DEF MAX_TOPIC_LEN_C = 255
+
+EV_FORWARD = 0
+EV_POLICY = 1
+EV_ERROR = 2
+ACTION_PASS = 0
+ACTION_POLICY = 1
+CODE_SLOTS = CODE_SLOTS_C
+OTHER_SLOT = CODE_SLOTS_C - 1
+TOPIC_SLOTS = TOPIC_SLOTS_C
+MAX_TOPIC_LEN = MAX_TOPIC_LEN_C
+OTHER_TOPIC = b"__other__"
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+DEFAULT_MAX_HEADER = 1024 * 1024
+
+cdef enum:
+    SEND_V1 = 10
+    SEND_V2 = 310
+    SEND_BATCH = 320
+    PULL = 11
+    LITE_PULL = 361
+
+# Error codes of the header walk; messages live in _ERRORS (same text as the Python twin).
+cdef enum:
+    E_OK = 0
+    E_UNTERMINATED_STRING
+    E_VALUE_EXPECTED
+    E_UNTERMINATED_NESTED
+    E_UNEXPECTED_CHAR
+    E_INT_RANGE
+    E_INT_EXPECTED
+    E_NOT_OBJECT
+    E_NO_CODE
+    E_KEY_EXPECTED
+    E_COLON_EXPECTED
+    E_COMMA_EXPECTED
+    E_TRAILING
+    E_BIN_SHORT
+    E_BIN_REMARK
+    E_BIN_EXT
+    E_BIN_KEY_TRUNC
+    E_BIN_KEY
+    E_BIN_VALUE
+
+_ERRORS = (
+    "",
+    "unterminated string",
+    "value expected",
+    "unterminated object or array",
+    "unexpected character",
+    "integer out of range",
+    "integer expected",
+    "header is not a JSON object",
+    "no code field",
+    "key expected",
+    "':' expected",
+    "',' or '}' expected",
+    "trailing data after the header object",
+    "binary header shorter than 21 bytes",
+    "remark length out of bounds",
+    "extFields length out of bounds",
+    "extFields key length truncated",
+    "extFields key out of bounds",
+    "extFields value out of bounds",
+)
+
+
+cpdef int code_slot(long code):
+    """Index of ``code`` in the action and counter tables."""
+    if 0 <= code < 1024:
+        return <int>code
+    if 200000 <= code < 200000 + 1023:
+        return <int>(1024 + code - 200000)
+    return CODE_SLOTS_C - 1
+
+
+def slot_code(int slot):
+    """Inverse of :func:`code_slot`; ``None`` for the shared 'other' slot."""
+    if slot < 1024:
+        return slot
+    if slot < CODE_SLOTS_C - 1:
+        return 200000 + slot - 1024
+    return None
+
+
+cdef inline int32_t rd_i32(const uint8_t* p) nogil:
+    return <int32_t>((<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | <uint32_t>p[3])
+
+
+cdef inline int16_t rd_i16(const uint8_t* p) nogil:
+    return <int16_t>((<uint16_t>p[0] << 8) | <uint16_t>p[1])
+
+
+cdef inline uint16_t rd_u16(const uint8_t* p) nogil:
+    return <uint16_t>((<uint16_t>p[0] << 8) | <uint16_t>p[1])
+
+
+
+cdef struct TopicEntry:
+    uint64_t sends
+    uint64_t messages
+    uint64_t pulls
+    uint64_t nbytes
+    uint32_t hash
+    int16_t length          # -1: empty slot
+    char name[MAX_TOPIC_LEN_C + 1]
+
+
+cdef class ScanStats:
+    """Counters shared by every scanner of one worker process (read by the metrics publisher)."""
+
+    cdef uint64_t _req_counts[CODE_SLOTS_C]
+    cdef uint64_t _req_bytes[CODE_SLOTS_C]
+    cdef uint64_t _resp_counts[CODE_SLOTS_C]
+    cdef TopicEntry* _topics
+    cdef int _ntopics
+    cdef public uint64_t frames
+    cdef public uint64_t bytes
+    cdef public uint64_t protocol_errors
+
+    def __cinit__(self):
+        cdef int i
+        self._topics = <TopicEntry*>calloc(TOPIC_SLOTS_C, sizeof(TopicEntry))
+        if self._topics == NULL:
+            raise MemoryError()
+        for i in range(TOPIC_SLOTS_C):
+            self._topics[i].length = -1
+        self._ntopics = 0
+
+    def __dealloc__(self):
+        free(self._topics)
+
+    @property
+    def request_counts(self):
+        return [self._req_counts[i] for i in range(CODE_SLOTS_C)]
+
+    @property
+    def request_bytes(self):
+        return [self._req_bytes[i] for i in range(CODE_SLOTS_C)]
+
+    @property
+    def response_counts(self):
+        return [self._resp_counts[i] for i in range(CODE_SLOTS_C)]
+
+    def requests(self):
+        """``(slot, count, bytes)`` for every request-code slot with a non-zero count."""
+        return [(i, self._req_counts[i], self._req_bytes[i])
+                for i in range(CODE_SLOTS_C) if self._req_counts[i]]
+
+    def responses(self):
+        """``(slot, count)`` for every response-code slot with a non-zero count."""
+        return [(i, self._resp_counts[i]) for i in range(CODE_SLOTS_C) if self._resp_counts[i]]
+
+    def topics(self):
+        """``(topic, sends, messages, pulls, bytes)`` for every topic seen so far."""
+        cdef int i
+        out = []
+        for i in range(TOPIC_SLOTS_C):
+            if self._topics[i].length >= 0:
+                e = &self._topics[i]
+                out.append((e.name[:e.length], e.sends, e.messages, e.pulls, e.nbytes))
+        return out
+
+    cdef TopicEntry* topic_slot(self, const uint8_t* name, int length) noexcept nogil:
+        cdef uint32_t h = 2166136261u
+        cdef int i
+        cdef uint32_t idx
+        cdef TopicEntry* e
+        if length > MAX_TOPIC_LEN_C:
+            return self.other_topic()
+        for i in range(length):
+            h = (h ^ name[i]) * 16777619u
+        idx = h & (TOPIC_SLOTS_C - 1)
+        while True:
+            e = &self._topics[idx]
+            if e.length < 0:
+                # Keep one slot free for the overflow bucket.
+                if self._ntopics >= TOPIC_SLOTS_C - 1:
+                    return self.other_topic()
+                e.length = length
+                e.hash = h
+                memcpy(e.name, name, length)
+                self._ntopics += 1
+                return e
+            if e.hash == h and e.length == length and memcmp(e.name, name, length) == 0:
+                return e
+            idx = (idx + 1) & (TOPIC_SLOTS_C - 1)
+
+    cdef TopicEntry* other_topic(self) noexcept nogil:
+        cdef uint32_t h = 2166136261u
+        cdef const char* other = b"__other__"
+        cdef int i, idx
+        cdef TopicEntry* e
+        for i in range(9):
+            h = (h ^ <uint8_t>other[i]) * 16777619u
+        idx = h & (TOPIC_SLOTS_C - 1)
+        while True:
+            e = &self._topics[idx]
+            if e.length < 0:
+                e.length = 9
+                e.hash = h
+                memcpy(e.name, other, 9)
+                self._ntopics += 1
+                return e
+            if e.length == 9 and memcmp(e.name, other, 9) == 0:
+                return e
+            idx = (idx + 1) & (TOPIC_SLOTS_C - 1)
+
+
+cdef struct HeaderInfo:
+    int32_t code
+    int32_t flag
+    int32_t opaque
+    Py_ssize_t b_start       # -1: absent (or escaped)
+    Py_ssize_t b_len
+    Py_ssize_t t_start
+    Py_ssize_t t_len
+
+
+cdef inline bint is_ws(uint8_t c) noexcept nogil:
+    return c == 32 or c == 9 or c == 13 or c == 10
+
+
+cdef inline bint is_num(uint8_t c) noexcept nogil:
+    return (48 <= c <= 57) or c == 43 or c == 45 or c == 46 or c == 101 or c == 69
+
+
+cdef inline Py_ssize_t skip_ws(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    while i < n and is_ws(h[i]):
+        i += 1
+    return i
+
+
+# Return convention of the walkers: new index >= 0, or -(error code).
+cdef Py_ssize_t skip_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, bint* esc) noexcept nogil:
+    i += 1
+    esc[0] = False
+    while i < n:
+        if h[i] == 92:
+            esc[0] = True
+            i += 2
+            continue
+        if h[i] == 34:
+            return i + 1
+        i += 1
+    return -E_UNTERMINATED_STRING
+
+
+cdef Py_ssize_t skip_value(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    cdef uint8_t c
+    cdef Py_ssize_t depth = 0
+    cdef bint esc
+    if i >= n:
+        return -E_VALUE_EXPECTED
+    c = h[i]
+    if c == 34:
+        return skip_string(h, i, n, &esc)
+    if c == 123 or c == 91:
+        while i < n:
+            c = h[i]
+            if c == 34:
+                i = skip_string(h, i, n, &esc)
+                if i < 0:
+                    return i
+                continue
+            if c == 123 or c == 91:
+                depth += 1
+            elif c == 125 or c == 93:
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return -E_UNTERMINATED_NESTED
+    if is_num(c):
+        while i < n and is_num(h[i]):
+            i += 1
+        return i
+    if 97 <= c <= 122:
+        while i < n and 97 <= h[i] <= 122:
+            i += 1
+        return i
+    return -E_UNEXPECTED_CHAR
+
+
+cdef Py_ssize_t parse_int(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int32_t* out) noexcept nogil:
+    cdef bint neg = False
+    cdef Py_ssize_t start
+    cdef int64_t v = 0
+    if i < n and h[i] == 45:
+        neg = True
+        i += 1
+    start = i
+    while i < n and 48 <= h[i] <= 57:
+        v = v * 10 + (h[i] - 48)
+        if v > 2147483648LL:
+            return -E_INT_RANGE
+        i += 1
+    if i == start or (i < n and (h[i] == 46 or h[i] == 101 or h[i] == 69)):
+        return -E_INT_EXPECTED
+    if neg:
+        v = -v
+    if v > 0x7FFFFFFF:
+        return -E_INT_RANGE
+    out[0] = <int32_t>v
+    return i
+
+
+cdef inline bint key_is(const uint8_t* h, Py_ssize_t ks, Py_ssize_t klen, const char* lit, Py_ssize_t litlen) noexcept nogil:
+    return klen == litlen and memcmp(h + ks, lit, litlen) == 0
+
+
+cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
+    cdef Py_ssize_t ks, klen, vs
+    cdef bint esc
+    i = skip_ws(h, i + 1, n)
+    if i < n and h[i] == 125:
+        return i + 1
+    while True:
+        if i >= n or h[i] != 34:
+            return -E_KEY_EXPECTED
+        ks = i + 1
+        i = skip_string(h, i, n, &esc)
+        if i < 0:
+            return i
+        klen = i - 1 - ks
+        i = skip_ws(h, i, n)
+        if i >= n or h[i] != 58:
+            return -E_COLON_EXPECTED
+        i = skip_ws(h, i + 1, n)
+        if (key_is(h, ks, klen, b"b", 1) or key_is(h, ks, klen, b"topic", 5)) and i < n and h[i] == 34:
+            vs = i + 1
+            i = skip_string(h, i, n, &esc)
+            if i < 0:
+                return i
+            if key_is(h, ks, klen, b"b", 1):
+                info.b_start = -1 if esc else vs
+                info.b_len = i - 1 - vs
+            else:
+                info.t_start = -1 if esc else vs
+                info.t_len = i - 1 - vs
+        else:
+            i = skip_value(h, i, n)
+            if i < 0:
+                return i
+        i = skip_ws(h, i, n)
+        if i < n and h[i] == 44:
+            i = skip_ws(h, i + 1, n)
+            continue
+        if i < n and h[i] == 125:
+            return i + 1
+        return -E_COMMA_EXPECTED
+
+
+cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
+    cdef Py_ssize_t i, ks, klen
+    cdef bint has_code = False
+    cdef bint esc
+    i = skip_ws(h, 0, n)
+    if i >= n or h[i] != 123:
+        return E_NOT_OBJECT
+    i = skip_ws(h, i + 1, n)
+    if i < n and h[i] == 125:
+        return E_NO_CODE
+    while True:
+        if i >= n or h[i] != 34:
+            return E_KEY_EXPECTED
+        ks = i + 1
+        i = skip_string(h, i, n, &esc)
+        if i < 0:
+            return <int>(-i)
+        klen = i - 1 - ks
+        i = skip_ws(h, i, n)
+        if i >= n or h[i] != 58:
+            return E_COLON_EXPECTED
+        i = skip_ws(h, i + 1, n)
+        if key_is(h, ks, klen, b"code", 4):
+            i = parse_int(h, i, n, &info.code)
+            has_code = True
+        elif key_is(h, ks, klen, b"flag", 4):
+            i = parse_int(h, i, n, &info.flag)
+        elif key_is(h, ks, klen, b"opaque", 6):
+            i = parse_int(h, i, n, &info.opaque)
+        elif key_is(h, ks, klen, b"extFields", 9) and i < n and h[i] == 123:
+            i = walk_ext_fields(h, i, n, info)
+        else:
+            i = skip_value(h, i, n)
+        if i < 0:
+            return <int>(-i)
+        i = skip_ws(h, i, n)
+        if i < n and h[i] == 44:
+            i = skip_ws(h, i + 1, n)
+            continue
+        if i < n and h[i] == 125:
+            i += 1
+            break
+        return E_COMMA_EXPECTED
+    if skip_ws(h, i, n) != n:
+        return E_TRAILING
+    if not has_code:
+        return E_NO_CODE
+    return E_OK
+
+
+cdef int parse_binary_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
+    cdef Py_ssize_t i, end, klen, ks
+    cdef int32_t rlen, elen, vlen
+    if n < 21:
+        return E_BIN_SHORT
+    info.code = rd_i16(h)
+    info.opaque = rd_i32(h + 5)
+    info.flag = rd_i32(h + 9)
+    rlen = rd_i32(h + 13)
+    i = 17
+    if rlen < 0 or rlen > n - i - 4:
+        return E_BIN_REMARK
+    i += rlen
+    elen = rd_i32(h + i)
+    i += 4
+    if elen < 0 or elen > n - i:
+        return E_BIN_EXT
+    end = i + elen
+    while i < end:
+        if end - i < 2:
+            return E_BIN_KEY_TRUNC
+        klen = rd_u16(h + i)
+        i += 2
+        if klen > end - i - 4:
+            return E_BIN_KEY
+        ks = i
+        i += klen
+        vlen = rd_i32(h + i)
+        i += 4
+        if vlen < 0 or vlen > end - i:
+            return E_BIN_VALUE
+        if key_is(h, ks, klen, b"b", 1):
+            info.b_start = i
+            info.b_len = vlen
+        elif key_is(h, ks, klen, b"topic", 5):
+            info.t_start = i
+            info.t_len = vlen
+        i += vlen
+    return E_OK
+
+
+cdef uint64_t count_batch(const uint8_t* p, Py_ssize_t n) noexcept nogil:
+    cdef uint64_t count = 0
+    cdef Py_ssize_t i = 0
+    cdef int32_t size
+    while n - i >= 4:
+        size = rd_i32(p + i)
+        if size <= 0:
+            break
+        count += 1
+        i += size
+    return count
+
+
+cdef class FrameScanner:
+    """Walks Remoting frames in receive buffers; see ``rmqfast/codec/_scan_py.py``."""
+
+    cdef readonly ScanStats stats
+    cdef public bint response_policy
+    cdef readonly Py_ssize_t max_frame_size
+    cdef readonly Py_ssize_t max_header_size
+    cdef uint8_t _actions[CODE_SLOTS_C]
+    cdef Py_ssize_t _skip
+    cdef public uint64_t requests
+    cdef public uint64_t responses
+    cdef public str error
+    cdef public int code
+    cdef public int flag
+    cdef public int opaque
+
+    def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
+                 Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
+                 Py_ssize_t max_header_size=DEFAULT_MAX_HEADER):
+        if max_frame_size < 8:
+            raise ValueError(f"max_frame_size must be at least 8, got {max_frame_size!r}")
+        if max_header_size < 1:
+            raise ValueError(f"max_header_size must be positive, got {max_header_size!r}")
+        self.stats = stats
+        self.response_policy = response_policy
+        self.max_frame_size = max_frame_size
+        self.max_header_size = max_header_size
+        cdef int i
+        for i in range(CODE_SLOTS_C):
+            self._actions[i] = 0
+        if actions is not None:
+            self.set_actions(actions)
+        self._skip = 0
+        self.requests = 0
+        self.responses = 0
+        self.error = ""
+        self.code = 0
+        self.flag = 0
+        self.opaque = 0
+
+    def set_actions(self, const uint8_t[:] actions):
+        if actions.shape[0] != CODE_SLOTS_C:
+            raise ValueError(f"action table must have {CODE_SLOTS_C} entries, got {actions.shape[0]}")
+        cdef int i
+        for i in range(CODE_SLOTS_C):
+            self._actions[i] = actions[i]
+
+    def scan(self, buf, Py_ssize_t start, Py_ssize_t end):
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        try:
+            if start < 0 or end > view.len or start > end:
+                raise ValueError(f"scan range [{start}:{end}] outside a buffer of {view.len} bytes")
+            return self._scan(<const uint8_t*>view.buf, start, end)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef tuple _scan(self, const uint8_t* p, Py_ssize_t start, Py_ssize_t end):
+        cdef Py_ssize_t pos = start, avail, take, total
+        cdef int32_t length, mark
+        cdef int stype, err, slot
+        cdef Py_ssize_t hlen
+        cdef bint policy, is_response
+        cdef HeaderInfo info
+        cdef ScanStats stats = self.stats
+        if self._skip:
+            take = self._skip if self._skip < end - pos else end - pos
+            self._skip -= take
+            pos += take
+            if self._skip:
+                return (0, end, 0)
+        while pos < end:
+            avail = end - pos
+            if avail < 8:
+                return (0, pos, 8)
+            length = rd_i32(p + pos)
+            mark = rd_i32(p + pos + 4)
+            if length < 4:
+                return self._fail(pos, f"frame length {length} is shorter than the 4-byte header-length word")
+            total = <Py_ssize_t>length + 4
+            if total > self.max_frame_size:
+                return self._fail(pos, f"frame of {total} bytes exceeds the limit of {self.max_frame_size} bytes")
+            stype = (mark >> 24) & 0xFF
+            hlen = mark & 0xFFFFFF
+            if stype > 1:
+                return self._fail(pos, f"unknown serialize type {stype} (0 = JSON, 1 = ROCKETMQ)")
+            if hlen > length - 4:
+                return self._fail(pos, f"header length {hlen} exceeds frame length {length}")
+            if hlen > self.max_header_size:
+                return self._fail(pos, f"header of {hlen} bytes exceeds the limit of {self.max_header_size} bytes")
+            if avail < 8 + hlen:
+                return (0, pos, 8 + hlen)
+            info.code = 0
+            info.flag = 0
+            info.opaque = 0
+            info.b_start = -1
+            info.b_len = 0
+            info.t_start = -1
+            info.t_len = 0
+            if stype == 0:
+                err = parse_json_header(p + pos + 8, hlen, &info)
+            else:
+                err = parse_binary_header(p + pos + 8, hlen, &info)
+            if err != E_OK:
+                return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[err]}")
+            slot = code_slot(info.code)
+            is_response = info.flag & 1
+            if is_response:
+                policy = self.response_policy
+            else:
+                policy = self._actions[slot] == 1
+            if (policy or info.code == SEND_BATCH) and avail < total:
+                return (0, pos, total)
+            stats.frames += 1
+            stats.bytes += total
+            if is_response:
+                stats._resp_counts[slot] += 1
+                self.responses += 1
+            else:
+                stats._req_counts[slot] += 1
+                stats._req_bytes[slot] += total
+                if not info.flag & 2:
+                    self.requests += 1
+                self._count_topic(p + pos, hlen, total, &info)
+            if policy:
+                self.code = info.code
+                self.flag = info.flag
+                self.opaque = info.opaque
+                return (1, pos, pos + total)
+            if avail < total:
+                self._skip = total - avail
+                return (0, end, 0)
+            pos += total
+        return (0, pos, 0)
+
+    cdef void _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, HeaderInfo* info) noexcept:
+        cdef Py_ssize_t s, n
+        cdef TopicEntry* e
+        cdef int code = info.code
+        if code == SEND_V2 or code == SEND_BATCH:
+            s = info.b_start
+            n = info.b_len
+        elif code == SEND_V1 or code == PULL or code == LITE_PULL:
+            s = info.t_start
+            n = info.t_len
+        else:
+            return
+        if s < 0:
+            return
+        e = self.stats.topic_slot(f + 8 + s, <int>n)
+        e.nbytes += total
+        if code == PULL or code == LITE_PULL:
+            e.pulls += 1
+            return
+        e.sends += 1
+        if code == SEND_BATCH:
+            e.messages += count_batch(f + 8 + hlen, total - 8 - hlen)
+        else:
+            e.messages += 1
+
+    cdef tuple _fail(self, Py_ssize_t pos, str message):
+        self.error = message
+        self.stats.protocol_errors += 1
+        return (2, pos, 0)

@@ -1,0 +1,55 @@
+"""Remoting protocol codec.
+
+The hot-path frame scanner exists twice: compiled (``rmqfast._speedups``, built from
+``ext/_speedups.pyx``) and as a pure-Python reference (``rmqfast.codec._scan_py``).  The best
+available one is bound to the public names below; ``RMQFAST_NO_EXTENSIONS=1`` forces the pure
+one.  Both are always importable as ``FrameScannerPy``/``FrameScannerC`` (``None`` when the
+extension is not built) so that tests can run them side by side.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rmqfast.codec import _scan_py
+
+NO_EXTENSIONS = os.environ.get("RMQFAST_NO_EXTENSIONS", "") not in ("", "0")
+
+try:
+    from rmqfast import _speedups  # type: ignore[attr-defined]
+except ImportError:  # not built (pure install) or built for another interpreter
+    _speedups = None
+
+FrameScannerPy = _scan_py.FrameScanner
+ScanStatsPy = _scan_py.ScanStats
+FrameScannerC = _speedups.FrameScanner if _speedups is not None else None
+ScanStatsC = _speedups.ScanStats if _speedups is not None else None
+
+if _speedups is not None and not NO_EXTENSIONS:
+    _impl = _speedups
+    IMPLEMENTATION = "compiled"
+else:
+    _impl = _scan_py  # type: ignore[assignment]
+    IMPLEMENTATION = "python"
+
+FrameScanner = _impl.FrameScanner
+ScanStats = _impl.ScanStats
+code_slot = _impl.code_slot
+slot_code = _impl.slot_code
+
+EV_FORWARD = _scan_py.EV_FORWARD
+EV_POLICY = _scan_py.EV_POLICY
+EV_ERROR = _scan_py.EV_ERROR
+ACTION_PASS = _scan_py.ACTION_PASS
+ACTION_POLICY = _scan_py.ACTION_POLICY
+CODE_SLOTS = _scan_py.CODE_SLOTS
+OTHER_SLOT = _scan_py.OTHER_SLOT
+DEFAULT_MAX_FRAME = _scan_py.DEFAULT_MAX_FRAME
+DEFAULT_MAX_HEADER = _scan_py.DEFAULT_MAX_HEADER
+
+__all__ = [
+    "ACTION_PASS", "ACTION_POLICY", "CODE_SLOTS", "DEFAULT_MAX_FRAME", "DEFAULT_MAX_HEADER",
+    "EV_ERROR", "EV_FORWARD", "EV_POLICY", "IMPLEMENTATION", "NO_EXTENSIONS", "OTHER_SLOT",
+    "FrameScanner", "FrameScannerC", "FrameScannerPy", "ScanStats", "ScanStatsC", "ScanStatsPy",
+    "code_slot", "slot_code",
+]

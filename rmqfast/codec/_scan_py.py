@@ -1,0 +1,498 @@
+"""Pure-Python reference of the frame scanner compiled from ``ext/_speedups.pyx``.
+
+Theory of operation
+-------------------
+The relay reads whole receive buffers and asks a :class:`FrameScanner` which part of the
+buffer may be forwarded unchanged.  The scanner walks the frames in the buffer::
+
+    int32 length | int32 (serializeType << 24 | headerLength) | header | body
+
+For every frame it reads only the fixed fields it needs (request code, flag, opaque and, for
+sends and pulls, the topic) and looks the request code up in an *action table*.  A frame
+whose action is ``PASS`` is counted and skipped: it is forwarded as raw bytes, even before
+its body has fully arrived.  A frame whose action is ``POLICY`` (or any response, when
+``response_policy`` is set) stops the scan so that Python can look at the whole frame.
+
+``scan(buf, start, end)`` returns ``(event, a, b)``:
+
+* ``EV_FORWARD``: ``buf[start:a]`` may be forwarded; ``buf[a:end]`` is the incomplete head of
+  a frame that must be kept, and ``b`` is how many bytes (counted from ``a``) the scanner
+  needs before it can make progress (the caller grows its buffer if it is smaller).
+* ``EV_POLICY``: ``buf[start:a]`` may be forwarded; ``buf[a:b]`` is one whole frame that the
+  policy must handle; scanning resumes at ``b``.
+* ``EV_ERROR``: ``buf[start:a]`` may be forwarded; the frame at ``a`` is malformed and
+  :attr:`FrameScanner.error` says why.  The connection must be closed.
+
+The compiled twin implements exactly this algorithm; ``tests/test_scan_equivalence.py``
+runs both on the same random and captured inputs.  Nothing here allocates per frame in the
+compiled version, which is why the JSON walk below is a hand-written byte scanner rather
+than ``json.loads``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+EV_FORWARD = 0
+EV_POLICY = 1
+EV_ERROR = 2
+
+ACTION_PASS = 0
+ACTION_POLICY = 1
+
+#: Size of the action and counter tables.  Codes 0..1023 map to themselves, the 5.x pop
+#: family (200000..201022) to 1024..2046, everything else to the last slot.
+CODE_SLOTS = 2048
+OTHER_SLOT = CODE_SLOTS - 1
+
+#: Topic counter table capacity; topics beyond it are counted under ``OTHER_TOPIC``.
+TOPIC_SLOTS = 1024
+MAX_TOPIC_LEN = 255
+OTHER_TOPIC = b"__other__"
+
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+DEFAULT_MAX_HEADER = 1024 * 1024
+
+# Request codes whose topic is counted, and where the topic sits in extFields.
+_SEND_V1 = 10
+_SEND_V2 = 310
+_SEND_BATCH = 320
+_PULL = 11
+_LITE_PULL = 361
+
+_I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
+_U16 = struct.Struct(">H")
+
+
+def code_slot(code: int) -> int:
+    """Index of ``code`` in the action and counter tables."""
+    if 0 <= code < 1024:
+        return code
+    if 200000 <= code < 200000 + 1023:
+        return 1024 + code - 200000
+    return OTHER_SLOT
+
+
+def slot_code(slot: int) -> int | None:
+    """Inverse of :func:`code_slot`; ``None`` for the shared 'other' slot."""
+    if slot < 1024:
+        return slot
+    if slot < OTHER_SLOT:
+        return 200000 + slot - 1024
+    return None
+
+
+class ScanStats:
+    """Counters shared by every scanner of one worker process (read by the metrics publisher)."""
+
+    def __init__(self) -> None:
+        self.request_counts = [0] * CODE_SLOTS
+        self.request_bytes = [0] * CODE_SLOTS
+        self.response_counts = [0] * CODE_SLOTS
+        self.frames = 0
+        self.bytes = 0
+        self.protocol_errors = 0
+        # topic -> [sends, messages, pulls, bytes]
+        self._topics: dict[bytes, list[int]] = {}
+
+    def _topic_slot(self, topic: bytes) -> list[int]:
+        entry = self._topics.get(topic)
+        if entry is None:
+            if len(topic) > MAX_TOPIC_LEN or len(self._topics) >= TOPIC_SLOTS - 1:
+                topic = OTHER_TOPIC
+                entry = self._topics.get(topic)
+            if entry is None:
+                entry = [0, 0, 0, 0]
+                self._topics[topic] = entry
+        return entry
+
+    def topics(self) -> list[tuple[bytes, int, int, int, int]]:
+        """``(topic, sends, messages, pulls, bytes)`` for every topic seen so far."""
+        return [(t, *v) for t, v in self._topics.items()]  # type: ignore[misc]
+
+    def requests(self) -> list[tuple[int, int, int]]:
+        """``(slot, count, bytes)`` for every request-code slot with a non-zero count."""
+        return [
+            (s, self.request_counts[s], self.request_bytes[s])
+            for s in range(CODE_SLOTS)
+            if self.request_counts[s]
+        ]
+
+    def responses(self) -> list[tuple[int, int]]:
+        """``(slot, count)`` for every response-code slot with a non-zero count."""
+        return [(s, self.response_counts[s]) for s in range(CODE_SLOTS) if self.response_counts[s]]
+
+
+class _HeaderInfo:
+    __slots__ = ("code", "flag", "opaque", "b", "topic")
+
+    def __init__(self) -> None:
+        self.code = 0
+        self.flag = 0
+        self.opaque = 0
+        self.b: tuple[int, int] | None = None  # span of extFields.b
+        self.topic: tuple[int, int] | None = None  # span of extFields.topic
+
+
+class _JsonError(Exception):
+    pass
+
+
+_WS = b" \t\r\n"
+_NUMCHARS = b"+-.eE0123456789"
+
+
+def _skip_ws(h: bytes, i: int, n: int) -> int:
+    while i < n and h[i] in _WS:
+        i += 1
+    return i
+
+
+def _skip_string(h: bytes, i: int, n: int) -> tuple[int, bool]:
+    """``h[i]`` is the opening quote; return (index after the closing quote, had_escape)."""
+    i += 1
+    esc = False
+    while i < n:
+        c = h[i]
+        if c == 0x5C:  # backslash
+            esc = True
+            i += 2
+            continue
+        if c == 0x22:
+            return i + 1, esc
+        i += 1
+    raise _JsonError("unterminated string")
+
+
+def _skip_value(h: bytes, i: int, n: int) -> int:
+    if i >= n:
+        raise _JsonError("value expected")
+    c = h[i]
+    if c == 0x22:
+        return _skip_string(h, i, n)[0]
+    if c == 0x7B or c == 0x5B:  # { [
+        depth = 0
+        while i < n:
+            c = h[i]
+            if c == 0x22:
+                i = _skip_string(h, i, n)[0]
+                continue
+            if c == 0x7B or c == 0x5B:
+                depth += 1
+            elif c == 0x7D or c == 0x5D:
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        raise _JsonError("unterminated object or array")
+    if c in _NUMCHARS:
+        while i < n and h[i] in _NUMCHARS:
+            i += 1
+        return i
+    if 0x61 <= c <= 0x7A:  # true / false / null
+        while i < n and 0x61 <= h[i] <= 0x7A:
+            i += 1
+        return i
+    raise _JsonError("unexpected character")
+
+
+def _parse_int(h: bytes, i: int, n: int) -> tuple[int, int]:
+    neg = False
+    if i < n and h[i] == 0x2D:
+        neg = True
+        i += 1
+    start = i
+    v = 0
+    while i < n and 0x30 <= h[i] <= 0x39:
+        v = v * 10 + (h[i] - 0x30)
+        if v > 0x80000000:
+            raise _JsonError("integer out of range")
+        i += 1
+    if i == start or (i < n and h[i] in b".eE"):
+        raise _JsonError("integer expected")
+    if neg:
+        v = -v
+    if v > 0x7FFFFFFF:
+        raise _JsonError("integer out of range")
+    return v, i
+
+
+def _parse_json_header(h: bytes, info: _HeaderInfo) -> None:
+    n = len(h)
+    i = _skip_ws(h, 0, n)
+    if i >= n or h[i] != 0x7B:
+        raise _JsonError("header is not a JSON object")
+    i = _skip_ws(h, i + 1, n)
+    has_code = False
+    if i < n and h[i] == 0x7D:
+        raise _JsonError("no code field")
+    while True:
+        if i >= n or h[i] != 0x22:
+            raise _JsonError("key expected")
+        ks = i + 1
+        i, _ = _skip_string(h, i, n)
+        key = h[ks : i - 1]
+        i = _skip_ws(h, i, n)
+        if i >= n or h[i] != 0x3A:
+            raise _JsonError("':' expected")
+        i = _skip_ws(h, i + 1, n)
+        if key == b"code":
+            info.code, i = _parse_int(h, i, n)
+            has_code = True
+        elif key == b"flag":
+            info.flag, i = _parse_int(h, i, n)
+        elif key == b"opaque":
+            info.opaque, i = _parse_int(h, i, n)
+        elif key == b"extFields" and i < n and h[i] == 0x7B:
+            i = _walk_ext_fields(h, i, n, info)
+        else:
+            i = _skip_value(h, i, n)
+        i = _skip_ws(h, i, n)
+        if i < n and h[i] == 0x2C:
+            i = _skip_ws(h, i + 1, n)
+            continue
+        if i < n and h[i] == 0x7D:
+            i += 1
+            break
+        raise _JsonError("',' or '}' expected")
+    if _skip_ws(h, i, n) != n:
+        raise _JsonError("trailing data after the header object")
+    if not has_code:
+        raise _JsonError("no code field")
+
+
+def _walk_ext_fields(h: bytes, i: int, n: int, info: _HeaderInfo) -> int:
+    i = _skip_ws(h, i + 1, n)
+    if i < n and h[i] == 0x7D:
+        return i + 1
+    while True:
+        if i >= n or h[i] != 0x22:
+            raise _JsonError("key expected")
+        ks = i + 1
+        i, _ = _skip_string(h, i, n)
+        key = h[ks : i - 1]
+        i = _skip_ws(h, i, n)
+        if i >= n or h[i] != 0x3A:
+            raise _JsonError("':' expected")
+        i = _skip_ws(h, i + 1, n)
+        if (key == b"b" or key == b"topic") and i < n and h[i] == 0x22:
+            vs = i + 1
+            i, esc = _skip_string(h, i, n)
+            # A topic with escapes is never valid (RocketMQ topics are [%|a-zA-Z0-9_-]);
+            # leave it uncounted rather than decode it on the hot path.
+            span = None if esc else (vs, i - 1 - vs)
+            if key == b"b":
+                info.b = span
+            else:
+                info.topic = span
+        else:
+            i = _skip_value(h, i, n)
+        i = _skip_ws(h, i, n)
+        if i < n and h[i] == 0x2C:
+            i = _skip_ws(h, i + 1, n)
+            continue
+        if i < n and h[i] == 0x7D:
+            return i + 1
+        raise _JsonError("',' or '}' expected")
+
+
+def _parse_binary_header(h: bytes, info: _HeaderInfo) -> None:
+    n = len(h)
+    if n < 21:
+        raise _JsonError("binary header shorter than 21 bytes")
+    info.code = _I16.unpack_from(h, 0)[0]
+    info.opaque = _I32.unpack_from(h, 5)[0]
+    info.flag = _I32.unpack_from(h, 9)[0]
+    rlen = _I32.unpack_from(h, 13)[0]
+    i = 17
+    if rlen < 0 or rlen > n - i - 4:
+        raise _JsonError("remark length out of bounds")
+    i += rlen
+    elen = _I32.unpack_from(h, i)[0]
+    i += 4
+    if elen < 0 or elen > n - i:
+        raise _JsonError("extFields length out of bounds")
+    end = i + elen
+    while i < end:
+        if end - i < 2:
+            raise _JsonError("extFields key length truncated")
+        klen = _U16.unpack_from(h, i)[0]
+        i += 2
+        if klen > end - i - 4:
+            raise _JsonError("extFields key out of bounds")
+        key = h[i : i + klen]
+        i += klen
+        vlen = _I32.unpack_from(h, i)[0]
+        i += 4
+        if vlen < 0 or vlen > end - i:
+            raise _JsonError("extFields value out of bounds")
+        if key == b"b":
+            info.b = (i, vlen)
+        elif key == b"topic":
+            info.topic = (i, vlen)
+        i += vlen
+
+
+def _count_batch(body: bytes) -> int:
+    """Number of records in a SEND_BATCH_MESSAGE body (walks the totalSize words only)."""
+    count = 0
+    i = 0
+    n = len(body)
+    while n - i >= 4:
+        size = _I32.unpack_from(body, i)[0]
+        if size <= 0:
+            break
+        count += 1
+        i += size
+    return count
+
+
+class FrameScanner:
+    """Walks Remoting frames in receive buffers; see the module docstring."""
+
+    def __init__(
+        self,
+        stats: ScanStats,
+        *,
+        actions: bytes | None = None,
+        response_policy: bool = False,
+        max_frame_size: int = DEFAULT_MAX_FRAME,
+        max_header_size: int = DEFAULT_MAX_HEADER,
+    ) -> None:
+        if max_frame_size < 8:
+            raise ValueError(f"max_frame_size must be at least 8, got {max_frame_size!r}")
+        if max_header_size < 1:
+            raise ValueError(f"max_header_size must be positive, got {max_header_size!r}")
+        self.stats = stats
+        self.response_policy = response_policy
+        self.max_frame_size = max_frame_size
+        self.max_header_size = max_header_size
+        self._actions = bytearray(CODE_SLOTS)
+        if actions is not None:
+            self.set_actions(actions)
+        self._skip = 0
+        #: Non-oneway requests seen (for in-flight accounting by the peer direction).
+        self.requests = 0
+        #: Responses seen.
+        self.responses = 0
+        #: Why the last ``EV_ERROR`` happened.
+        self.error = ""
+        #: code / flag / opaque of the frame returned by the last ``EV_POLICY``.
+        self.code = 0
+        self.flag = 0
+        self.opaque = 0
+
+    def set_actions(self, actions: bytes) -> None:
+        if len(actions) != CODE_SLOTS:
+            raise ValueError(f"action table must have {CODE_SLOTS} entries, got {len(actions)}")
+        self._actions[:] = actions
+
+    def scan(self, buf: bytes | bytearray | memoryview, start: int, end: int) -> tuple[int, int, int]:
+        mv = memoryview(buf)
+        if start < 0 or end > len(mv) or start > end:
+            raise ValueError(f"scan range [{start}:{end}] outside a buffer of {len(mv)} bytes")
+        pos = start
+        stats = self.stats
+        if self._skip:
+            take = min(self._skip, end - pos)
+            self._skip -= take
+            pos += take
+            if self._skip:
+                return EV_FORWARD, end, 0
+        while pos < end:
+            avail = end - pos
+            if avail < 8:
+                return EV_FORWARD, pos, 8
+            length = _I32.unpack_from(mv, pos)[0]
+            mark = _I32.unpack_from(mv, pos + 4)[0]
+            if length < 4:
+                return self._fail(pos, f"frame length {length} is shorter than the 4-byte header-length word")
+            total = length + 4
+            if total > self.max_frame_size:
+                return self._fail(
+                    pos, f"frame of {total} bytes exceeds the limit of {self.max_frame_size} bytes"
+                )
+            stype = (mark >> 24) & 0xFF
+            hlen = mark & 0xFFFFFF
+            if stype > 1:
+                return self._fail(pos, f"unknown serialize type {stype} (0 = JSON, 1 = ROCKETMQ)")
+            if hlen > length - 4:
+                return self._fail(pos, f"header length {hlen} exceeds frame length {length}")
+            if hlen > self.max_header_size:
+                return self._fail(
+                    pos, f"header of {hlen} bytes exceeds the limit of {self.max_header_size} bytes"
+                )
+            if avail < 8 + hlen:
+                return EV_FORWARD, pos, 8 + hlen
+            header = bytes(mv[pos + 8 : pos + 8 + hlen])
+            info = _HeaderInfo()
+            try:
+                if stype == 0:
+                    _parse_json_header(header, info)
+                else:
+                    _parse_binary_header(header, info)
+            except _JsonError as exc:
+                kind = "JSON" if stype == 0 else "ROCKETMQ"
+                return self._fail(pos, f"invalid {kind} header: {exc}")
+            code = info.code
+            slot = code_slot(code)
+            is_response = info.flag & 1
+            if is_response:
+                policy = self.response_policy
+            else:
+                policy = self._actions[slot] == ACTION_POLICY
+            # Policy frames, and batches (whose inner messages are counted), are only
+            # handled whole; everything else is forwarded as soon as its header is seen.
+            if (policy or code == _SEND_BATCH) and avail < total:
+                return EV_FORWARD, pos, total
+            # Count the frame (exactly once: we only get here when it is complete or passed).
+            stats.frames += 1
+            stats.bytes += total
+            if is_response:
+                stats.response_counts[slot] += 1
+                self.responses += 1
+            else:
+                stats.request_counts[slot] += 1
+                stats.request_bytes[slot] += total
+                if not info.flag & 2:
+                    self.requests += 1
+                self._count_topic(mv, pos, hlen, total, code, info)
+            if policy:
+                self.code = code
+                self.flag = info.flag
+                self.opaque = info.opaque
+                return EV_POLICY, pos, pos + total
+            if avail < total:
+                self._skip = total - avail
+                return EV_FORWARD, end, 0
+            pos += total
+        return EV_FORWARD, pos, 0
+
+    def _count_topic(
+        self, mv: memoryview, pos: int, hlen: int, total: int, code: int, info: _HeaderInfo
+    ) -> None:
+        if code == _SEND_V2 or code == _SEND_BATCH:
+            span = info.b
+        elif code == _SEND_V1 or code == _PULL or code == _LITE_PULL:
+            span = info.topic
+        else:
+            return
+        if span is None:
+            return
+        topic = bytes(mv[pos + 8 + span[0] : pos + 8 + span[0] + span[1]])
+        entry = self.stats._topic_slot(topic)
+        entry[3] += total
+        if code == _PULL or code == _LITE_PULL:
+            entry[2] += 1
+            return
+        entry[0] += 1
+        if code == _SEND_BATCH:
+            entry[1] += _count_batch(bytes(mv[pos + 8 + hlen : pos + total]))
+        else:
+            entry[1] += 1
+
+    def _fail(self, pos: int, message: str) -> tuple[int, int, int]:
+        self.error = message
+        self.stats.protocol_errors += 1
+        return EV_ERROR, pos, 0
