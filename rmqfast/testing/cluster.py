@@ -1,0 +1,1180 @@
+"""A throw-away Apache RocketMQ cluster (one name server, one broker) on loopback, for tests.
+
+Stdlib only. The jars come from Maven Central through ``mvn`` (see ``java/pom.xml``);
+:func:`ensure_jars` builds them once and skips Maven while its inputs are unchanged.
+
+Typical use::
+
+    jars = ensure_jars()
+    with RocketMQCluster(jars=jars) as cluster:
+        cluster.create_topic("T", queues=4)        # optional: autoCreateTopicEnable is on
+        ... cluster.namesrv_addr, cluster.broker_addr ...
+
+Facts about the broker this module relies on (RocketMQ 5.3.3 and 4.9.4, Java 17):
+
+* A broker with ``listenPort=P`` also listens on ``P-2`` (the "VIP"/fast channel) and ``P+1``
+  (HA); all three must be free. The name server listens on one port.
+* The broker registers with the name server right after boot only if the name server is already
+  up *and* (5.x) its name-server availability scan has run; otherwise the first registration
+  waits for the 10 s periodic one. So the name server is started first, and if the broker has not
+  registered ~1 s after "boot success" it is sent UPDATE_BROKER_CONFIG ``brokerPermission=6``
+  (unchanged value), which makes it register at once. Side effect: the broker rewrites
+  ``broker.conf`` with its full configuration (same values).
+* The 5.x client's DefaultLitePullConsumer pulls with LITE_PULL_MESSAGE (361), which a 4.9.x
+  broker rejects; push consumers use PULL_MESSAGE (11) with both.
+* 5.x creates a self-signed TLS context at startup (~3 s on 2 cores) unless
+  ``-Dtls.server.mode=disabled``; we disable it (clients don't use TLS by default).
+* 5.x picks its logback config from the classpath (``rmq.logback-test.xml`` first), 4.x from
+  ``$ROCKETMQ_HOME/conf/logback_{namesrv,broker}.xml``; we provide both, writing one log file per
+  JVM into the work dir.
+* 5.x batches transaction "op" records every ``transactionOpBatchInterval`` (3 s default); with a
+  short ``transactionTimeOut`` that makes the broker check back committed messages too, so the
+  interval is lowered here.
+* A graceful broker shutdown (SIGTERM) takes 10-15 s (service joins); :meth:`stop_broker`
+  kills by default, which RocketMQ recovers from on restart (the mmapped commit log survives a
+  process kill).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+ROCKETMQ_VERSION = "5.3.3"
+"""Version of the name server/broker (java/cluster/pom.xml) and of the 5.x driver build."""
+ROCKETMQ4_VERSION = "4.9.4"
+"""Version of the optional 4.x broker (profile ``rocketmq4``) and of the 4.x driver build."""
+
+BrokerVersion = Literal["5", "4"]
+
+DEFAULT_JAVA_DIR = Path(__file__).resolve().parents[2] / "java"
+
+# RocketMQ request codes used here (see org.apache.rocketmq.remoting.protocol.RequestCode).
+UPDATE_AND_CREATE_TOPIC = 17
+UPDATE_BROKER_CONFIG = 25
+GET_ROUTEINFO_BY_TOPIC = 105
+GET_BROKER_CLUSTER_INFO = 106
+SUCCESS = 0
+TOPIC_NOT_EXIST = 17
+
+
+class HarnessError(RuntimeError):
+    """Base of every error of the test harness."""
+
+
+class ToolMissingError(HarnessError):
+    """``java`` or ``mvn`` is not installed / not on PATH."""
+
+
+class MavenBuildError(HarnessError):
+    """Maven failed to build the Java side; the message has the tail of its output."""
+
+
+class ClusterError(HarnessError):
+    """The name server or broker failed to start, died, or did not become ready in time."""
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def java_executable() -> str:
+    """``$RMQFAST_JAVA``, else ``$JAVA_HOME/bin/java``, else ``java`` on PATH."""
+    explicit = os.environ.get("RMQFAST_JAVA")
+    if explicit:
+        if not shutil.which(explicit):
+            raise ToolMissingError(f"RMQFAST_JAVA={explicit!r} is not an executable")
+        return explicit
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").is_file():
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if not found:
+        raise ToolMissingError(
+            "java not found: install a JDK 17+ (Debian: apt-get install -y openjdk-17-jdk-headless)"
+            " or set JAVA_HOME / RMQFAST_JAVA"
+        )
+    return found
+
+
+def mvn_executable() -> str:
+    """``$RMQFAST_MVN``, else ``mvn`` on PATH."""
+    explicit = os.environ.get("RMQFAST_MVN")
+    if explicit:
+        if not shutil.which(explicit):
+            raise ToolMissingError(f"RMQFAST_MVN={explicit!r} is not an executable")
+        return explicit
+    found = shutil.which("mvn")
+    if not found:
+        raise ToolMissingError(
+            "mvn not found: install Maven 3.6+ (Debian: apt-get install -y maven)"
+            " or set RMQFAST_MVN"
+        )
+    return found
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def _file_tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"<cannot read {path}: {e}>"
+    return _tail(data, lines)
+
+
+# --------------------------------------------------------------------------- jars
+
+
+@dataclass(frozen=True)
+class JarPaths:
+    """Where the built Java artifacts are. ``cluster4_lib`` is set when the 4.x broker is built."""
+
+    java_dir: Path
+    cluster_lib: Path
+    driver5_classes: Path
+    driver5_lib: Path
+    driver4_classes: Path
+    driver4_lib: Path
+    cluster4_lib: Path | None = None
+
+    def cluster_classpath(self, version: BrokerVersion = "5") -> str:
+        """Classpath (wildcard form) of the name server/broker/tools jars."""
+        if version == "4":
+            if self.cluster4_lib is None:
+                raise HarnessError("the 4.x broker was not built: call ensure_jars(rocketmq4=True)")
+            return f"{self.cluster4_lib}/*"
+        return f"{self.cluster_lib}/*"
+
+    def driver_classpath(self, client: str) -> str:
+        """Classpath of RmqDriver built against client ``"5"`` or ``"4"``."""
+        if client == "5":
+            return f"{self.driver5_classes}{os.pathsep}{self.driver5_lib}/*"
+        if client == "4":
+            return f"{self.driver4_classes}{os.pathsep}{self.driver4_lib}/*"
+        raise ValueError(f"client must be '5' or '4', not {client!r}")
+
+
+def _jar_paths(java_dir: Path, with4: bool) -> JarPaths:
+    drv = java_dir / "driver" / "target"
+    return JarPaths(
+        java_dir=java_dir,
+        cluster_lib=java_dir / "cluster" / "target" / "lib",
+        driver5_classes=drv / "client5" / "classes",
+        driver5_lib=drv / "client5" / "lib",
+        driver4_classes=drv / "client4" / "classes",
+        driver4_lib=drv / "client4" / "lib",
+        cluster4_lib=(java_dir / "cluster" / "target" / "lib4") if with4 else None,
+    )
+
+
+def _inputs_digest(paths: Iterable[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(str(p).encode())
+        h.update(b"\0")
+        h.update(p.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _main_inputs(java_dir: Path) -> list[Path]:
+    files = [
+        java_dir / "pom.xml",
+        java_dir / "cluster" / "pom.xml",
+        java_dir / "driver" / "pom-client5.xml",
+        java_dir / "driver" / "pom-client4.xml",
+    ]
+    files += sorted((java_dir / "driver" / "src").rglob("*.java"))
+    return files
+
+
+def _has_jars(d: Path) -> bool:
+    return d.is_dir() and any(d.glob("*.jar"))
+
+
+def _run_maven(args: Sequence[str], cwd: Path, timeout: float) -> None:
+    cmd = [mvn_executable(), "-B", "-Dstyle.color=never", *args]
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode("utf-8", "replace") if isinstance(e.stdout, bytes) else ""
+        raise MavenBuildError(
+            f"`{' '.join(cmd)}` (in {cwd}) did not finish within {timeout:.0f} s.\n"
+            f"Last output:\n{_tail(out, 40)}\n"
+            "Check that Maven Central is reachable (or ~/.m2 is populated) and retry."
+        ) from None
+    out = proc.stdout.decode("utf-8", "replace")
+    if proc.returncode != 0:
+        raise MavenBuildError(
+            f"`{' '.join(cmd)}` (in {cwd}) failed with exit code {proc.returncode} after "
+            f"{time.monotonic() - started:.0f} s.\nLast output:\n{_tail(out, 60)}\n"
+            "What to do: check Maven Central is reachable (repo.maven.apache.org) and that the "
+            "versions in java/**/pom.xml exist there; re-run the command by hand for the full log."
+        )
+
+
+@contextlib.contextmanager
+def _build_lock(java_dir: Path) -> Iterator[None]:
+    """Serialises builds of one java dir across processes (e.g. pytest-xdist workers)."""
+    tag = hashlib.sha256(str(java_dir.resolve()).encode()).hexdigest()[:16]
+    lock_path = Path(tempfile.gettempdir()) / f"rmqfast-mvn-{tag}.lock"
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_ensured: dict[tuple[Path, bool], JarPaths] = {}
+_ensure_mutex = threading.Lock()
+
+
+def ensure_jars(
+    java_dir: Path | None = None,
+    *,
+    rocketmq4: bool = False,
+    force: bool = False,
+    timeout: float = 1800.0,
+) -> JarPaths:
+    """Builds java/ (cluster jars + both driver builds) unless already built from the same inputs.
+
+    ``rocketmq4=True`` also builds the 4.9.x broker (``mvn -Procketmq4`` into
+    ``cluster/target/lib4``). Raises :class:`ToolMissingError` without java/mvn and
+    :class:`MavenBuildError` (with Maven's output tail) when the build fails. A first build on an
+    empty ``~/.m2`` downloads ~150 MB from Maven Central.
+    """
+    jd = (java_dir or Path(os.environ.get("RMQFAST_JAVA_DIR", DEFAULT_JAVA_DIR))).resolve()
+    key = (jd, rocketmq4)
+    with _ensure_mutex:
+        if not force and key in _ensured:
+            return _ensured[key]
+        if not (jd / "pom.xml").is_file():
+            raise HarnessError(f"{jd} has no pom.xml: is this the rmqfast repository's java/ dir?")
+        java_executable()  # fail early with a clear message
+        paths = _jar_paths(jd, rocketmq4)
+        with _build_lock(jd):
+            stamp = jd / "cluster" / "target" / "rmqfast-inputs.sha256"
+            digest = _inputs_digest(_main_inputs(jd))
+            outputs_ok = (
+                _has_jars(paths.cluster_lib)
+                and _has_jars(paths.driver5_lib)
+                and _has_jars(paths.driver4_lib)
+                and (paths.driver5_classes / "io/rmqfast/driver/RmqDriver.class").is_file()
+                and (paths.driver4_classes / "io/rmqfast/driver/RmqDriver.class").is_file()
+            )
+            if force or not outputs_ok or not stamp.is_file() or stamp.read_text() != digest:
+                # stale jars of another version would end up on the classpath: start clean
+                for d in (paths.cluster_lib, paths.driver5_lib, paths.driver4_lib):
+                    shutil.rmtree(d, ignore_errors=True)
+                stamp.unlink(missing_ok=True)
+                _run_maven(["-q", "-f", str(jd / "pom.xml"), "package"], jd, timeout)
+                stamp.parent.mkdir(parents=True, exist_ok=True)
+                stamp.write_text(digest)
+            if rocketmq4:
+                assert paths.cluster4_lib is not None
+                stamp4 = jd / "cluster" / "target" / "rmqfast-inputs4.sha256"
+                digest4 = _inputs_digest([jd / "cluster" / "pom.xml"])
+                if (
+                    force
+                    or not _has_jars(paths.cluster4_lib)
+                    or not stamp4.is_file()
+                    or stamp4.read_text() != digest4
+                ):
+                    shutil.rmtree(paths.cluster4_lib, ignore_errors=True)
+                    stamp4.unlink(missing_ok=True)
+                    _run_maven(
+                        ["-q", "-f", str(jd / "cluster" / "pom.xml"), "-Procketmq4", "package"],
+                        jd,
+                        timeout,
+                    )
+                    stamp4.write_text(digest4)
+        _ensured[key] = paths
+        return paths
+
+
+# --------------------------------------------------------------------------- remoting
+
+
+@dataclass
+class RemotingResponse:
+    """A decoded JSON-header Remoting response."""
+
+    code: int
+    remark: str | None
+    ext_fields: dict[str, str]
+    body: bytes
+    header: dict[str, object] = field(repr=False)
+
+    def body_text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+_opaque = itertools.count(random.randrange(1, 1 << 20))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def remoting_request(
+    addr: str,
+    code: int,
+    ext_fields: Mapping[str, object] | None = None,
+    body: bytes = b"",
+    *,
+    timeout: float = 5.0,
+) -> RemotingResponse:
+    """Sends one request with a JSON header to ``addr`` ("host:port") and returns the response.
+
+    Deliberately independent of rmqfast's codec: it is the harness's reference client.
+    Frame: int32 total length (= 4 + header length + body length), int32 serialize type (high
+    byte, 0 = JSON) | header length, JSON header, body.
+    """
+    host, _, port = addr.rpartition(":")
+    opaque = next(_opaque) & 0x7FFFFFFF
+    header: dict[str, object] = {
+        "code": code,
+        "flag": 0,
+        "language": "JAVA",
+        "opaque": opaque,
+        "serializeTypeCurrentRPC": "JSON",
+        "version": 401,
+    }
+    if ext_fields:
+        header["extFields"] = {
+            k: ("true" if v is True else "false" if v is False else str(v))
+            for k, v in ext_fields.items()
+            if v is not None
+        }
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    frame = struct.pack(">ii", 4 + len(hb) + len(body), len(hb)) + hb + body
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.settimeout(timeout)
+        s.sendall(frame)
+        while True:
+            (total,) = struct.unpack(">i", _recv_exact(s, 4))
+            data = _recv_exact(s, total)
+            (mark,) = struct.unpack(">i", data[:4])
+            stype, hlen = (mark >> 24) & 0xFF, mark & 0xFFFFFF
+            if stype != 0:
+                raise HarnessError(f"{addr} answered with serialize type {stype}, expected JSON")
+            resp = json.loads(data[4 : 4 + hlen])
+            if resp.get("opaque") != opaque:
+                continue  # not ours (should not happen on a fresh connection)
+            return RemotingResponse(
+                code=int(resp.get("code", -1)),
+                remark=resp.get("remark"),
+                ext_fields=dict(resp.get("extFields") or {}),
+                body=data[4 + hlen :],
+                header=resp,
+            )
+
+
+# --------------------------------------------------------------------------- ports
+
+_port_mutex = threading.Lock()
+_ports_taken: set[int] = set()
+
+
+def _port_free(port: int) -> bool:
+    if not 1024 < port < 65536 or port in _ports_taken:
+        return False
+    for host in ("0.0.0.0", "127.0.0.1"):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        finally:
+            s.close()
+    return True
+
+
+def _pick_ports() -> tuple[int, int]:
+    """(namesrv port, broker listen port P) with P-2, P and P+1 free.
+
+    Picked below the usual ephemeral range (32768+), so outgoing connections made while the
+    JVMs start cannot take them.
+    """
+    with _port_mutex:
+        for _ in range(2000):
+            ns = random.randrange(20000, 32000)
+            p = random.randrange(20002, 31990)
+            wanted = {ns, p - 2, p, p + 1}
+            if len(wanted) == 4 and all(_port_free(x) for x in wanted):
+                _ports_taken.update(wanted)
+                return ns, p
+    raise ClusterError("could not find free loopback ports for the name server and broker")
+
+
+def _release_ports(ports: Iterable[int]) -> None:
+    with _port_mutex:
+        _ports_taken.difference_update(ports)
+
+
+# --------------------------------------------------------------------------- processes
+
+_LOGBACK_XML = """<?xml version="1.0" encoding="UTF-8"?>
+<!-- written by rmqfast.testing.cluster: one plain log file per JVM -->
+<configuration>
+  <appender name="FILE" class="ch.qos.logback.core.FileAppender">
+    <file>${rmqfast.log.file}</file>
+    <append>true</append>
+    <encoder>
+      <pattern>%d{yyyy-MM-dd HH:mm:ss.SSS} %-5p [%t] %c{0} - %m%n</pattern>
+    </encoder>
+  </appender>
+  <root level="INFO"><appender-ref ref="FILE"/></root>
+</configuration>
+"""
+
+_live_procs: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for p in list(_live_procs):
+        _kill_group(p)
+
+
+def _load_prctl() -> object | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# resolved in the parent: nothing may be imported between fork and exec
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _preexec() -> None:  # pragma: no cover - runs in the child
+    os.setsid()
+    # die with the parent (thread) even if it is SIGKILLed
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # type: ignore[operator]
+
+
+def spawn_jvm(
+    cmd: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    stdout_path: Path,
+) -> subprocess.Popen[bytes]:
+    """Starts a JVM in its own process group, stdout+stderr appended to ``stdout_path``.
+
+    On Linux the child gets PR_SET_PDEATHSIG when started from the main thread (the signal is
+    tied to the creating *thread*), so JVMs do not outlive a killed test run.
+    """
+    out = open(stdout_path, "ab")
+    try:
+        use_pdeathsig = _PRCTL is not None and (
+            threading.current_thread() is threading.main_thread()
+        )
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_preexec if use_pdeathsig else None,
+            start_new_session=not use_pdeathsig,
+        )
+    finally:
+        out.close()
+    _live_procs.add(proc)
+    return proc
+
+
+def _jvm_module_opts() -> list[str]:
+    # RocketMQ (4.x especially) reaches into NIO internals to unmap files.
+    return [
+        "--add-opens=java.base/java.nio=ALL-UNNAMED",
+        "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED",
+        "--add-exports=java.base/sun.nio.ch=ALL-UNNAMED",
+        "--add-opens=java.base/java.lang=ALL-UNNAMED",
+        # 4.9.x MappedFile.clean() calls jdk.internal.ref.Cleaner#clean reflectively (on restart
+        # after a kill, IndexService.load destroys the last index file: without this it aborts)
+        "--add-exports=java.base/jdk.internal.ref=ALL-UNNAMED",
+        "--add-opens=java.base/jdk.internal.ref=ALL-UNNAMED",
+    ]
+
+
+# --------------------------------------------------------------------------- cluster
+
+_cluster_ids = itertools.count(1)
+
+
+def _conf_value(v: object) -> str:
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    return str(v)
+
+
+class RocketMQCluster:
+    """One real name server + one real broker on 127.0.0.1, in a temporary work dir.
+
+    Use as a context manager (or :meth:`start` / :meth:`stop`). On exit both JVMs are killed
+    (process groups) and the work dir is removed, unless ``keep_workdir=True`` or the environment
+    has ``RMQFAST_KEEP_CLUSTER=1``.
+
+    ``broker_conf`` entries override/extend the generated ``broker.conf`` (values: str, int, bool).
+    ``fast_start`` runs the JVMs with C1 only (-XX:TieredStopAtLevel=1): faster startup, lower
+    peak throughput; pass ``False`` for benchmarks.
+    """
+
+    def __init__(
+        self,
+        *,
+        version: BrokerVersion = "5",
+        jars: JarPaths | None = None,
+        workdir: Path | str | None = None,
+        keep_workdir: bool = False,
+        cluster_name: str = "RmqFastCluster",
+        broker_name: str = "broker-a",
+        broker_heap_mb: int = 256,
+        namesrv_heap_mb: int = 128,
+        broker_conf: Mapping[str, object] | None = None,
+        jvm_opts: Sequence[str] = (),
+        fast_start: bool = True,
+        start_timeout: float = 90.0,
+    ) -> None:
+        if version not in ("5", "4"):
+            raise ValueError(f"version must be '5' or '4', not {version!r}")
+        self.version: BrokerVersion = version
+        self._jars = jars
+        self._workdir_arg = Path(workdir) if workdir is not None else None
+        self.keep_workdir = keep_workdir or os.environ.get("RMQFAST_KEEP_CLUSTER") == "1"
+        self.cluster_name = cluster_name
+        self.broker_name = broker_name
+        self.broker_heap_mb = broker_heap_mb
+        self.namesrv_heap_mb = namesrv_heap_mb
+        self.extra_broker_conf = dict(broker_conf or {})
+        self.jvm_opts = list(jvm_opts)
+        self.fast_start = fast_start
+        self.start_timeout = start_timeout
+        self._id = next(_cluster_ids)
+        self._workdir: Path | None = None
+        self._owns_workdir = False
+        self._namesrv: subprocess.Popen[bytes] | None = None
+        self._broker: subprocess.Popen[bytes] | None = None
+        self._ns_port = 0
+        self._broker_port = 0
+
+    # ------------------------------------------------------------ addresses / paths
+
+    @property
+    def namesrv_port(self) -> int:
+        return self._ns_port
+
+    @property
+    def namesrv_addr(self) -> str:
+        """``127.0.0.1:PORT`` of the name server."""
+        return f"127.0.0.1:{self._ns_port}"
+
+    @property
+    def broker_port(self) -> int:
+        return self._broker_port
+
+    @property
+    def broker_addr(self) -> str:
+        """``127.0.0.1:P``: the address the broker registers with the name server."""
+        return f"127.0.0.1:{self._broker_port}"
+
+    @property
+    def broker_vip_addr(self) -> str:
+        """``127.0.0.1:P-2``: the broker's fast ("VIP") channel, used by clients with vipChannel."""
+        return f"127.0.0.1:{self._broker_port - 2}"
+
+    @property
+    def broker_ha_port(self) -> int:
+        return self._broker_port + 1
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port this cluster listens on."""
+        p = self._broker_port
+        return (self._ns_port, p - 2, p, p + 1)
+
+    @property
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            raise ClusterError("cluster not started")
+        return self._workdir
+
+    @property
+    def store_dir(self) -> Path:
+        return self.workdir / "store"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.workdir / "logs"
+
+    @property
+    def namesrv_log(self) -> Path:
+        return self.log_dir / "namesrv.log"
+
+    @property
+    def broker_log(self) -> Path:
+        return self.log_dir / "broker.log"
+
+    @property
+    def namesrv_stdout(self) -> Path:
+        return self.log_dir / "namesrv.out"
+
+    @property
+    def broker_stdout(self) -> Path:
+        return self.log_dir / "broker.out"
+
+    @property
+    def broker_conf_path(self) -> Path:
+        return self.workdir / "broker.conf"
+
+    @property
+    def jars(self) -> JarPaths:
+        if self._jars is None:
+            self._jars = ensure_jars(rocketmq4=self.version == "4")
+        return self._jars
+
+    @property
+    def broker_running(self) -> bool:
+        return self._broker is not None and self._broker.poll() is None
+
+    @property
+    def namesrv_running(self) -> bool:
+        return self._namesrv is not None and self._namesrv.poll() is None
+
+    @property
+    def broker_pid(self) -> int | None:
+        return self._broker.pid if self.broker_running and self._broker else None
+
+    @property
+    def namesrv_pid(self) -> int | None:
+        return self._namesrv.pid if self.namesrv_running and self._namesrv else None
+
+    def __repr__(self) -> str:
+        return (
+            f"<RocketMQCluster v{self.version} namesrv={self.namesrv_addr} "
+            f"broker={self.broker_addr} running={self.broker_running}>"
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> RocketMQCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> RocketMQCluster:
+        """Creates the work dir, starts the name server, then the broker; waits until ready."""
+        if self._namesrv is not None:
+            raise ClusterError("cluster already started")
+        jars = self.jars  # may build
+        if self.version == "4" and jars.cluster4_lib is None:
+            self._jars = jars = ensure_jars(jars.java_dir, rocketmq4=True)
+        if self._workdir_arg is not None:
+            self._workdir = self._workdir_arg
+            self._workdir.mkdir(parents=True, exist_ok=True)
+            self._owns_workdir = False
+        else:
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"rmqfast-cluster{self._id}-"))
+            self._owns_workdir = True
+        try:
+            for attempt in range(3):
+                self._ns_port, self._broker_port = _pick_ports()
+                self._write_files()
+                try:
+                    self._start_namesrv()
+                    self.start_broker()
+                    return self
+                except _PortClash:
+                    self._kill_all()
+                    _release_ports(self.ports)
+                    if attempt == 2:
+                        raise
+                    shutil.rmtree(self.store_dir, ignore_errors=True)
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Kills both JVMs and removes the work dir (unless kept). Idempotent."""
+        self._kill_all()
+        if self._ns_port:
+            _release_ports(self.ports)
+        if self._workdir is not None and self._owns_workdir and not self.keep_workdir:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        self._namesrv = None
+        self._broker = None
+
+    def _kill_all(self) -> None:
+        for proc in (self._broker, self._namesrv):
+            if proc is not None:
+                _kill_group(proc)
+        for proc in (self._broker, self._namesrv):
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=15)
+
+    def stop_broker(self, *, graceful: bool = False, timeout: float = 30.0) -> None:
+        """Stops the broker, keeping its store. ``graceful`` sends SIGTERM first (slow: 10-15 s)."""
+        proc = self._broker
+        if proc is None or proc.poll() is not None:
+            return
+        if graceful:
+            _kill_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+        else:
+            _kill_group(proc)
+        proc.wait(timeout=15)
+
+    def start_broker(self, timeout: float | None = None) -> None:
+        """(Re)starts the broker on the same ports and store; waits until it is registered."""
+        if self.broker_running:
+            raise ClusterError("broker already running")
+        if not self.namesrv_running:
+            raise ClusterError("the name server is not running")
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        for port in (self._broker_port - 2, self._broker_port, self._broker_port + 1):
+            # a killed broker's sockets are released at once, but wait a little anyway
+            while not _port_bindable(port) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self._broker = self._spawn("broker")
+        self._wait_broker_ready(deadline)
+
+    def stop_namesrv(self) -> None:
+        """Kills the name server (the broker keeps running and retries registration)."""
+        if self._namesrv is not None and self._namesrv.poll() is None:
+            _kill_group(self._namesrv)
+            self._namesrv.wait(timeout=15)
+
+    def start_namesrv(self, timeout: float | None = None) -> None:
+        """(Re)starts the name server on the same port; the broker re-registers within ~10 s."""
+        if self.namesrv_running:
+            raise ClusterError("name server already running")
+        self._start_namesrv(timeout)
+
+    # ------------------------------------------------------------ readiness
+
+    def _start_namesrv(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        self._namesrv = self._spawn("namesrv")
+        while True:
+            self._check_alive(self._namesrv, "name server", self.namesrv_stdout)
+            with contextlib.suppress(OSError, ValueError, HarnessError):
+                r = remoting_request(self.namesrv_addr, GET_BROKER_CLUSTER_INFO, timeout=2.0)
+                if r.code == SUCCESS:
+                    return
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"name server at {self.namesrv_addr} not answering after "
+                    f"{timeout or self.start_timeout:.0f} s\n{self.log_tail()}"
+                )
+            time.sleep(0.1)
+
+    def _wait_broker_ready(self, deadline: float) -> None:
+        assert self._broker is not None
+        booted_at: float | None = None
+        last_nudge = 0.0
+        while True:
+            self._check_alive(self._broker, "broker", self.broker_stdout)
+            if self._broker_registered():
+                return
+            now = time.monotonic()
+            if booted_at is None and b"boot success" in _read_bytes(self.broker_stdout):
+                booted_at = now
+            if booted_at is not None and now - booted_at > 1.0 and now - last_nudge > 2.0:
+                # 5.x registers at boot only if its name-server availability scan already ran;
+                # otherwise it waits for the 10 s periodic registration. Ask it to register now.
+                last_nudge = now
+                self._nudge_registration()
+            if now > deadline:
+                raise ClusterError(
+                    f"broker {self.broker_addr} not registered with {self.namesrv_addr} in time\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.1)
+
+    def _nudge_registration(self) -> None:
+        """UPDATE_BROKER_CONFIG with brokerPermission (unchanged: 6 = read+write) makes the broker
+        call registerBrokerAll at once (AdminBrokerProcessor#updateBrokerConfig)."""
+        perm = _conf_value(self._broker_conf().get("brokerPermission", 6))
+        with contextlib.suppress(OSError, ValueError, HarnessError):
+            remoting_request(
+                self.broker_addr, UPDATE_BROKER_CONFIG, body=f"brokerPermission={perm}\n".encode()
+            )
+
+    def _broker_registered(self) -> bool:
+        try:
+            info = remoting_request(self.namesrv_addr, GET_BROKER_CLUSTER_INFO, timeout=2.0)
+            if info.code != SUCCESS or self.broker_addr.encode() not in info.body:
+                return False
+            if not self._auto_create_topics():
+                return True
+            # clients auto-create topics through TBW102's route: wait until it is published
+            return self.topic_route("TBW102") is not None
+        except (OSError, ValueError, HarnessError):
+            return False
+
+    def _auto_create_topics(self) -> bool:
+        return _conf_value(self._broker_conf().get("autoCreateTopicEnable", True)) == "true"
+
+    def _check_alive(self, proc: subprocess.Popen[bytes], what: str, stdout: Path) -> None:
+        rc = proc.poll()
+        if rc is None:
+            return
+        out = _file_tail(stdout, 80)
+        if "Address already in use" in out or "BindException" in out:
+            raise _PortClash(f"{what} could not bind its port(s)\n{out}")
+        raise ClusterError(f"the {what} exited with code {rc} during startup\n{self.log_tail()}")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Waits until the broker is registered with the name server (e.g. after restarts)."""
+        self._wait_broker_ready(time.monotonic() + timeout)
+
+    # ------------------------------------------------------------ files / commands
+
+    def _broker_conf(self) -> dict[str, object]:
+        wd = self.workdir
+        conf: dict[str, object] = {
+            "brokerClusterName": self.cluster_name,
+            "brokerName": self.broker_name,
+            "brokerId": 0,
+            "brokerRole": "ASYNC_MASTER",
+            "brokerIP1": "127.0.0.1",
+            "brokerIP2": "127.0.0.1",
+            "listenPort": self._broker_port,
+            "haListenPort": self._broker_port + 1,
+            "namesrvAddr": self.namesrv_addr,
+            "storePathRootDir": wd / "store",
+            "storePathCommitLog": wd / "store" / "commitlog",
+            "autoCreateTopicEnable": True,
+            "autoCreateSubscriptionGroup": True,
+            "defaultTopicQueueNums": 4,
+            "enablePropertyFilter": True,
+            "flushDiskType": "ASYNC_FLUSH",
+            # small files: tests write little, and sparse 1 GiB files upset some disks
+            "mappedFileSizeCommitLog": 32 * 1024 * 1024,
+            "mappedFileSizeConsumeQueue": 30000 * 20,
+            "maxHashSlotNum": 50000,
+            "maxIndexNum": 200000,
+            # do not refuse writes on a fullish CI disk (5.x config; 4.x reads system props)
+            "diskMaxUsedSpaceRatio": 95,
+            "diskSpaceWarningLevelRatio": 98,
+            "diskSpaceCleanForciblyRatio": 97,
+            # transaction check-back within ~1-2 s of an UNKNOW answer
+            "transactionCheckInterval": 500,
+            "transactionTimeOut": 1000,
+            "transactionOpBatchInterval": 100,
+            # tolerate a slow 2-core machine instead of failing fast with "broker busy"
+            "waitTimeMillsInSendQueue": 3000,
+            "waitTimeMillsInPullQueue": 5000,
+            "waitTimeMillsInTransactionQueue": 5000,
+            "osPageCacheBusyTimeOutMills": 5000,
+        }
+        if self.version == "5":
+            conf["bindAddress"] = "127.0.0.1"
+            conf["mappedFileSizeTimerLog"] = 8 * 1024 * 1024
+        conf.update(self.extra_broker_conf)
+        return conf
+
+    def _write_files(self) -> None:
+        wd = self.workdir
+        dirs = ("home/conf", "logs", "store", "conf/namesrv", "conf/broker", "home-ns", "home-br")
+        for d in dirs:
+            (wd / d).mkdir(parents=True, exist_ok=True)
+        # 5.x: first rmq.logback-test.xml on the classpath wins; 4.x: $ROCKETMQ_HOME/conf
+        for d in ("conf/namesrv", "conf/broker"):
+            (wd / d / "rmq.logback-test.xml").write_text(_LOGBACK_XML)
+        for name in ("logback_namesrv.xml", "logback_broker.xml", "logback_tools.xml"):
+            (wd / "home" / "conf" / name).write_text(_LOGBACK_XML)
+        (wd / "namesrv.conf").write_text(
+            f"listenPort={self._ns_port}\n"
+            + ("bindAddress=127.0.0.1\n" if self.version == "5" else "")
+            + f"kvConfigPath={wd / 'home-ns' / 'kvConfig.json'}\n"
+            + f"configStorePath={wd / 'home-ns' / 'namesrv.properties'}\n"
+        )
+        lines = [f"{k}={_conf_value(v)}" for k, v in self._broker_conf().items()]
+        header = "# written by rmqfast.testing.cluster\n"
+        self.broker_conf_path.write_text(header + "\n".join(lines) + "\n")
+
+    def _jvm_base(self, heap_mb: int, home: Path, log_file: Path) -> list[str]:
+        opts = [
+            java_executable(),
+            "-server",
+            f"-Xms{heap_mb}m",
+            f"-Xmx{heap_mb}m",
+            f"-Xmn{max(16, heap_mb // 2)}m",
+            "-XX:MaxDirectMemorySize=256m",
+            "-XX:+UseSerialGC",
+            "-XX:-OmitStackTraceInFastThrow",
+            "-Xss512k",
+            "-Dfile.encoding=UTF-8",
+            "-Dtls.server.mode=disabled",
+            f"-Duser.home={home}",
+            f"-Drmqfast.log.file={log_file}",
+            f"-Drocketmq.client.logRoot={self.log_dir}",
+            f"-Drocketmq.log.root={self.log_dir}",
+            "-Drocketmq.broker.diskSpaceWarningLevelRatio=0.98",
+            "-Drocketmq.broker.diskSpaceCleanForciblyRatio=0.97",
+            *_jvm_module_opts(),
+        ]
+        if self.fast_start:
+            opts.append("-XX:TieredStopAtLevel=1")
+        return opts + self.jvm_opts
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["ROCKETMQ_HOME"] = str(self.workdir / "home")
+        env.pop("JAVA_TOOL_OPTIONS", None)
+        return env
+
+    def _spawn(self, role: Literal["namesrv", "broker"]) -> subprocess.Popen[bytes]:
+        wd = self.workdir
+        cp = self.jars.cluster_classpath(self.version)
+        if role == "namesrv":
+            cmd = self._jvm_base(self.namesrv_heap_mb, wd / "home-ns", self.namesrv_log) + [
+                "-cp",
+                f"{wd / 'conf' / 'namesrv'}{os.pathsep}{cp}",
+                "org.apache.rocketmq.namesrv.NamesrvStartup",
+                "-c",
+                str(wd / "namesrv.conf"),
+            ]
+            out = self.namesrv_stdout
+        else:
+            cmd = self._jvm_base(self.broker_heap_mb, wd / "home-br", self.broker_log) + [
+                "-cp",
+                f"{wd / 'conf' / 'broker'}{os.pathsep}{cp}",
+                "org.apache.rocketmq.broker.BrokerStartup",
+                "-c",
+                str(self.broker_conf_path),
+            ]
+            out = self.broker_stdout
+        return spawn_jvm(cmd, cwd=wd, env=self._env(), stdout_path=out)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """Tails of the JVM stdout files and logs, for error messages."""
+        if self._workdir is None:
+            return "<no work dir>"
+        parts = []
+        for p in (self.namesrv_stdout, self.namesrv_log, self.broker_stdout, self.broker_log):
+            if p.exists():
+                text = _file_tail(p, lines)
+                # 5.x prints logback's status lines on stdout: not interesting
+                text = "\n".join(x for x in text.splitlines() if "|-INFO in " not in x)
+                parts.append(f"----- {p.name} (last {lines} lines) -----\n{text}")
+        return "\n".join(parts)
+
+    # ------------------------------------------------------------ admin
+
+    def cluster_info(self) -> bytes:
+        """Raw GET_BROKER_CLUSTER_INFO body (fastjson: integer map keys, so not strict JSON)."""
+        r = remoting_request(self.namesrv_addr, GET_BROKER_CLUSTER_INFO)
+        if r.code != SUCCESS:
+            raise ClusterError(f"GET_BROKER_CLUSTER_INFO failed: {r.code} {r.remark}")
+        return r.body
+
+    def topic_route(self, topic: str) -> dict[str, object] | None:
+        """The name server's route for ``topic`` (parsed JSON), or None if it has none."""
+        r = remoting_request(self.namesrv_addr, GET_ROUTEINFO_BY_TOPIC, {"topic": topic})
+        if r.code == TOPIC_NOT_EXIST:
+            return None
+        if r.code != SUCCESS:
+            raise ClusterError(f"GET_ROUTEINFO_BY_TOPIC {topic} failed: {r.code} {r.remark}")
+        text = r.body_text()
+        try:
+            parsed: dict[str, object] = json.loads(text)
+        except ValueError:
+            # fastjson may write bare integer keys ({0:"addr"}): quote them and retry
+            parsed = json.loads(re.sub(r"([{,])(\d+):", r'\1"\2":', text))
+        return parsed
+
+    def create_topic(
+        self,
+        topic: str,
+        queues: int = 4,
+        *,
+        order: bool = False,
+        perm: int = 6,
+        timeout: float = 15.0,
+    ) -> None:
+        """Creates/updates ``topic`` on the broker (UPDATE_AND_CREATE_TOPIC, directly to the broker)
+        and waits until the name server publishes a route with ``queues`` write queues."""
+        r = remoting_request(
+            self.broker_addr,
+            UPDATE_AND_CREATE_TOPIC,
+            {
+                "topic": topic,
+                "defaultTopic": "TBW102",
+                "readQueueNums": queues,
+                "writeQueueNums": queues,
+                "perm": perm,
+                "topicFilterType": "SINGLE_TAG",
+                "topicSysFlag": 0,
+                "order": order,
+            },
+            timeout=timeout,
+        )
+        if r.code != SUCCESS:
+            raise ClusterError(f"creating topic {topic} failed: code {r.code} {r.remark}")
+        deadline = time.monotonic() + timeout
+        while True:
+            route = self.topic_route(topic)
+            if route is not None:
+                qds = route.get("queueDatas")
+                if isinstance(qds, list) and any(
+                    isinstance(q, dict) and q.get("writeQueueNums") == queues for q in qds
+                ):
+                    return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"topic {topic} created but no route with {queues} queues yet")
+            time.sleep(0.1)
+
+    def mqadmin(self, *args: str, timeout: float = 120.0) -> str:
+        """Runs ``org.apache.rocketmq.tools.command.MQAdminStartup`` (mqadmin) with ``args``
+        against this cluster, e.g. ``cluster.mqadmin("topicList", "-n", cluster.namesrv_addr)``.
+        Returns its stdout; raises ClusterError on a non-zero exit. Takes ~3-5 s (a JVM)."""
+        cp = self.jars.cluster_classpath(self.version)
+        cmd = self._jvm_base(128, self.workdir / "home-br", self.log_dir / "tools.log") + [
+            "-cp",
+            f"{self.workdir / 'conf' / 'namesrv'}{os.pathsep}{cp}",
+            "org.apache.rocketmq.tools.command.MQAdminStartup",
+            *args,
+        ]
+        proc = subprocess.run(
+            cmd,
+            cwd=self.workdir,
+            env=self._env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
+        out = proc.stdout.decode("utf-8", "replace")
+        out = "\n".join(x for x in out.splitlines() if not re.search(r"\|-(INFO|WARN) in ", x))
+        if proc.returncode != 0:
+            raise ClusterError(
+                f"mqadmin {' '.join(args)} exited {proc.returncode}\n{out}\n"
+                f"{proc.stderr.decode('utf-8', 'replace')[-4000:]}"
+            )
+        return out
+
+
+class _PortClash(ClusterError):
+    """A JVM could not bind: someone took a port between our check and its bind."""
+
+
+def _port_bindable(port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rmqfast.testing [--version 5|4] [--build-only] [--keep]``:
+    builds the jars, starts a cluster, prints its addresses and waits for Ctrl-C."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m rmqfast.testing", description=main.__doc__)
+    ap.add_argument("--version", choices=["5", "4"], default="5")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    ns = ap.parse_args(argv)
+    t0 = time.monotonic()
+    jars = ensure_jars(rocketmq4=ns.version == "4")
+    print(f"jars ready in {time.monotonic() - t0:.1f} s: {jars.java_dir}", flush=True)
+    if ns.build_only:
+        return 0
+    t0 = time.monotonic()
+    with RocketMQCluster(version=ns.version, jars=jars, keep_workdir=ns.keep) as c:
+        print(
+            f"cluster up in {time.monotonic() - t0:.1f} s\n"
+            f"  namesrv  {c.namesrv_addr}\n  broker   {c.broker_addr} "
+            f"(vip {c.broker_vip_addr}, ha {c.broker_ha_port})\n  workdir  {c.workdir}\n"
+            "Ctrl-C to stop.",
+            flush=True,
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            while c.broker_running and c.namesrv_running:
+                time.sleep(1)
+    return 0
