@@ -188,7 +188,7 @@ cdef class ScanStats:
         for i in range(length):
             h = (h ^ name[i]) * 16777619u
         idx = h & (TOPIC_SLOTS_C - 1)
-        while True:
+        for i in range(TOPIC_SLOTS_C):
             e = &self._topics[idx]
             if e.length < 0:
                 # Keep one slot free for the overflow bucket.
@@ -202,6 +202,8 @@ cdef class ScanStats:
             if e.hash == h and e.length == length and memcmp(e.name, name, length) == 0:
                 return e
             idx = (idx + 1) & (TOPIC_SLOTS_C - 1)
+        # The table is full (1023 topics and the overflow bucket).
+        return self.other_topic()
 
     cdef TopicEntry* other_topic(self) noexcept nogil:
         cdef uint32_t h = 2166136261u
