@@ -1,0 +1,138 @@
+"""Command line: ``rmqfast serve | check-config | demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rmqfast import __version__
+from rmqfast import config as config_mod
+from rmqfast import log as log_mod
+from rmqfast.errors import ConfigError
+
+DESCRIPTION = """\
+rmqfast: a high-throughput proxy for Apache RocketMQ's Remoting protocol.
+
+Point your clients' name-server address at rmqfast's name-server listener. rmqfast relays
+to the real name servers, rewrites route answers so that every broker address maps to an
+rmqfast endpoint, and relays each client connection to its broker frame by frame. Admin
+request codes are refused by default.
+"""
+
+SERVE_EPILOG = """\
+Flags override the config file. Examples:
+
+  rmqfast serve --namesrv-listen 127.0.0.1:9876 --namesrv-upstream 10.0.0.1:9876
+  rmqfast serve --config /etc/rmqfast/rmqfast.toml --workers 4
+  rmqfast serve --namesrv-upstream 10.0.0.1:9876 \\
+      --broker 0.0.0.0:30911=10.0.0.1:10911 --advertise-host 192.168.1.10 \\
+      --namesrv-listen 0.0.0.0:9876 --admin-listen 127.0.0.1:9400
+
+Signals: SIGTERM/SIGINT drain and stop (exit 0); SIGHUP reloads the config file.
+Admin endpoint (--admin-listen): /metrics (Prometheus), /healthz, /readyz.
+"""
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    o: dict[str, Any] = {
+        "namesrv.listen": args.namesrv_listen,
+        "namesrv.upstreams": args.namesrv_upstream or None,
+        "brokers.port_range": args.broker_port_range,
+        "proxy.workers": args.workers,
+        "proxy.advertise_host": args.advertise_host,
+        "proxy.state_dir": args.state_dir,
+        "admin.listen": args.admin_listen,
+        "log.format": args.log_format,
+        "log.level": args.log_level,
+    }
+    if args.broker:
+        static = []
+        for spec in args.broker:
+            listen, sep, upstream = spec.partition("=")
+            if not sep:
+                raise ConfigError(f"--broker: {spec!r} is not allowed; expected LISTEN=UPSTREAM, e.g. 0.0.0.0:30911=10.0.0.1:10911")
+            static.append({"listen": listen, "upstream": upstream})
+        o["brokers.static"] = static
+    return o
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE", help="TOML config file (see README, 'Configuration')")
+    p.add_argument("--namesrv-listen", metavar="H:P", help="where clients reach the name-server proxy (default 127.0.0.1:9876)")
+    p.add_argument("--namesrv-upstream", metavar="H:P", action="append",
+                   help="a real name server; repeat for several (failover in order)")
+    p.add_argument("--broker", metavar="LISTEN=UPSTREAM", action="append",
+                   help="a static broker endpoint, e.g. 0.0.0.0:30911=10.0.0.1:10911; repeatable")
+    p.add_argument("--broker-port-range", metavar="A-B",
+                   help="ports for brokers the routes reveal (default 30900-30999; '' disables)")
+    p.add_argument("--advertise-host", metavar="HOST", help="host written into rewritten routes")
+    p.add_argument("--workers", type=int, metavar="N", help="worker processes (default: CPU count)")
+    p.add_argument("--admin-listen", metavar="H:P", help="admin HTTP endpoint: /metrics /healthz /readyz")
+    p.add_argument("--state-dir", metavar="DIR", help="where the broker endpoint table is kept")
+    p.add_argument("--log-format", choices=("json", "human"), help="log format (default json)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rmqfast", description=DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"rmqfast {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the proxy (supervisor + workers)", epilog=SERVE_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_serve_flags(serve)
+
+    check = sub.add_parser("check-config", help="validate a config file (and flags) and print the result")
+    check.add_argument("file", metavar="FILE")
+    _add_serve_flags(check)
+
+    demo = sub.add_parser(
+        "demo",
+        help="start a local RocketMQ (Maven Central jars), rmqfast in front, real traffic, a report",
+    )
+    demo.add_argument("--messages", type=int, default=2000, help="messages to send (default 2000)")
+    demo.add_argument("--workers", type=int, default=2, help="proxy worker processes (default 2)")
+    demo.add_argument("--keep-running", action="store_true", help="leave everything running until Ctrl-C")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 2
+    if args.command == "demo":
+        from rmqfast.demo import run_demo
+
+        return run_demo(messages=args.messages, workers=args.workers, keep_running=args.keep_running)
+
+    path = args.file if args.command == "check-config" else args.config
+
+    def load() -> config_mod.Config:
+        return config_mod.load(path, _overrides(args))
+
+    try:
+        cfg = load()
+    except ConfigError as exc:
+        print(f"rmqfast: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        print(f"{path}: ok")
+        print(cfg.to_json())
+        return 0
+
+    log_mod.setup(cfg.log.format, cfg.log.level)
+    from rmqfast.server.supervisor import Supervisor
+
+    try:
+        return Supervisor(cfg, load).run()
+    except ConfigError as exc:
+        print(f"rmqfast: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""Configuration: a TOML file, overridden by quick-start command-line flags, validated at start.
+
+Every error names the key, the bad value and what is allowed, e.g.::
+
+    proxy.workers: -1 is not allowed; expected an integer from 0 (one per CPU) to 256
+
+The validated :class:`Config` is plain data (dataclasses), serialisable to JSON so the
+supervisor can hand exactly the same configuration to every worker process.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rmqfast.errors import ConfigError
+
+DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
+
+
+@dataclass(frozen=True)
+class HostPort:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_wildcard(self) -> bool:
+        return self.host in ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class StaticBroker:
+    listen: HostPort
+    upstream: HostPort
+
+
+@dataclass
+class ProxySection:
+    workers: int = 0
+    advertise_host: str = ""
+    max_frame_size: int = 16 * 1024 * 1024
+    max_header_size: int = 1024 * 1024
+    buffer_size: int = 256 * 1024
+    connect_timeout: float = 3.0
+    idle_timeout: float = 120.0
+    drain_timeout: float = 10.0
+    state_dir: str = ".rmqfast-state"
+
+
+@dataclass
+class NamesrvSection:
+    listen: HostPort | None = None
+    upstreams: list[HostPort] = field(default_factory=list)
+
+
+@dataclass
+class BrokersSection:
+    port_range: tuple[int, int] | None = (30900, 30999)
+    listen_host: str = ""
+    vip_channel: bool = True
+    static: list[StaticBroker] = field(default_factory=list)
+
+
+@dataclass
+class PolicySection:
+    allow_codes: list[int] = field(default_factory=list)
+    deny_codes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class AdminSection:
+    listen: HostPort | None = None
+
+
+@dataclass
+class LogSection:
+    format: str = "json"
+    level: str = "info"
+
+
+@dataclass
+class Config:
+    proxy: ProxySection = field(default_factory=ProxySection)
+    namesrv: NamesrvSection = field(default_factory=NamesrvSection)
+    brokers: BrokersSection = field(default_factory=BrokersSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    admin: AdminSection = field(default_factory=AdminSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    # Derived values -------------------------------------------------------------------
+
+    @property
+    def worker_count(self) -> int:
+        return self.proxy.workers or os.cpu_count() or 1
+
+    @property
+    def advertise_host(self) -> str:
+        """Host written into rewritten routes: where clients reach the broker endpoints."""
+        if self.proxy.advertise_host:
+            return self.proxy.advertise_host
+        assert self.namesrv.listen is not None
+        return self.namesrv.listen.host
+
+    @property
+    def broker_listen_host(self) -> str:
+        """Host the automatically allocated broker endpoints bind."""
+        if self.brokers.listen_host:
+            return self.brokers.listen_host
+        assert self.namesrv.listen is not None
+        return self.namesrv.listen.host
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+# --------------------------------------------------------------------------------------
+# Parsing helpers: each takes the dotted key for its error messages.
+
+
+def parse_hostport(key: str, value: Any) -> HostPort:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a string 'host:port'")
+    text = value.strip()
+    if text.startswith("["):  # [v6]:port
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected 'host:port', e.g. 127.0.0.1:9876")
+    p = int(port)
+    if not 1 <= p <= 65535:
+        raise ConfigError(f"{key}: {value!r} is not allowed; the port must be from 1 to 65535")
+    if not host:
+        raise ConfigError(f"{key}: {value!r} is not allowed; the host is missing (use 0.0.0.0 for all)")
+    return HostPort(host, p)
+
+
+def parse_port_range(key: str, value: Any) -> tuple[int, int] | None:
+    if value in ("", None, False):
+        return None
+    if isinstance(value, str) and "-" in value:
+        a, _, b = value.partition("-")
+        if a.strip().isdigit() and b.strip().isdigit():
+            lo, hi = int(a), int(b)
+            if 1 <= lo <= hi <= 65535 and hi - lo >= 2:
+                return lo, hi
+    raise ConfigError(
+        f"{key}: {value!r} is not allowed; expected 'FIRST-LAST' with 1 <= FIRST, FIRST+2 <= LAST "
+        "<= 65535 (e.g. '30900-30999'), or '' to disable automatic broker endpoints"
+    )
+
+
+def _int(key: str, value: Any, lo: int, hi: int, what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(
+            f"{key}: {value!r} is not allowed; expected an integer from {lo}{what} to {hi}"
+        )
+    return value
+
+
+def _float(key: str, value: Any, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a number of seconds from {lo} to {hi}")
+    return float(value)
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a string")
+    return value
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected one of {', '.join(choices)}")
+    return str(value)
+
+
+def _codes(key: str, value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a list of request codes")
+    return [_int(f"{key}[{i}]", v, 0, 2**31 - 1) for i, v in enumerate(value)]
+
+
+def _table(key: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a table")
+    return value
+
+
+_KNOWN = {
+    "proxy": {
+        "workers", "advertise_host", "max_frame_size", "max_header_size", "buffer_size",
+        "connect_timeout", "idle_timeout", "drain_timeout", "state_dir",
+    },
+    "namesrv": {"listen", "upstreams"},
+    "brokers": {"port_range", "listen_host", "vip_channel", "static"},
+    "policy": {"allow_codes", "deny_codes"},
+    "admin": {"listen"},
+    "log": {"format", "level"},
+}
+
+
+def _check_keys(prefix: str, table: dict[str, Any], allowed: set[str]) -> None:
+    for k in table:
+        if k not in allowed:
+            where = f"{prefix}.{k}" if prefix else k
+            raise ConfigError(
+                f"{where}: unknown key; allowed here: {', '.join(sorted(allowed))}"
+            )
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a parsed TOML document (plus overrides) into a :class:`Config`."""
+    _check_keys("", raw, set(_KNOWN))
+    cfg = Config()
+    px = _table("proxy", raw.get("proxy", {}))
+    _check_keys("proxy", px, _KNOWN["proxy"])
+    p = cfg.proxy
+    if "workers" in px:
+        p.workers = _int("proxy.workers", px["workers"], 0, 256, " (one per CPU)")
+    if "advertise_host" in px:
+        p.advertise_host = _str("proxy.advertise_host", px["advertise_host"])
+    if "max_frame_size" in px:
+        p.max_frame_size = _int("proxy.max_frame_size", px["max_frame_size"], 1024, 1 << 30)
+    if "max_header_size" in px:
+        p.max_header_size = _int("proxy.max_header_size", px["max_header_size"], 64, 0xFFFFFF)
+    if "buffer_size" in px:
+        p.buffer_size = _int("proxy.buffer_size", px["buffer_size"], 4096, 64 << 20)
+    for k, lo, hi in (("connect_timeout", 0.1, 60), ("idle_timeout", 20, 86400), ("drain_timeout", 0, 600)):
+        if k in px:
+            setattr(p, k, _float(f"proxy.{k}", px[k], lo, hi))
+    if "state_dir" in px:
+        p.state_dir = _str("proxy.state_dir", px["state_dir"])
+    if p.max_header_size > p.max_frame_size:
+        raise ConfigError(
+            f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "
+            f"proxy.max_frame_size ({p.max_frame_size})"
+        )
+
+    ns = _table("namesrv", raw.get("namesrv", {}))
+    _check_keys("namesrv", ns, _KNOWN["namesrv"])
+    cfg.namesrv.listen = parse_hostport("namesrv.listen", ns.get("listen", DEFAULT_NAMESRV_LISTEN))
+    ups = ns.get("upstreams", [])
+    if isinstance(ups, str):
+        ups = [ups]
+    if not isinstance(ups, list) or not ups:
+        raise ConfigError(
+            f"namesrv.upstreams: {ups!r} is not allowed; expected a non-empty list of 'host:port' "
+            "(the real RocketMQ name servers), e.g. ['10.0.0.1:9876']"
+        )
+    cfg.namesrv.upstreams = [parse_hostport(f"namesrv.upstreams[{i}]", u) for i, u in enumerate(ups)]
+
+    br = _table("brokers", raw.get("brokers", {}))
+    _check_keys("brokers", br, _KNOWN["brokers"])
+    b = cfg.brokers
+    if "port_range" in br:
+        b.port_range = parse_port_range("brokers.port_range", br["port_range"])
+    if "listen_host" in br:
+        b.listen_host = _str("brokers.listen_host", br["listen_host"])
+    if "vip_channel" in br:
+        if not isinstance(br["vip_channel"], bool):
+            raise ConfigError(f"brokers.vip_channel: {br['vip_channel']!r} is not allowed; expected true or false")
+        b.vip_channel = br["vip_channel"]
+    statics = br.get("static", [])
+    if not isinstance(statics, list):
+        raise ConfigError(f"brokers.static: {statics!r} is not allowed; expected an array of tables")
+    for i, s in enumerate(statics):
+        key = f"brokers.static[{i}]"
+        s = _table(key, s)
+        _check_keys(key, s, {"listen", "upstream"})
+        if "listen" not in s or "upstream" not in s:
+            raise ConfigError(f"{key}: both 'listen' and 'upstream' are required")
+        b.static.append(
+            StaticBroker(parse_hostport(f"{key}.listen", s["listen"]), parse_hostport(f"{key}.upstream", s["upstream"]))
+        )
+
+    po = _table("policy", raw.get("policy", {}))
+    _check_keys("policy", po, _KNOWN["policy"])
+    cfg.policy.allow_codes = _codes("policy.allow_codes", po.get("allow_codes", []))
+    cfg.policy.deny_codes = _codes("policy.deny_codes", po.get("deny_codes", []))
+
+    ad = _table("admin", raw.get("admin", {}))
+    _check_keys("admin", ad, _KNOWN["admin"])
+    if ad.get("listen"):
+        cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
+
+    lg = _table("log", raw.get("log", {}))
+    _check_keys("log", lg, _KNOWN["log"])
+    cfg.log.format = _choice("log.format", lg.get("format", "json"), ("json", "human"))
+    cfg.log.level = _choice("log.level", lg.get("level", "info"), ("debug", "info", "warning", "error"))
+
+    _check_ports(cfg)
+    return cfg
+
+
+def _check_ports(cfg: Config) -> None:
+    """Listeners must not collide with each other (including VIP channels at port - 2)."""
+    assert cfg.namesrv.listen is not None
+    if cfg.namesrv.listen.is_wildcard and not cfg.proxy.advertise_host:
+        raise ConfigError(
+            f"proxy.advertise_host: required when namesrv.listen binds a wildcard address "
+            f"({cfg.namesrv.listen}); set it to the address clients use to reach this proxy"
+        )
+    if cfg.proxy.advertise_host:
+        _check_host("proxy.advertise_host", cfg.proxy.advertise_host)
+    used: dict[int, str] = {cfg.namesrv.listen.port: "namesrv.listen"}
+    if cfg.admin.listen is not None:
+        _claim(used, cfg.admin.listen.port, "admin.listen")
+    for i, s in enumerate(cfg.brokers.static):
+        _claim(used, s.listen.port, f"brokers.static[{i}].listen")
+        if cfg.brokers.vip_channel:
+            if s.listen.port <= 2:
+                raise ConfigError(f"brokers.static[{i}].listen: port {s.listen.port} leaves no room for its VIP channel at port - 2")
+            _claim(used, s.listen.port - 2, f"brokers.static[{i}].listen (VIP channel, port - 2)")
+    rng = cfg.brokers.port_range
+    if rng is not None:
+        for port, who in used.items():
+            if rng[0] <= port <= rng[1]:
+                raise ConfigError(
+                    f"brokers.port_range: '{rng[0]}-{rng[1]}' is not allowed; it contains port {port} "
+                    f"already used by {who}"
+                )
+
+
+def _claim(used: dict[int, str], port: int, who: str) -> None:
+    if port in used:
+        raise ConfigError(f"{who}: port {port} is already used by {used[port]}")
+    used[port] = who
+
+
+def _check_host(key: str, host: str) -> None:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not host.replace("-", "").replace(".", "").isalnum():
+            raise ConfigError(f"{key}: {host!r} is not allowed; expected an IP address or host name") from None
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file; errors name the file and the TOML problem."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r}: cannot read it ({exc.strerror})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r}: invalid TOML: {exc}") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Merge dotted-key overrides (``{"namesrv.listen": ...}``) into a raw document copy."""
+    out = json.loads(json.dumps(raw))
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    raw = load_file(path) if path else {}
+    return from_dict(apply_overrides(raw, overrides or {}))
+
+
+def from_json(text: str) -> Config:
+    """Inverse of :meth:`Config.to_json` (used by workers; the data was validated already)."""
+    d = json.loads(text)
+
+    def hp(x: Any) -> HostPort | None:
+        return HostPort(x["host"], x["port"]) if x else None
+
+    cfg = Config(
+        proxy=ProxySection(**d["proxy"]),
+        namesrv=NamesrvSection(listen=hp(d["namesrv"]["listen"]), upstreams=[hp(u) for u in d["namesrv"]["upstreams"]]),  # type: ignore[misc]
+        brokers=BrokersSection(
+            port_range=tuple(d["brokers"]["port_range"]) if d["brokers"]["port_range"] else None,  # type: ignore[arg-type]
+            listen_host=d["brokers"]["listen_host"],
+            vip_channel=d["brokers"]["vip_channel"],
+            static=[StaticBroker(hp(s["listen"]), hp(s["upstream"])) for s in d["brokers"]["static"]],  # type: ignore[arg-type]
+        ),
+        policy=PolicySection(**d["policy"]),
+        admin=AdminSection(listen=hp(d["admin"]["listen"])),
+        log=LogSection(**d["log"]),
+    )
+    return cfg

@@ -1,0 +1,273 @@
+"""The policy hook: a per-request-code filter chain.
+
+Frames reach Python only when a filter asked for their request code (or, for responses,
+when a filter wants responses at all); everything else is relayed by the compiled scanner
+without a Python object per frame.  A filter looks at a :class:`Frame` and returns a
+:class:`Verdict`, or ``None`` to let the next filter decide:
+
+* ``PASS``: relay the frame unchanged;
+* ``reply(frame)``: answer the sender locally, the frame is not relayed;
+* ``rewrite(frame)``: relay a changed frame instead;
+* ``divert(reason)``: the filter took the frame (stored, queued...); relay nothing;
+* ``close(reason)``: close the connection.
+
+Later features (limits, spill, delay, gray) are filters.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rmqfast.codec import ACTION_POLICY, CODE_SLOTS, OTHER_SLOT, code_slot
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.codec.route import rewrite_broker_addrs
+from rmqfast.log import ctx
+
+if TYPE_CHECKING:
+    from rmqfast.proxy.endpoints import EndpointRegistry
+
+log = logging.getLogger("rmqfast.policy")
+
+_I32 = struct.Struct(">i")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str  # "pass" | "reply" | "rewrite" | "divert" | "close"
+    data: bytes = b""
+    reason: str = ""
+
+
+PASS = Verdict("pass")
+
+
+def reply(frame: bytes) -> Verdict:
+    return Verdict("reply", frame)
+
+
+def rewrite(frame: bytes) -> Verdict:
+    return Verdict("rewrite", frame)
+
+
+def divert(reason: str) -> Verdict:
+    return Verdict("divert", reason=reason)
+
+
+def close(reason: str) -> Verdict:
+    return Verdict("close", reason=reason)
+
+
+class Frame:
+    """A whole frame handed to the policy, with the fields the scanner already read."""
+
+    __slots__ = ("data", "code", "flag", "opaque", "_cmd")
+
+    def __init__(self, data: bytes, code: int, flag: int, opaque: int) -> None:
+        self.data = data
+        self.code = code
+        self.flag = flag
+        self.opaque = opaque
+        self._cmd: RemotingCommand | None = None
+
+    @property
+    def is_oneway(self) -> bool:
+        return bool(self.flag & C.FLAG_ONEWAY)
+
+    @property
+    def header_length(self) -> int:
+        return _I32.unpack_from(self.data, 4)[0] & 0xFFFFFF
+
+    @property
+    def body(self) -> bytes:
+        return self.data[8 + self.header_length :]
+
+    def command(self) -> RemotingCommand:
+        """The fully decoded frame (decoded once, on first use)."""
+        if self._cmd is None:
+            self._cmd = decode_frame(self.data)
+        return self._cmd
+
+    def with_body(self, body: bytes) -> bytes:
+        """This frame with another body and the header bytes kept verbatim."""
+        hl = self.header_length
+        return _I32.pack(4 + hl + len(body)) + self.data[4 : 8 + hl] + body
+
+
+class Session(Protocol):
+    """What a filter may know of the connection a frame came from."""
+
+    role: str
+    client_addr: str
+    upstream_addr: str
+    state: dict[str, Any]
+
+
+class Filter:
+    """Base class: override what you need; the defaults see nothing and decide nothing."""
+
+    name = "filter"
+
+    def request_slots(self) -> set[int]:
+        """Scanner slots (see :func:`rmqfast.codec.code_slot`) whose requests this filter sees."""
+        return set()
+
+    wants_responses = False
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        return None
+
+    def on_response(self, session: Session, frame: Frame) -> Verdict | None:
+        return None
+
+
+def slots_of(codes: Iterable[int]) -> set[int]:
+    return {code_slot(c) for c in codes}
+
+
+class FilterChain:
+    """The filters of one listener role, and the scanner action table they imply."""
+
+    def __init__(self, filters: list[Filter]) -> None:
+        self.filters = filters
+        table = bytearray(CODE_SLOTS)
+        for f in filters:
+            for s in f.request_slots():
+                table[s] = ACTION_POLICY
+        self.request_actions = bytes(table)
+        self.response_policy = any(f.wants_responses for f in filters)
+        self._req_filters = [f for f in filters if f.request_slots()]
+        self._resp_filters = [f for f in filters if f.wants_responses]
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict:
+        slot = code_slot(frame.code)
+        for f in self._req_filters:
+            if slot in f.request_slots():
+                v = f.on_request(session, frame)
+                if v is not None:
+                    return v
+        return PASS
+
+    def on_response(self, session: Session, frame: Frame) -> Verdict:
+        for f in self._resp_filters:
+            v = f.on_response(session, frame)
+            if v is not None:
+                return v
+        return PASS
+
+
+def error_response(frame: Frame, code: int, remark: str) -> bytes:
+    """A response frame answering ``frame`` locally with ``code`` and ``remark``."""
+    return encode(make_response(frame.command(), code, remark))
+
+
+class DenyAdminCodes(Filter):
+    """Refuse every request code that is not data-plane (or allowlisted) with NO_PERMISSION.
+
+    The broker and name-server config-update codes (25, 318) were a remote-code-execution
+    CVE; a proxy that ordinary applications reach must not relay admin traffic by default.
+    """
+
+    name = "deny-admin"
+
+    def __init__(
+        self,
+        data_plane: Iterable[int],
+        allow: Iterable[int] = (),
+        deny: Iterable[int] = (),
+        on_deny: Callable[[Session, int], None] | None = None,
+    ) -> None:
+        self.on_deny = on_deny
+        self.allowed = (frozenset(data_plane) | frozenset(allow)) - frozenset(deny)
+        allowed_slots = slots_of(self.allowed) - {OTHER_SLOT}
+        # A slot is handed to Python unless every code mapping to it is allowed; the shared
+        # "other" slot stands for infinitely many codes, so it is always checked.
+        self._slots = set(range(CODE_SLOTS)) - allowed_slots
+
+    def request_slots(self) -> set[int]:
+        return self._slots
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        if frame.code in self.allowed:
+            return None
+        remark = (
+            f"rmqfast: request code {frame.code} is not allowed through this proxy "
+            f"(admin codes are denied by default; allow it with policy.allow_codes)"
+        )
+        log.warning(
+            "denied request",
+            extra=ctx(code=frame.code, client=session.client_addr, upstream=session.upstream_addr, role=session.role),
+        )
+        if self.on_deny is not None:
+            self.on_deny(session, frame.code)
+        if frame.is_oneway:
+            return divert(remark)
+        return reply(error_response(frame, C.NO_PERMISSION, remark))
+
+
+class RewriteRoutes(Filter):
+    """Point every broker address in route answers (105, 106) at this proxy's endpoints.
+
+    The request is relayed unchanged; its opaque is remembered so the matching response
+    can be rewritten, byte-patching only the addresses so the JSON dialect (legacy unquoted
+    integer keys or standard JSON) and everything else stay exactly as the name server sent.
+    """
+
+    name = "rewrite-routes"
+    wants_responses = True
+    CODES = (C.GET_ROUTEINFO_BY_TOPIC, C.GET_BROKER_CLUSTER_INFO)
+
+    def __init__(
+        self, registry: EndpointRegistry, on_rewrite: Callable[[Session, int], None] | None = None
+    ) -> None:
+        self.registry = registry
+        self.on_rewrite = on_rewrite
+
+    def request_slots(self) -> set[int]:
+        return slots_of(self.CODES)
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        if frame.code in self.CODES and not frame.is_oneway:
+            pending: dict[int, int] = session.state.setdefault("route_opaques", {})
+            if len(pending) > 10000:  # a client that never reads answers; don't grow forever
+                pending.clear()
+            pending[frame.opaque] = frame.code
+        return None
+
+    def on_response(self, session: Session, frame: Frame) -> Verdict | None:
+        pending: dict[int, int] | None = session.state.get("route_opaques")
+        if not pending or frame.opaque not in pending:
+            return None
+        req_code = pending.pop(frame.opaque)
+        if frame.code != C.SUCCESS:
+            return None
+        body = frame.body
+        if not body:
+            return None
+        unmapped: list[str] = []
+
+        def mapper(addr: str) -> str | None:
+            if self.registry.is_proxy_address(addr):
+                return None
+            new = self.registry.advertised(addr)
+            if new is None:
+                unmapped.append(addr)
+            return new
+
+        try:
+            new_body, _ = rewrite_broker_addrs(body, mapper)
+        except ValueError as exc:
+            log.error(
+                "cannot rewrite route answer; closing the connection rather than leak real broker addresses",
+                extra=ctx(code=req_code, error=str(exc), client=session.client_addr),
+            )
+            return close(f"unparsable route answer: {exc}")
+        if unmapped:
+            log.warning("route keeps real broker addresses (no endpoint)", extra=ctx(brokers=unmapped))
+        if self.on_rewrite is not None:
+            self.on_rewrite(session, req_code)
+        return rewrite(frame.with_body(new_body))

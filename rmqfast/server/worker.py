@@ -1,0 +1,291 @@
+"""A worker process: gevent, SO_REUSEPORT listeners, relay sessions.
+
+Started by the supervisor as ``python -m rmqfast.server.worker --runtime DIR --index N
+--status-fd FD``.  It reads the validated configuration from ``DIR/config.json``, binds every
+listener with SO_REUSEPORT (all workers bind the same ports; the kernel spreads
+connections), reports ``ready`` on the status pipe, and serves until SIGTERM.
+
+Signals: SIGTERM stops accepting, lets in-flight requests finish (bounded by
+``proxy.drain_timeout``) and exits 0; SIGHUP re-reads ``config.json`` and applies it without
+dropping established connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import gevent
+import gevent.event
+from gevent import socket
+from gevent.server import StreamServer
+
+from rmqfast import config as config_mod
+from rmqfast import log as log_mod
+from rmqfast.codec import IMPLEMENTATION, ScanStats
+from rmqfast.codec import codes as C
+from rmqfast.config import Config, HostPort
+from rmqfast.log import ctx
+from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
+from rmqfast.proxy.policy import DenyAdminCodes, FilterChain, RewriteRoutes
+from rmqfast.proxy.policy import Session as PolicySession
+from rmqfast.proxy.relay import RelaySettings, Session
+
+log = logging.getLogger("rmqfast.worker")
+
+EXIT_FATAL = 3  # startup failed for a reason a restart will not fix (bind error, bad state)
+
+
+def bind_reuseport(hp: HostPort, backlog: int = 1024) -> socket.socket:
+    family = socket.AF_INET6 if ":" in hp.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((hp.host, hp.port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+class Listener:
+    def __init__(self, role: str, listen: HostPort, server: StreamServer, upstream: HostPort | None) -> None:
+        self.role = role
+        self.listen = listen
+        self.server = server
+        self.upstream = upstream
+
+
+class Worker:
+    def __init__(self, cfg: Config, index: int, status: Callable[[dict], None]) -> None:
+        from rmqfast.metrics import Metrics, StatsPublisher
+
+        self.cfg = cfg
+        self.index = index
+        self.status = status
+        self.metrics = Metrics()
+        self.stats = {"namesrv": ScanStats(), "broker": ScanStats()}
+        self.publishers = [StatsPublisher(self.metrics, role, st) for role, st in self.stats.items()]
+        self.listeners: dict[HostPort, Listener] = {}
+        self.sessions: set[Session] = set()
+        self.ns_preferred = 0
+        self.draining = False
+        self.settings = self._settings(cfg)
+        self.registry = EndpointRegistry(cfg, self._bind_endpoint)
+        self._build_chains()
+
+    # Configuration ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _settings(cfg: Config) -> RelaySettings:
+        p = cfg.proxy
+        return RelaySettings(p.buffer_size, p.max_frame_size, p.max_header_size, p.connect_timeout, p.idle_timeout)
+
+    def _build_chains(self) -> None:
+        pol = self.cfg.policy
+        self.chains = {
+            "namesrv": FilterChain([
+                DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
+                RewriteRoutes(self.registry, self._rewritten),
+            ]),
+            "broker": FilterChain([
+                DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
+            ]),
+        }
+
+    def _denied(self, session: PolicySession, code: int) -> None:
+        self.metrics.denied.labels(session.role, str(code)).inc()
+
+    def _rewritten(self, session: PolicySession, code: int) -> None:
+        self.metrics.route_rewrites.labels(str(code)).inc()
+
+    # Listeners -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ns = self.cfg.namesrv.listen
+        assert ns is not None
+        self._listen("namesrv", ns, None)
+        self.registry.refresh()
+        gevent.spawn(self._refresh_loop)
+        gevent.spawn(self._publish_loop)
+        self.metrics.workers_up.set(1)
+        log.info(
+            "worker ready",
+            extra=ctx(worker=self.index, codec=IMPLEMENTATION, listeners=[str(k) for k in self.listeners]),
+        )
+
+    def _listen(self, role: str, listen: HostPort, upstream: HostPort | None) -> None:
+        sock = bind_reuseport(listen)
+        server = StreamServer(sock, self._handler(role, upstream))
+        server.max_accept = 16  # several workers share the port: don't hog the accept queue
+        server.start()
+        self.listeners[listen] = Listener(role, listen, server, upstream)
+
+    def _bind_endpoint(self, ep: Endpoint) -> None:
+        if ep.listen in self.listeners:
+            return
+        self._listen("broker", ep.listen, ep.upstream)
+
+    def _handler(self, role: str, upstream: HostPort | None) -> Callable[[socket.socket, tuple], None]:
+        def handle(sock: socket.socket, addr: tuple) -> None:
+            if self.draining:
+                sock.close()
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client = f"{addr[0]}:{addr[1]}"
+            if upstream is not None:
+                ups = [upstream]
+            else:
+                lst = self.cfg.namesrv.upstreams
+                k = self.ns_preferred % len(lst)
+                ups = lst[k:] + lst[:k]
+            session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self)
+            self.metrics.connections.labels(role).inc()
+            gauge = self.metrics.connections_active.labels(role)
+            gauge.inc()
+            self.sessions.add(session)
+            try:
+                session.run()
+            finally:
+                self.sessions.discard(session)
+                gauge.dec()
+
+        return handle
+
+    # Session events ----------------------------------------------------------------------------
+
+    def upstream_error(self, role: str) -> None:
+        self.metrics.upstream_errors.labels(role).inc()
+
+    def upstream_ok(self, session: Session, hp: HostPort) -> None:
+        if session.role == "namesrv":
+            lst = self.cfg.namesrv.upstreams
+            if hp in lst:
+                self.ns_preferred = lst.index(hp)
+
+    # Background loops ------------------------------------------------------------------------
+
+    def _refresh_loop(self) -> None:
+        while not self.draining:
+            gevent.sleep(0.5)
+            try:
+                self.registry.refresh()
+            except Exception:
+                log.exception("endpoint table refresh failed")
+
+    def _publish_loop(self) -> None:
+        while True:
+            gevent.sleep(1.0)
+            self.publish()
+
+    def publish(self) -> None:
+        for p in self.publishers:
+            p.publish()
+
+    # Signals -----------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Stop accepting, wait (bounded) for in-flight requests, close everything."""
+        if self.draining:
+            return
+        self.draining = True
+        for lst in self.listeners.values():
+            lst.server.close()
+        deadline = time.monotonic() + self.cfg.proxy.drain_timeout
+        log.info("draining", extra=ctx(worker=self.index, sessions=len(self.sessions)))
+        while self.sessions and time.monotonic() < deadline:
+            for s in list(self.sessions):
+                if s.in_flight == 0:
+                    s.close()
+            gevent.sleep(0.05)
+        left = len(self.sessions)
+        for s in list(self.sessions):
+            s.close()
+        self.publish()
+        log.info("worker stopped", extra=ctx(worker=self.index, cut_sessions=left))
+
+    def reload(self, cfg: Config) -> None:
+        old = self.cfg
+        self.cfg = cfg
+        log_mod.setup(cfg.log.format, cfg.log.level)
+        self.settings.__dict__.update(self._settings(cfg).__dict__)
+        self.registry.reconfigure(cfg)
+        self._build_chains()
+        for s in list(self.sessions):
+            if s.c2u is not None:
+                s.c2u.set_actions(self.chains[s.role].request_actions)
+            s.chain = self.chains[s.role]
+        wanted = {cfg.namesrv.listen} | {ep.listen for ep in self.registry.endpoints()}
+        for hp in list(self.listeners):
+            if hp not in wanted:
+                self.listeners.pop(hp).server.close()
+                self.registry.forget_bound(hp)
+        if cfg.namesrv.listen not in self.listeners:
+            assert cfg.namesrv.listen is not None
+            try:
+                self._listen("namesrv", cfg.namesrv.listen, None)
+            except OSError as exc:
+                log.error("cannot bind the new namesrv.listen", extra=ctx(listen=str(cfg.namesrv.listen), error=str(exc)))
+        self.registry.bind_all()
+        log.info("configuration reloaded", extra=ctx(worker=self.index, was_workers=old.proxy.workers))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rmqfast-worker")
+    ap.add_argument("--runtime", required=True)
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--status-fd", type=int, default=-1)
+    args = ap.parse_args(argv)
+    runtime = Path(args.runtime)
+    cfg = config_mod.from_json((runtime / "config.json").read_text())
+    log_mod.setup(cfg.log.format, cfg.log.level)
+    status_file = os.fdopen(args.status_fd, "w", buffering=1) if args.status_fd >= 0 else None
+
+    def status(msg: dict) -> None:
+        if status_file is not None:
+            try:
+                status_file.write(json.dumps(msg) + "\n")
+            except OSError:
+                pass
+
+    try:
+        worker = Worker(cfg, args.index, status)
+        worker.start()
+    except Exception as exc:  # bind errors, unreadable endpoint table...
+        log.error("worker cannot start", extra=ctx(worker=args.index, error=str(exc)))
+        status({"event": "fatal", "error": str(exc)})
+        return EXIT_FATAL
+    done = gevent.event.Event()
+
+    def on_term() -> None:
+        gevent.spawn(lambda: (worker.drain(), done.set()))
+
+    def on_hup() -> None:
+        try:
+            new = config_mod.from_json((runtime / "config.json").read_text())
+        except Exception as exc:
+            log.error("reload failed; keeping the running configuration", extra=ctx(error=str(exc)))
+            return
+        worker.reload(new)
+        status({"event": "reloaded"})
+
+    gevent.signal_handler(signal.SIGTERM, on_term)
+    gevent.signal_handler(signal.SIGINT, on_term)
+    gevent.signal_handler(signal.SIGHUP, on_hup)
+    status({"event": "ready", "worker_pid": os.getpid(), "codec": IMPLEMENTATION})
+    done.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
