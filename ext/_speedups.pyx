@@ -547,15 +547,17 @@ cdef class FrameScanner:
                 return (0, end, 0)
         while pos < end:
             avail = end - pos
-            if avail < 8:
+            if avail < 4:
                 return (0, pos, 8)
             length = rd_i32(p + pos)
-            mark = rd_i32(p + pos + 4)
             if length < 4:
                 return self._fail(pos, f"frame length {length} is shorter than the 4-byte header-length word")
             total = <Py_ssize_t>length + 4
             if total > self.max_frame_size:
                 return self._fail(pos, f"frame of {total} bytes exceeds the limit of {self.max_frame_size} bytes")
+            if avail < 8:
+                return (0, pos, 8)
+            mark = rd_i32(p + pos + 4)
             stype = (mark >> 24) & 0xFF
             hlen = mark & 0xFFFFFF
             if stype > 1:

@@ -402,10 +402,10 @@ class FrameScanner:
                 return EV_FORWARD, end, 0
         while pos < end:
             avail = end - pos
-            if avail < 8:
+            if avail < 4:
                 return EV_FORWARD, pos, 8
+            # The length word alone can already be wrong: reject it without waiting for more.
             length = _I32.unpack_from(mv, pos)[0]
-            mark = _I32.unpack_from(mv, pos + 4)[0]
             if length < 4:
                 return self._fail(pos, f"frame length {length} is shorter than the 4-byte header-length word")
             total = length + 4
@@ -413,6 +413,9 @@ class FrameScanner:
                 return self._fail(
                     pos, f"frame of {total} bytes exceeds the limit of {self.max_frame_size} bytes"
                 )
+            if avail < 8:
+                return EV_FORWARD, pos, 8
+            mark = _I32.unpack_from(mv, pos + 4)[0]
             stype = (mark >> 24) & 0xFF
             hlen = mark & 0xFFFFFF
             if stype > 1:

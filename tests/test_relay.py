@@ -1,0 +1,190 @@
+"""The relay session against an in-process fake broker (unit level; the real broker is in
+tests/integration).  Runs with both scanner implementations."""
+
+from __future__ import annotations
+
+import struct
+
+import gevent
+import pytest
+from gevent import socket
+from gevent.server import StreamServer
+
+from rmqfast import codec
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.config import HostPort
+from rmqfast.proxy import relay
+from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+from rmqfast.proxy.relay import RelaySettings, Session
+
+IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py-scan")]
+if codec.FrameScannerC is not None:
+    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c-scan"))
+
+
+def read_frame(sock: socket.socket) -> bytes | None:
+    head = b""
+    while len(head) < 4:
+        chunk = sock.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (length,) = struct.unpack(">i", head)
+    rest = b""
+    while len(rest) < length:
+        chunk = sock.recv(length - len(rest))
+        if not chunk:
+            return None
+        rest += chunk
+    return head + rest
+
+
+class FakeBroker:
+    """Answers every request with SUCCESS (same opaque); on code 34 also sends a check-back (39)."""
+
+    def __init__(self) -> None:
+        self.seen: list[RemotingCommand] = []
+        self.server = StreamServer(("127.0.0.1", 0), self.handle)
+        self.server.start()
+
+    @property
+    def addr(self) -> HostPort:
+        return HostPort("127.0.0.1", self.server.server_port)
+
+    def handle(self, sock: socket.socket, _addr: tuple) -> None:
+        while True:
+            data = read_frame(sock)
+            if data is None:
+                return
+            cmd = decode_frame(data)
+            self.seen.append(cmd)
+            if cmd.is_response or cmd.is_oneway:
+                continue
+            resp = make_response(cmd, C.SUCCESS, ext_fields={"msgId": "X", "queueId": "0", "MSG_REGION": "R"})
+            out = encode(resp)
+            if cmd.code == C.HEART_BEAT:
+                out += encode(RemotingCommand(code=C.CHECK_TRANSACTION_STATE, opaque=777, flag=C.FLAG_ONEWAY,
+                                              ext_fields={"topic": "T"}, body=b"msg"))
+            sock.sendall(out)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.errors = 0
+
+    def upstream_error(self, role: str) -> None:
+        self.errors += 1
+
+    def upstream_ok(self, session: Session, hp: HostPort) -> None:
+        pass
+
+
+@pytest.fixture(params=IMPLS)
+def proxy(request, monkeypatch):
+    Scanner, Stats = request.param
+    monkeypatch.setattr(relay, "FrameScanner", Scanner)
+    broker = FakeBroker()
+    stats = Stats()
+    events = Events()
+    chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
+    settings = RelaySettings(4096, 1 << 20, 1 << 16, 1.0, 30.0)
+    upstreams = [broker.addr]
+
+    def handle(sock, addr):
+        Session("broker", sock, f"{addr[0]}:{addr[1]}", upstreams, chain, stats, settings, events).run()
+
+    server = StreamServer(("127.0.0.1", 0), handle)
+    server.start()
+    yield server.server_port, broker, stats, events, upstreams
+    server.stop(timeout=1)
+    broker.server.stop(timeout=1)
+
+
+def send_frame(opaque: int, body: bytes = b"hello", code: int = C.SEND_MESSAGE_V2, flag: int = 0) -> bytes:
+    return encode(RemotingCommand(code=code, opaque=opaque, flag=flag, version=401,
+                                  ext_fields={"a": "PG", "b": "TopicR", "e": "-1"}, body=body))
+
+
+def connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return s
+
+
+def test_pipelined_frames_split_anywhere_arrive_verbatim(proxy):
+    port, broker, stats, _, _ = proxy
+    frames = [send_frame(i, b"x" * (i * 37 % 9000)) for i in range(200)]  # some larger than the buffer
+    data = b"".join(frames)
+    s = connect(port)
+    for i in range(0, len(data), 1013):  # odd-sized writes split frames and headers
+        s.sendall(data[i : i + 1013])
+    got = {}
+    with gevent.Timeout(10):
+        while len(got) < 200:
+            r = decode_frame(read_frame(s))
+            got[r.opaque] = r
+    assert sorted(got) == list(range(200)) and all(r.code == 0 for r in got.values())
+    assert [encode(c) for c in broker.seen] == frames  # byte-identical upstream
+    topics = {t: v for t, *v in stats.topics()}
+    assert topics[b"TopicR"][0] == 200
+    s.close()
+
+
+def test_admin_code_answered_locally_and_not_relayed(proxy):
+    port, broker, _, _, _ = proxy
+    s = connect(port)
+    s.sendall(send_frame(1, code=C.UPDATE_BROKER_CONFIG, body=b"brokerPermission=0") + send_frame(2))
+    with gevent.Timeout(5):
+        a = decode_frame(read_frame(s))
+        b = decode_frame(read_frame(s))
+    assert (a.opaque, a.code) == (1, C.NO_PERMISSION) and "request code 25" in a.remark
+    assert (b.opaque, b.code) == (2, C.SUCCESS)
+    assert [c.code for c in broker.seen] == [C.SEND_MESSAGE_V2]
+    s.close()
+
+
+def test_broker_to_client_requests_and_oneway_flow(proxy):
+    port, broker, _, _, _ = proxy
+    s = connect(port)
+    s.sendall(send_frame(5, code=C.HEART_BEAT, body=b"{}") + send_frame(6, code=C.END_TRANSACTION, flag=C.FLAG_ONEWAY))
+    with gevent.Timeout(5):
+        resp = decode_frame(read_frame(s))
+        check = decode_frame(read_frame(s))
+    assert resp.opaque == 5 and check.code == C.CHECK_TRANSACTION_STATE and check.body == b"msg"
+    with gevent.Timeout(5):
+        while len(broker.seen) < 2:
+            gevent.sleep(0.01)
+    assert broker.seen[1].code == C.END_TRANSACTION and broker.seen[1].is_oneway
+    s.close()
+
+
+@pytest.mark.parametrize("garbage", [b"\x00\x00\x00\x02\x00\x00", b"\x7f\xff\xff\xff\x00\x00\x00\x10",
+                                     struct.pack(">ii", 20, 9 << 24 | 4) + b"x" * 16,
+                                     struct.pack(">ii", 14, 10) + b"{not json}"])
+def test_garbage_closes_only_that_connection(proxy, garbage):
+    port, _, stats, _, _ = proxy
+    good = connect(port)
+    bad = connect(port)
+    bad.sendall(garbage)
+    with gevent.Timeout(5):
+        assert bad.recv(100) == b""
+    good.sendall(send_frame(9))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(good)).opaque == 9
+    assert stats.protocol_errors == 1
+    good.close()
+
+
+def test_upstream_down_answers_system_error(proxy):
+    port, broker, _, events, upstreams = proxy
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    upstreams[:] = [HostPort("127.0.0.1", dead.getsockname()[1])]  # bound, not listening: refused
+    s = connect(port)
+    s.sendall(send_frame(3) + send_frame(4, flag=C.FLAG_ONEWAY))
+    with gevent.Timeout(5):
+        r = decode_frame(read_frame(s))
+        assert s.recv(10) == b""
+    assert r.opaque == 3 and r.code == C.SYSTEM_ERROR and "upstream unreachable" in r.remark
+    assert events.errors == 1
+    dead.close()
