@@ -1,0 +1,35 @@
+# rmqfast: the two newcomer commands are `make demo` and `make test` (see README).
+# Both install what they need first: Python packages (pip), the compiled extension, and the
+# RocketMQ jars from Maven Central (built by the test harness on first use).
+
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: install demo test test-unit test-pure test-integration lint clean
+
+install:
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[test]'
+	$(PYTHON) -c "import rmqfast.codec as c; assert c.IMPLEMENTATION == 'compiled', 'Cython extension not built'"
+
+demo: install
+	$(PYTHON) -m rmqfast demo
+
+# Unit tests with the compiled codec, again with the pure-Python reference, then the
+# integration tests against a real RocketMQ name server + broker and real Java clients.
+test: install lint
+	$(PYTHON) -m pytest -q -m "not integration"
+	RMQFAST_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -m "not integration"
+	$(PYTHON) -m pytest -q -m integration
+
+test-unit: install
+	$(PYTHON) -m pytest -q -m "not integration"
+
+test-integration: install
+	$(PYTHON) -m pytest -q -m integration
+
+lint:
+	$(PYTHON) -m ruff check rmqfast tests
+
+clean:
+	rm -rf build dist *.egg-info ext/*.c ext/*.html rmqfast/*.so java/*/target java/target
