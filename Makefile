@@ -2,13 +2,20 @@
 # Both install what they need first: Python packages (pip), the compiled extension, and the
 # RocketMQ jars from Maven Central (built by the test harness on first use).
 
-PYTHON ?= python3
-PIP ?= $(PYTHON) -m pip
+# Everything goes into a virtualenv inside the checkout, so a clone never disturbs (or
+# depends on) what else is installed on the machine.
+BASE_PYTHON ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+PIP := $(PYTHON) -m pip
 
 .PHONY: install demo test test-unit test-pure test-integration lint clean
 
-install:
+$(PYTHON):
+	$(BASE_PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
+
+install: $(PYTHON)
 	$(PIP) install --quiet -e '.[test]'
 	$(PYTHON) -c "import rmqfast.codec as c; assert c.IMPLEMENTATION == 'compiled', 'Cython extension not built'"
 
@@ -32,4 +39,4 @@ lint:
 	$(PYTHON) -m ruff check rmqfast tests
 
 clean:
-	rm -rf build dist *.egg-info ext/*.c ext/*.html rmqfast/*.so java/*/target java/target
+	rm -rf $(VENV) build dist *.egg-info ext/*.c ext/*.html rmqfast/*.so java/*/target java/target
