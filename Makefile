@@ -9,13 +9,19 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-unit test-pure test-integration lint clean
+.PHONY: system-deps install demo test test-unit test-pure test-integration lint clean
 
 $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-install: $(PYTHON)
+# Java 17 and Maven run the real RocketMQ and its Java clients in the tests and the demo.
+system-deps:
+	@command -v java >/dev/null && command -v mvn >/dev/null || { \
+	  echo "installing Java 17 and Maven from Debian's packages"; \
+	  apt-get update -q && apt-get install -y -q openjdk-17-jdk-headless maven; }
+
+install: $(PYTHON) system-deps
 	$(PIP) install --quiet -e '.[test]'
 	$(PYTHON) -c "import rmqfast.codec as c; assert c.IMPLEMENTATION == 'compiled', 'Cython extension not built'"
 
