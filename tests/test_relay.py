@@ -188,3 +188,17 @@ def test_upstream_down_answers_system_error(proxy):
     assert r.opaque == 3 and r.code == C.SYSTEM_ERROR and "upstream unreachable" in r.remark
     assert events.errors == 1
     dead.close()
+
+
+def test_namesrv_failover_to_the_next_upstream(proxy):
+    port, broker, _, events, upstreams = proxy
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    upstreams[:] = [HostPort("127.0.0.1", dead.getsockname()[1]), broker.addr]
+    s = connect(port)
+    s.sendall(send_frame(11))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(s)).code == C.SUCCESS
+    assert events.errors == 1
+    s.close()
+    dead.close()
