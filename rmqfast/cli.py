@@ -51,7 +51,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         for spec in args.broker:
             listen, sep, upstream = spec.partition("=")
             if not sep:
-                raise ConfigError(f"--broker: {spec!r} is not allowed; expected LISTEN=UPSTREAM, e.g. 0.0.0.0:30911=10.0.0.1:10911")
+                raise ConfigError(
+                    f"--broker: {spec!r} is not allowed; expected LISTEN=UPSTREAM, e.g. 0.0.0.0:30911=10.0.0.1:10911"
+                )
             static.append({"listen": listen, "upstream": upstream})
         o["brokers.static"] = static
     return o
@@ -59,13 +61,26 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="FILE", help="TOML config file (see README, 'Configuration')")
-    p.add_argument("--namesrv-listen", metavar="H:P", help="where clients reach the name-server proxy (default 127.0.0.1:9876)")
-    p.add_argument("--namesrv-upstream", metavar="H:P", action="append",
-                   help="a real name server; repeat for several (failover in order)")
-    p.add_argument("--broker", metavar="LISTEN=UPSTREAM", action="append",
-                   help="a static broker endpoint, e.g. 0.0.0.0:30911=10.0.0.1:10911; repeatable")
-    p.add_argument("--broker-port-range", metavar="A-B",
-                   help="ports for brokers the routes reveal (default 30900-30999; '' disables)")
+    p.add_argument(
+        "--namesrv-listen", metavar="H:P", help="where clients reach the name-server proxy (default 127.0.0.1:9876)"
+    )
+    p.add_argument(
+        "--namesrv-upstream",
+        metavar="H:P",
+        action="append",
+        help="a real name server; repeat for several (failover in order)",
+    )
+    p.add_argument(
+        "--broker",
+        metavar="LISTEN=UPSTREAM",
+        action="append",
+        help="a static broker endpoint, e.g. 0.0.0.0:30911=10.0.0.1:10911; repeatable",
+    )
+    p.add_argument(
+        "--broker-port-range",
+        metavar="A-B",
+        help="ports for brokers the routes reveal (default 30900-30999; '' disables)",
+    )
     p.add_argument("--advertise-host", metavar="HOST", help="host written into rewritten routes")
     p.add_argument("--workers", type=int, metavar="N", help="worker processes (default: CPU count)")
     p.add_argument("--admin-listen", metavar="H:P", help="admin HTTP endpoint: /metrics /healthz /readyz")
@@ -75,13 +90,18 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rmqfast", description=DESCRIPTION,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="rmqfast", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--version", action="version", version=f"rmqfast {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the proxy (supervisor + workers)", epilog=SERVE_EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve = sub.add_parser(
+        "serve",
+        help="run the proxy (supervisor + workers)",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_serve_flags(serve)
 
     check = sub.add_parser("check-config", help="validate a config file (and flags) and print the result")

@@ -160,9 +160,7 @@ def parse_port_range(key: str, value: Any) -> tuple[int, int] | None:
 
 def _int(key: str, value: Any, lo: int, hi: int, what: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(
-            f"{key}: {value!r} is not allowed; expected an integer from {lo}{what} to {hi}"
-        )
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected an integer from {lo}{what} to {hi}")
     return value
 
 
@@ -198,8 +196,15 @@ def _table(key: str, value: Any) -> dict[str, Any]:
 
 _KNOWN = {
     "proxy": {
-        "workers", "advertise_host", "max_frame_size", "max_header_size", "buffer_size",
-        "connect_timeout", "idle_timeout", "drain_timeout", "state_dir",
+        "workers",
+        "advertise_host",
+        "max_frame_size",
+        "max_header_size",
+        "buffer_size",
+        "connect_timeout",
+        "idle_timeout",
+        "drain_timeout",
+        "state_dir",
     },
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
@@ -213,9 +218,7 @@ def _check_keys(prefix: str, table: dict[str, Any], allowed: set[str]) -> None:
     for k in table:
         if k not in allowed:
             where = f"{prefix}.{k}" if prefix else k
-            raise ConfigError(
-                f"{where}: unknown key; allowed here: {', '.join(sorted(allowed))}"
-            )
+            raise ConfigError(f"{where}: unknown key; allowed here: {', '.join(sorted(allowed))}")
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -319,7 +322,9 @@ def _check_ports(cfg: Config) -> None:
         _claim(used, s.listen.port, f"brokers.static[{i}].listen")
         if cfg.brokers.vip_channel:
             if s.listen.port <= 2:
-                raise ConfigError(f"brokers.static[{i}].listen: port {s.listen.port} leaves no room for its VIP channel at port - 2")
+                raise ConfigError(
+                    f"brokers.static[{i}].listen: port {s.listen.port} leaves no room for its VIP channel at port - 2"
+                )
             _claim(used, s.listen.port - 2, f"brokers.static[{i}].listen (VIP channel, port - 2)")
     rng = cfg.brokers.port_range
     if rng is not None:

@@ -41,24 +41,42 @@ def run_demo(messages: int = 2000, workers: int = 2, keep_running: bool = False)
         with ProxyProcess([cluster.namesrv_addr], workers=workers, log_format="human") as proxy:
             _say(f"rmqfast up: name server proxy {proxy.namesrv_addr}, admin {proxy.admin_url}")
             results = []
-            for client, mode, count in (("5", "sync", messages), ("5", "batch", messages), ("4", "async", messages // 2)):
+            for client, mode, count in (
+                ("5", "sync", messages),
+                ("5", "batch", messages),
+                ("4", "async", messages // 2),
+            ):
                 topic = f"DemoTopic{client}{mode.capitalize()}"
                 _say(f"client {client}.x: {mode} send of {count} messages to {topic}, push consumer, via rmqfast")
                 t0 = time.monotonic()
-                r = run_driver("roundtrip", proxy.namesrv_addr, client, topic=topic, group=f"DemoGroup{client}{mode}",
-                               count=count, mode=mode, timeout=300, check=False, jars=jars)
+                r = run_driver(
+                    "roundtrip",
+                    proxy.namesrv_addr,
+                    client,
+                    topic=topic,
+                    group=f"DemoGroup{client}{mode}",
+                    count=count,
+                    mode=mode,
+                    timeout=300,
+                    check=False,
+                    jars=jars,
+                )
                 elapsed = time.monotonic() - t0
                 results.append((client, mode, count, r, elapsed))
             metrics = proxy.metrics()
             print()
             print("Traffic through rmqfast (real RocketMQ, real Java clients)")
-            print(f"{'client':<7}{'mode':<7}{'sent':>7}{'received':>10}{'lost':>6}{'dup':>5}{'mismatch':>9}{'seconds':>9}")
+            print(
+                f"{'client':<7}{'mode':<7}{'sent':>7}{'received':>10}{'lost':>6}{'dup':>5}{'mismatch':>9}{'seconds':>9}"
+            )
             ok = True
-            for client, mode, count, r, elapsed in results:
+            for client, mode, _count, r, elapsed in results:
                 received = _n(r.get("consumed", {}).get("distinct", 0))
-                print(f"{client + '.x':<7}{mode:<7}{_n(r.get('sent', 0))!s:>7}{received!s:>10}"
-                      f"{_n(r.get('lost', '?'))!s:>6}{_n(r.get('duplicates', '?'))!s:>5}"
-                      f"{_n(r.get('mismatched', '?'))!s:>9}{elapsed:>9.1f}")
+                print(
+                    f"{client + '.x':<7}{mode:<7}{_n(r.get('sent', 0))!s:>7}{received!s:>10}"
+                    f"{_n(r.get('lost', '?'))!s:>6}{_n(r.get('duplicates', '?'))!s:>5}"
+                    f"{_n(r.get('mismatched', '?'))!s:>9}{elapsed:>9.1f}"
+                )
                 ok = ok and bool(r.get("ok"))
             print()
             print("Scraped from rmqfast /metrics (all workers):")

@@ -37,16 +37,27 @@ def test_defaults():
         (merged(proxy={"idle_timeout": 5}), "proxy.idle_timeout: 5 is not allowed"),
         (merged(proxy={"bogus": 1}), "proxy.bogus: unknown key; allowed here:"),
         ({"namesrv": {"listen": "127.0.0.1:1"}}, "namesrv.upstreams: [] is not allowed"),
-        (merged(namesrv={"upstreams": ["nohost"]}), "namesrv.upstreams[0]: 'nohost' is not allowed; expected 'host:port'"),
+        (
+            merged(namesrv={"upstreams": ["nohost"]}),
+            "namesrv.upstreams[0]: 'nohost' is not allowed; expected 'host:port'",
+        ),
         (merged(namesrv={"listen": "1.2.3.4:70000"}), "the port must be from 1 to 65535"),
         (merged(brokers={"port_range": "5-3"}), "brokers.port_range: '5-3' is not allowed"),
         (merged(brokers={"port_range": "19870-19880"}), "contains port 19876 already used by namesrv.listen"),
-        (merged(brokers={"static": [{"listen": "127.0.0.1:30000"}]}), "brokers.static[0]: both 'listen' and 'upstream'"),
-        (merged(brokers={"static": [{"listen": "127.0.0.1:19878", "upstream": "1.1.1.1:10911"}]}),
-         "brokers.static[0].listen (VIP channel, port - 2): port 19876 is already used by namesrv.listen"),
+        (
+            merged(brokers={"static": [{"listen": "127.0.0.1:30000"}]}),
+            "brokers.static[0]: both 'listen' and 'upstream'",
+        ),
+        (
+            merged(brokers={"static": [{"listen": "127.0.0.1:19878", "upstream": "1.1.1.1:10911"}]}),
+            "brokers.static[0].listen (VIP channel, port - 2): port 19876 is already used by namesrv.listen",
+        ),
         (merged(policy={"allow_codes": ["25"]}), "policy.allow_codes[0]: '25' is not allowed"),
         (merged(log={"format": "xml"}), "log.format: 'xml' is not allowed; expected one of json, human"),
-        (merged(namesrv={"listen": "0.0.0.0:9876"}), "proxy.advertise_host: required when namesrv.listen binds a wildcard"),
+        (
+            merged(namesrv={"listen": "0.0.0.0:9876"}),
+            "proxy.advertise_host: required when namesrv.listen binds a wildcard",
+        ),
         (merged(proxy={"max_header_size": 4096, "max_frame_size": 2048}), "must not exceed proxy.max_frame_size"),
         ({"nonsense": {}}, "nonsense: unknown key"),
     ],
@@ -90,7 +101,17 @@ def test_broker_flag_syntax(capsys):
 
 
 def test_help_documents_everything():
-    out = subprocess.run([sys.executable, "-m", "rmqfast", "serve", "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--config", "--namesrv-listen", "--namesrv-upstream", "--broker", "--broker-port-range",
-                 "--workers", "--admin-listen", "SIGHUP"):
+    out = subprocess.run(
+        [sys.executable, "-m", "rmqfast", "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in (
+        "--config",
+        "--namesrv-listen",
+        "--namesrv-upstream",
+        "--broker",
+        "--broker-port-range",
+        "--workers",
+        "--admin-listen",
+        "SIGHUP",
+    ):
         assert flag in out

@@ -39,7 +39,13 @@ def binary_frame(code: int, flag: int, opaque: int, ext: dict[str, str], remark:
         struct.pack(">H", len(k.encode())) + k.encode() + struct.pack(">i", len(v.encode())) + v.encode()
         for k, v in ext.items()
     )
-    h = struct.pack(">hbhii", code, 0, 401, opaque, flag) + struct.pack(">i", len(rb)) + rb + struct.pack(">i", len(eb)) + eb
+    h = (
+        struct.pack(">hbhii", code, 0, 401, opaque, flag)
+        + struct.pack(">i", len(rb))
+        + rb
+        + struct.pack(">i", len(eb))
+        + eb
+    )
     return struct.pack(">ii", 4 + len(h) + len(body), (1 << 24) | len(h)) + h + body
 
 
@@ -48,9 +54,25 @@ def send_v2(topic: str, opaque: int = 1, body: bytes = b"x" * 100, tag: str = "T
     return json_frame(
         {
             "code": 310,
-            "extFields": {"a": "PG", "b": topic, "c": "TBW102", "d": "4", "e": "-1", "f": "0",
-                          "g": "1700000000000", "h": "0", "i": props, "j": "0", "k": "false", "m": "false"},
-            "flag": 0, "language": "JAVA", "opaque": opaque, "serializeTypeCurrentRPC": "JSON", "version": 401,
+            "extFields": {
+                "a": "PG",
+                "b": topic,
+                "c": "TBW102",
+                "d": "4",
+                "e": "-1",
+                "f": "0",
+                "g": "1700000000000",
+                "h": "0",
+                "i": props,
+                "j": "0",
+                "k": "false",
+                "m": "false",
+            },
+            "flag": 0,
+            "language": "JAVA",
+            "opaque": opaque,
+            "serializeTypeCurrentRPC": "JSON",
+            "version": 401,
         },
         body,
     )
@@ -67,9 +89,17 @@ def batch_body(n: int) -> bytes:
 
 
 def response(code: int, opaque: int) -> bytes:
-    return json_frame({"code": code, "flag": 1, "language": "JAVA", "opaque": opaque,
-                       "serializeTypeCurrentRPC": "JSON", "version": 401,
-                       "extFields": {"msgId": "7F00000100002A9F0000000000000000", "queueId": "1"}})
+    return json_frame(
+        {
+            "code": code,
+            "flag": 1,
+            "language": "JAVA",
+            "opaque": opaque,
+            "serializeTypeCurrentRPC": "JSON",
+            "version": 401,
+            "extFields": {"msgId": "7F00000100002A9F0000000000000000", "queueId": "1"},
+        }
+    )
 
 
 def run(scanner, data: bytes, chunk: int | None = None) -> list:
@@ -104,7 +134,9 @@ def run(scanner, data: bytes, chunk: int | None = None) -> list:
 
 
 STREAM = (
-    send_v2("TopicA", 1) + send_v2("TopicB", 2) + response(0, 9)
+    send_v2("TopicA", 1)
+    + send_v2("TopicB", 2)
+    + response(0, 9)
     + binary_frame(310, 0, 3, {"a": "PG", "b": "TopicA"}, body=b"bin")
     + json_frame({"code": 320, "extFields": {"b": "TopicB", "m": "true"}, "flag": 0, "opaque": 4}, batch_body(5))
     + json_frame({"code": 11, "extFields": {"topic": "TopicA", "queueId": "0"}, "flag": 0, "opaque": 5})
@@ -247,30 +279,52 @@ def _both(data: bytes, chunk: int | None, actions: bytes | None = None, response
         stats = Stats()
         sc = Scanner(stats, actions=actions, response_policy=response_policy, max_frame_size=1 << 20)
         out = run(sc, data, chunk)
-        out.append((stats.requests(), stats.responses(), sorted(stats.topics()), stats.frames,
-                    stats.bytes, stats.protocol_errors, sc.requests, sc.responses))
+        out.append(
+            (
+                stats.requests(),
+                stats.responses(),
+                sorted(stats.topics()),
+                stats.frames,
+                stats.bytes,
+                stats.protocol_errors,
+                sc.requests,
+                sc.responses,
+            )
+        )
         results.append(out)
     return results
 
 
 frame_strategy = st.one_of(
-    st.builds(lambda t, o, n: send_v2(t, o, b"y" * n), st.text("abcXYZ_-%|0", min_size=1, max_size=20),
-              st.integers(-(2**31), 2**31 - 1), st.integers(0, 300)),
-    st.builds(lambda c, f, o, t: binary_frame(c, f, o, {"b": t, "topic": t}),
-              st.sampled_from([10, 11, 310, 320, 34, 105, 25]), st.integers(0, 3), st.integers(0, 1000),
-              st.text("ab", max_size=5)),
+    st.builds(
+        lambda t, o, n: send_v2(t, o, b"y" * n),
+        st.text("abcXYZ_-%|0", min_size=1, max_size=20),
+        st.integers(-(2**31), 2**31 - 1),
+        st.integers(0, 300),
+    ),
+    st.builds(
+        lambda c, f, o, t: binary_frame(c, f, o, {"b": t, "topic": t}),
+        st.sampled_from([10, 11, 310, 320, 34, 105, 25]),
+        st.integers(0, 3),
+        st.integers(0, 1000),
+        st.text("ab", max_size=5),
+    ),
     st.builds(lambda c, o: response(c, o), st.integers(0, 300), st.integers(0, 100)),
-    st.builds(lambda n: json_frame({"code": 320, "extFields": {"b": "B"}, "flag": 0}, batch_body(n)),
-              st.integers(0, 6)),
+    st.builds(
+        lambda n: json_frame({"code": 320, "extFields": {"b": "B"}, "flag": 0}, batch_body(n)), st.integers(0, 6)
+    ),
     st.binary(min_size=0, max_size=40),  # garbage
 )
 
 
 @needs_c
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(frame_strategy, max_size=6), st.one_of(st.none(), st.integers(1, 50)),
-       st.binary(min_size=codec.CODE_SLOTS, max_size=codec.CODE_SLOTS).map(lambda b: bytes(x & 1 for x in b)),
-       st.booleans())
+@given(
+    st.lists(frame_strategy, max_size=6),
+    st.one_of(st.none(), st.integers(1, 50)),
+    st.binary(min_size=codec.CODE_SLOTS, max_size=codec.CODE_SLOTS).map(lambda b: bytes(x & 1 for x in b)),
+    st.booleans(),
+)
 def test_compiled_and_python_agree(frames, chunk, actions, response_policy):
     data = b"".join(frames)
     py, c = _both(data, chunk, actions, response_policy)

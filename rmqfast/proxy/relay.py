@@ -37,7 +37,9 @@ log = logging.getLogger("rmqfast.relay")
 class RelaySettings:
     """The part of the configuration a relay session needs (shared, updated on reload)."""
 
-    def __init__(self, buffer_size: int, max_frame: int, max_header: int, connect_timeout: float, idle_timeout: float) -> None:
+    def __init__(
+        self, buffer_size: int, max_frame: int, max_header: int, connect_timeout: float, idle_timeout: float
+    ) -> None:
         self.buffer_size = buffer_size
         self.max_frame = max_frame
         self.max_header = max_header
@@ -86,13 +88,18 @@ class Session:
         self.upstream = upstream
         s = self.settings
         self.c2u = FrameScanner(
-            self.stats, actions=self.chain.request_actions, response_policy=False,
-            max_frame_size=s.max_frame, max_header_size=s.max_header,
+            self.stats,
+            actions=self.chain.request_actions,
+            response_policy=False,
+            max_frame_size=s.max_frame,
+            max_header_size=s.max_header,
         )
         # Requests from the broker to the client (39, 40, 307, 309...) are always relayed.
         self.u2c = FrameScanner(
-            self.stats, response_policy=self.chain.response_policy,
-            max_frame_size=s.max_frame, max_header_size=s.max_header,
+            self.stats,
+            response_policy=self.chain.response_policy,
+            max_frame_size=s.max_frame,
+            max_header_size=s.max_header,
         )
         self.client.settimeout(s.idle_timeout)
         upstream.settimeout(s.idle_timeout)
@@ -171,8 +178,15 @@ class Session:
 
     # The pump -------------------------------------------------------------------------------
 
-    def _pump(self, src: socket.socket, dst: socket.socket, scanner: FrameScanner, side: str,
-              dst_lock: Semaphore, on_policy: Any) -> None:
+    def _pump(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        scanner: FrameScanner,
+        side: str,
+        dst_lock: Semaphore,
+        on_policy: Any,
+    ) -> None:
         size = self.settings.buffer_size
         buf = bytearray(size)
         view = memoryview(buf)
@@ -212,8 +226,13 @@ class Session:
                     # EV_ERROR: one log line (the scanner counted it); only this connection closes.
                     log.warning(
                         "protocol error; closing connection",
-                        extra=ctx(role=self.role, side=side, client=self.client_addr,
-                                  upstream=self.upstream_addr, error=scanner.error),
+                        extra=ctx(
+                            role=self.role,
+                            side=side,
+                            client=self.client_addr,
+                            upstream=self.upstream_addr,
+                            error=scanner.error,
+                        ),
                     )
                     return
                 rest = filled - start
@@ -234,7 +253,9 @@ class Session:
                     view = memoryview(buf)
         except OSError as exc:
             if not self.closed and exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, None):
-                log.info("connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc)))
+                log.info(
+                    "connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc))
+                )
         finally:
             view.release()
             self.close()
@@ -255,7 +276,9 @@ class Session:
             with lock:
                 src.sendall(verdict.data)
         elif kind == "close":
-            log.warning("policy closed connection", extra=ctx(role=self.role, client=self.client_addr, reason=verdict.reason))
+            log.warning(
+                "policy closed connection", extra=ctx(role=self.role, client=self.client_addr, reason=verdict.reason)
+            )
             return False
         # "divert": the filter owns the frame now.
         return True

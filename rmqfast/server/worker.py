@@ -94,13 +94,17 @@ class Worker:
     def _build_chains(self) -> None:
         pol = self.cfg.policy
         self.chains = {
-            "namesrv": FilterChain([
-                DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
-                RewriteRoutes(self.registry, self._rewritten),
-            ]),
-            "broker": FilterChain([
-                DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
-            ]),
+            "namesrv": FilterChain(
+                [
+                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
+                    RewriteRoutes(self.registry, self._rewritten),
+                ]
+            ),
+            "broker": FilterChain(
+                [
+                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
+                ]
+            ),
         }
 
     def _denied(self, session: PolicySession, code: int) -> None:
@@ -235,7 +239,9 @@ class Worker:
             try:
                 self._listen("namesrv", cfg.namesrv.listen, None)
             except OSError as exc:
-                log.error("cannot bind the new namesrv.listen", extra=ctx(listen=str(cfg.namesrv.listen), error=str(exc)))
+                log.error(
+                    "cannot bind the new namesrv.listen", extra=ctx(listen=str(cfg.namesrv.listen), error=str(exc))
+                )
         self.registry.bind_all()
         log.info("configuration reloaded", extra=ctx(worker=self.index, was_workers=old.proxy.workers))
 
