@@ -276,9 +276,12 @@ class Supervisor:
                     MultiProcessCollector(reg, path=str(sup.prom_dir))
                     self._send(200, generate_latest(reg), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
-                    alive = sum(1 for w in sup.state.workers.values() if w.proc.poll() is None)
+                    # Snapshot first: the main loop replaces entries while restarting workers,
+                    # and list() copies the dict in one step under the GIL.
+                    workers = list(sup.state.workers.values())
+                    alive = sum(1 for w in workers if w.proc.poll() is None)
                     body = {"status": "ok" if alive else "down", "workers_alive": alive,
-                            "worker_pids": [w.proc.pid for w in sup.state.workers.values()],
+                            "worker_pids": [w.proc.pid for w in workers],
                             "restarts": sup.state.restarts}
                     self._send(200 if alive else 503, json.dumps(body).encode(), "application/json")
                 elif path == "/readyz":

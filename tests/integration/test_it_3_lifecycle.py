@@ -21,6 +21,7 @@ from itutil import (
     GET_ROUTEINFO_BY_TOPIC,
     HEART_BEAT,
     NO_PERMISSION,
+    SEND_TIMEOUT_MS,
     SUCCESS,
     SYSTEM_ERROR,
     assert_roundtrip,
@@ -131,7 +132,14 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
             wait_metric(p, "rmqfast_requests_total", 1, role="broker", code="11")  # consumer pulling
             before = _requests_total(p)
             producer = start_driver(
-                "produce", p.namesrv_addr, "5", topic=topic, count=count, mode="sync", retries=5, send_timeout_ms=5000
+                "produce",
+                p.namesrv_addr,
+                "5",
+                topic=topic,
+                count=count,
+                mode="sync",
+                retries=5,
+                send_timeout_ms=SEND_TIMEOUT_MS,
             )
 
             # the worker that holds the producer's broker connection: match the producer's
@@ -293,10 +301,8 @@ RESTARTS = 30
 def test_healthz_answers_while_workers_restart(cluster: RocketMQCluster) -> None:
     """/healthz, /readyz and /metrics keep answering while workers die and are restarted.
 
-    Known failure (rmqfast/server/supervisor.py, /healthz handler): the admin HTTP thread
-    iterates ``sup.state.workers.values()`` (calling ``proc.poll()``, which releases the GIL)
-    while the main loop deletes and re-adds the restarted worker's entry, so the handler dies
-    with "RuntimeError: dictionary changed size during iteration" and the client gets no answer.
+    Regression: the admin HTTP thread used to iterate ``sup.state.workers.values()`` while the
+    main loop replaced a restarted worker's entry ("dictionary changed size during iteration").
     """
     with ProxyProcess([cluster.namesrv_addr]) as p:
         errors: list[str] = []
