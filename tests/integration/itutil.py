@@ -276,8 +276,16 @@ def checked(res: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+#: Send timeout of producing scenarios. The clients' default (5 s) covers route lookup and topic
+#: auto-creation too, which a busy 2-core machine (JVMs starting alongside) can exceed.
+SEND_TIMEOUT_MS = 15000
+_PRODUCING = {"produce", "roundtrip", "transaction"}
+
+
 def drive(scenario: str, namesrv: str, client: str, **options: Any) -> dict[str, Any]:
-    """``run_driver`` + :func:`checked`."""
+    """``run_driver`` + :func:`checked`, with :data:`SEND_TIMEOUT_MS` for producers."""
+    if scenario in _PRODUCING:
+        options.setdefault("send_timeout_ms", SEND_TIMEOUT_MS)
     return checked(run_driver(scenario, namesrv, client, **options))  # type: ignore[arg-type]
 
 

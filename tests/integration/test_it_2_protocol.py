@@ -20,6 +20,7 @@ from itutil import (
     GET_ROUTEINFO_BY_TOPIC,
     NO_PERMISSION,
     PROTOCOL_ERROR_MSG,
+    SEND_TIMEOUT_MS,
     SUCCESS,
     UPDATE_BROKER_CONFIG,
     UPDATE_NAMESRV_CONFIG,
@@ -180,7 +181,9 @@ def test_bad_input_closes_only_that_connection(proxy: ProxyProcess) -> None:
     m0 = proxy.metrics()
     healthy_ns = connect(proxy.namesrv_addr)
     healthy_br = connect(endpoint)
-    producer = start_driver("produce", proxy.namesrv_addr, "5", topic=topic, count=40, mode="sync")
+    producer = start_driver(
+        "produce", proxy.namesrv_addr, "5", topic=topic, count=40, mode="sync", send_timeout_ms=SEND_TIMEOUT_MS
+    )
     try:
         # warm: the healthy connections work before
         assert call(healthy_ns, GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"}).code == SUCCESS

@@ -7,7 +7,6 @@ Tests that disturb the proxy's processes or configuration run their own ``ProxyP
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -95,19 +94,6 @@ def test_upstream_down(restore_broker: RocketMQCluster, proxy: ProxyProcess) -> 
 # --------------------------------------------------------------------------- 11. worker killed
 
 
-def _worker_pids(proxy: ProxyProcess) -> list[int]:
-    """/healthz's worker pids. Retries a dropped answer: /healthz can fail while a worker is
-    being restarted (supervisor race, see test_healthz_answers_while_workers_restart); this
-    test is about the restart itself."""
-    for attempt in range(5):
-        try:
-            return proxy.worker_pids()
-        except (http.client.RemoteDisconnected, ConnectionResetError):
-            if attempt == 4:
-                raise
-    raise AssertionError("unreachable")
-
-
 def _requests_total(proxy: ProxyProcess) -> dict[tuple[tuple[str, str], ...], float]:
     return {lab: v for (n, lab), v in proxy.metrics().items() if n == "rmqfast_requests_total"}
 
@@ -158,7 +144,7 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
             killed_at = time.monotonic()
 
             def restarted() -> list[int] | None:
-                now = _worker_pids(p)
+                now = p.worker_pids()
                 return now if len(now) == 2 and wpid not in now and all(pid_alive(x) for x in now) else None
 
             new_pids = wait_until(restarted, 5.0, "the supervisor to restart the killed worker", interval=0.02)
@@ -327,12 +313,12 @@ def test_healthz_answers_while_workers_restart(cluster: RocketMQCluster) -> None
             t.start()
         try:
             for i in range(RESTARTS):
-                pids = _worker_pids(p)
+                pids = p.worker_pids()
                 victim = pids[i % 2]
                 os.kill(victim, signal.SIGKILL)
                 wait_until(
                     lambda victim=victim: (
-                        (now := _worker_pids(p))
+                        (now := p.worker_pids())
                         and len(now) == 2
                         and victim not in now
                         and all(pid_alive(x) for x in now)
