@@ -42,7 +42,13 @@ test-integration: install
 	$(PYTHON) -m pytest -q -m integration
 
 lint:
-	$(PYTHON) -m ruff check rmqfast tests
+	$(PYTHON) -m ruff check rmqfast tests bench
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info ext/*.c ext/*.html rmqfast/*.so java/*/target java/target
+
+bench: install
+	$(PYTHON) -m rmqfast.bench
+
+bench-short: install
+	$(PYTHON) -m rmqfast.bench --short

@@ -1,0 +1,124 @@
+"""The benchmark's tools work: loadgen against the null broker, directly and through rmqfast.
+
+Not a speed test (the speed targets live in ``python -m rmqfast.bench``): it only checks that
+the C tools build, that every request is answered with SUCCESS and matched by its opaque,
+and that the bench driver writes its results.  Needs a C compiler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+
+from rmqfast import bench, codec
+from rmqfast.codec import codes as C
+from rmqfast.codec.codes import SERIALIZE_ROCKETMQ
+from rmqfast.codec.command import RemotingCommand, decode_frame, encode
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="needs a C compiler")
+
+# A little of everything: several topics, a quarter pulls (answered with store records).
+SMOKE = bench.Scenario("smoke", conns=4, inflight=8, topics=3, pull_pct=25)
+
+
+@pytest.fixture(scope="module")
+def tools() -> bench.Tools:
+    return bench.build_tools()
+
+
+def _assert_clean(res: dict, *, pulls: bool = True) -> None:
+    assert res["responses"] > 0, res
+    assert res["errors"] == 0, res["error_detail"]
+    assert res["resp_codes"] == {"0": res["responses"]}
+    assert res["lat_us"]["p50"] > 0
+    if pulls:
+        assert 0 < res["pulls"] < res["sent"]
+        assert res["bytes_in"] > res["responses"] * 100  # pull answers carry records
+
+
+def test_loadgen_direct_and_through_rmqfast(tools: bench.Tools) -> None:
+    pure = codec.IMPLEMENTATION == "python"  # the RMQFAST_NO_EXTENSIONS=1 test run checks the pure relay
+    with bench.NullBroker(tools) as broker:
+        direct = bench.run_loadgen(tools, broker.port, SMOKE, warmup=0.2, duration=1.0)
+        _assert_clean(direct)
+
+        target = bench.RmqfastTarget(broker.port, workers=2, pure=pure, name="rmqfast")
+        target.start()
+        try:
+            via = bench.run_loadgen(tools, target.port, SMOKE, warmup=0.2, duration=1.0,
+                                    cpu_groups={"target": target.pids()})
+            _assert_clean(via)
+            assert via["cpu"]["target"]["user_s"] + via["cpu"]["target"]["sys_s"] > 0
+            assert all(bench.memory_kib(pid).get("VmRSS", 0) > 0 for pid in target.worker_pids())
+            assert len(target.worker_pids()) == 2
+        finally:
+            target.stop()
+
+        opened = bench.run_loadgen(tools, broker.port, bench.Scenario("open", conns=2, rate=2000), warmup=0.1,
+                                   duration=0.5)
+        _assert_clean(opened, pulls=False)
+        assert opened["mode"] == "open" and 1800 <= opened["send_rate"] <= 2200
+    stats = broker.final_stats
+    assert stats["protocol_errors"] == 0
+    assert stats["responses"] >= direct["responses"] + via["responses"] + opened["responses"]
+
+
+def test_bench_main_writes_results(tools: bench.Tools, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bench.main(["--targets", "direct", "--scenarios", "send-64x1", "--rounds", "1", "--warmup", "0.1",
+                     "--duration", "0.3", "--results", str(tmp_path)])
+    assert rc == 0
+    (path,) = tmp_path.glob("bench-*.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("run") == 1 and "summary" in kinds and "check" in kinds
+    run = records[kinds.index("run")]
+    assert run["target"] == "direct" and run["scenario"] == "send-64x1"
+    assert run["loadgen"]["responses"] > 0 and run["loadgen"]["errors"] == 0
+    assert run["machine"]["cores"] and run["machine"]["kernel"] and run["machine"]["python"]
+    assert len({r["run_id"] for r in records}) == 1
+    assert "send-64x1" in capsys.readouterr().out
+    assert bench.main(["--report", str(path)]) == 0  # re-reads the results file
+    assert "send-64x1" in capsys.readouterr().out
+
+
+def _read_frames(sock: socket.socket, count: int) -> list[bytes]:
+    data = b""
+    frames: list[bytes] = []
+    while len(frames) < count:
+        if len(data) >= 4 and len(data) >= 4 + struct.unpack(">i", data[:4])[0]:
+            end = 4 + struct.unpack(">i", data[:4])[0]
+            frames.append(data[:end])
+            data = data[end:]
+            continue
+        chunk = sock.recv(65536)
+        assert chunk, "null broker closed the connection"
+        data += chunk
+    return frames
+
+
+def test_nullbroker_answers_like_a_broker(tools: bench.Tools) -> None:
+    """Its answers decode with rmqfast's exact codec and carry what a Java client reads."""
+    send = RemotingCommand(code=C.SEND_MESSAGE_V2, opaque=41, version=435,
+                           ext_fields={"a": "PG", "b": "T", "e": "3", "i": "TAGS\x01A\x02"}, body=b"x" * 100)
+    beat = RemotingCommand(code=C.HEART_BEAT, opaque=42, serialize_type=SERIALIZE_ROCKETMQ)  # binary header
+    oneway = RemotingCommand(code=C.SEND_MESSAGE_V2, opaque=43, flag=C.FLAG_ONEWAY, ext_fields={"b": "T"})
+    pull = RemotingCommand(code=C.PULL_MESSAGE, opaque=44, ext_fields={"topic": "T", "queueId": "0"})
+    with bench.NullBroker(tools, pull_msgs=2, pull_body=10) as broker:
+        with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as s:
+            s.sendall(encode(send) + encode(beat) + encode(oneway) + encode(pull))
+            answers = [decode_frame(f) for f in _read_frames(s, 3)]
+    sent, beaten, pulled = answers  # the oneway frame gets no answer
+    assert [a.opaque for a in answers] == [41, 42, 44] and all(a.flag == C.FLAG_RESPONSE for a in answers)
+    assert all(a.code == C.SUCCESS for a in answers)
+    assert sent.ext_fields is not None and sent.ext_fields["queueId"] == "3"
+    assert {"msgId", "queueOffset", "MSG_REGION", "TRACE_ON"} <= set(sent.ext_fields)
+    assert len(sent.ext_fields["msgId"]) == 32
+    assert pulled.ext_fields is not None and "nextBeginOffset" in pulled.ext_fields
+    assert struct.unpack(">i", pulled.body[:4])[0] * 2 == len(pulled.body)  # two store records
+    assert broker.final_stats["oneway"] == 1 and broker.final_stats["requests"] == 4
