@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 import gevent
+import gevent.event
 import pytest
 from gevent import socket
 from gevent.server import StreamServer
@@ -45,6 +46,7 @@ class FakeBroker:
 
     def __init__(self) -> None:
         self.seen: list[RemotingCommand] = []
+        self.ended = 0  # connections the proxy closed
         self.server = StreamServer(("127.0.0.1", 0), self.handle)
         self.server.start()
 
@@ -56,6 +58,7 @@ class FakeBroker:
         while True:
             data = read_frame(sock)
             if data is None:
+                self.ended += 1
                 return
             cmd = decode_frame(data)
             self.seen.append(cmd)
@@ -91,12 +94,19 @@ def proxy(request, monkeypatch):
     settings = RelaySettings(4096, 1 << 20, 1 << 16, 1.0, 30.0)
     upstreams = [broker.addr]
 
+    sessions: set[Session] = set()
+
     def handle(sock, addr):
-        Session("broker", sock, f"{addr[0]}:{addr[1]}", upstreams, chain, stats, settings, events).run()
+        session = Session("broker", sock, f"{addr[0]}:{addr[1]}", upstreams, chain, stats, settings, events)
+        sessions.add(session)
+        try:
+            session.run()
+        finally:
+            sessions.discard(session)
 
     server = StreamServer(("127.0.0.1", 0), handle)
     server.start()
-    yield server.server_port, broker, stats, events, upstreams
+    yield server.server_port, broker, stats, events, upstreams, sessions
     server.stop(timeout=1)
     broker.server.stop(timeout=1)
 
@@ -112,7 +122,7 @@ def connect(port: int) -> socket.socket:
 
 
 def test_pipelined_frames_split_anywhere_arrive_verbatim(proxy):
-    port, broker, stats, _, _ = proxy
+    port, broker, stats, _, _, sessions = proxy
     frames = [send_frame(i, b"x" * (i * 37 % 9000)) for i in range(200)]  # some larger than the buffer
     data = b"".join(frames)
     s = connect(port)
@@ -131,7 +141,7 @@ def test_pipelined_frames_split_anywhere_arrive_verbatim(proxy):
 
 
 def test_admin_code_answered_locally_and_not_relayed(proxy):
-    port, broker, _, _, _ = proxy
+    port, broker, _, _, _, sessions = proxy
     s = connect(port)
     s.sendall(send_frame(1, code=C.UPDATE_BROKER_CONFIG, body=b"brokerPermission=0") + send_frame(2))
     with gevent.Timeout(5):
@@ -144,7 +154,7 @@ def test_admin_code_answered_locally_and_not_relayed(proxy):
 
 
 def test_broker_to_client_requests_and_oneway_flow(proxy):
-    port, broker, _, _, _ = proxy
+    port, broker, _, _, _, sessions = proxy
     s = connect(port)
     s.sendall(send_frame(5, code=C.HEART_BEAT, body=b"{}") + send_frame(6, code=C.END_TRANSACTION, flag=C.FLAG_ONEWAY))
     with gevent.Timeout(5):
@@ -162,7 +172,7 @@ def test_broker_to_client_requests_and_oneway_flow(proxy):
                                      struct.pack(">ii", 20, 9 << 24 | 4) + b"x" * 16,
                                      struct.pack(">ii", 14, 10) + b"{not json}"])
 def test_garbage_closes_only_that_connection(proxy, garbage):
-    port, _, stats, _, _ = proxy
+    port, _, stats, _, _, sessions = proxy
     good = connect(port)
     bad = connect(port)
     bad.sendall(garbage)
@@ -176,7 +186,7 @@ def test_garbage_closes_only_that_connection(proxy, garbage):
 
 
 def test_upstream_down_answers_system_error(proxy):
-    port, broker, _, events, upstreams = proxy
+    port, broker, _, events, upstreams, sessions = proxy
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
     upstreams[:] = [HostPort("127.0.0.1", dead.getsockname()[1])]  # bound, not listening: refused
@@ -191,7 +201,7 @@ def test_upstream_down_answers_system_error(proxy):
 
 
 def test_namesrv_failover_to_the_next_upstream(proxy):
-    port, broker, _, events, upstreams = proxy
+    port, broker, _, events, upstreams, sessions = proxy
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
     upstreams[:] = [HostPort("127.0.0.1", dead.getsockname()[1]), broker.addr]
@@ -202,3 +212,84 @@ def test_namesrv_failover_to_the_next_upstream(proxy):
     assert events.errors == 1
     s.close()
     dead.close()
+
+
+def wait_until(cond, timeout: float = 5.0) -> None:
+    with gevent.Timeout(timeout):
+        while not cond():
+            gevent.sleep(0.01)
+
+
+def test_client_close_closes_the_upstream_connection(proxy):
+    port, broker, _, _, _, sessions = proxy
+    s = connect(port)
+    s.sendall(send_frame(1))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(s)).code == C.SUCCESS
+    s.close()  # the upstream pump is waiting for the broker: it must wake and close its side
+    wait_until(lambda: broker.ended == 1)
+    wait_until(lambda: not sessions)
+
+
+def test_upstream_close_closes_the_client_connection(proxy):
+    port, _, _, _, upstreams, sessions = proxy
+    quitter = StreamServer(("127.0.0.1", 0), lambda sock, addr: sock.close())
+    quitter.start()
+    upstreams[:] = [HostPort("127.0.0.1", quitter.server_port)]
+    s = connect(port)
+    with gevent.Timeout(5):
+        assert s.recv(10) == b""
+    wait_until(lambda: not sessions)
+    quitter.stop(timeout=1)
+
+
+def test_idle_sessions_are_closed_and_busy_ones_kept(proxy):
+    port, broker, _, _, _, sessions = proxy
+    idle, busy = connect(port), connect(port)
+    for s in (idle, busy):
+        s.sendall(send_frame(1))
+        with gevent.Timeout(5):
+            assert decode_frame(read_frame(s)).code == C.SUCCESS
+    wait_until(lambda: len(sessions) == 2)
+    gevent.sleep(0.3)
+    busy.sendall(send_frame(2))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(busy)).opaque == 2
+    assert relay.close_idle(sessions, 0.25) == 1
+    with gevent.Timeout(5):
+        assert idle.recv(10) == b""
+    busy.sendall(send_frame(3))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(busy)).opaque == 3
+    busy.close()
+
+
+def test_slow_upstream_reader_backpressure_keeps_every_byte(proxy):
+    """The upstream stops reading: the relay must wait for buffer space, not drop or reorder."""
+    port, _, _, _, upstreams, sessions = proxy
+    got = bytearray()
+    release = gevent.event.Event()
+
+    def sluggish(sock, addr):
+        release.wait(10)
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    slow = StreamServer(("127.0.0.1", 0), sluggish)
+    slow.start()
+    upstreams[:] = [HostPort("127.0.0.1", slow.server_port)]
+    frames = b"".join(send_frame(i, bytes([i % 251]) * 8000, flag=C.FLAG_ONEWAY) for i in range(1200))  # ~9.6 MB
+    s = connect(port)
+    sender = gevent.spawn(s.sendall, frames)
+    gevent.sleep(0.5)
+    assert not sender.ready()  # kernel buffers are full on both hops: the relay is waiting
+    release.set()
+    sender.join(timeout=20)
+    assert sender.successful()
+    s.close()
+    wait_until(lambda: len(got) == len(frames), timeout=20)
+    assert bytes(got) == frames
+    slow.stop(timeout=1)

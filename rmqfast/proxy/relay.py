@@ -47,6 +47,18 @@ class RelaySettings:
         self.idle_timeout = idle_timeout
 
 
+def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
+    """Close every session with no bytes received on either side for ``limit`` seconds."""
+    now = time.monotonic() if now is None else now
+    closed = 0
+    for s in list(sessions):
+        if not s.closed and s.idle_for(now) > limit:
+            log.info("closing idle connection", extra=ctx(role=s.role, client=s.client_addr))
+            s.close()
+            closed += 1
+    return closed
+
+
 class Session:
     """A client connection and its upstream connection."""
 
@@ -78,6 +90,9 @@ class Session:
         self.closed = False
         self.c2u: FrameScanner | None = None
         self.u2c: FrameScanner | None = None
+        self.hub = gevent.get_hub()
+        # socket -> (read watcher, write watcher), on the raw file descriptors
+        self._watchers: dict[socket.socket, tuple[Any, Any]] = {}
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -101,8 +116,10 @@ class Session:
             max_frame_size=s.max_frame,
             max_header_size=s.max_header,
         )
-        self.client.settimeout(s.idle_timeout)
-        upstream.settimeout(s.idle_timeout)
+        loop = self.hub.loop
+        for sock in (self.client, upstream):
+            fd = sock.fileno()
+            self._watchers[sock] = (loop.io(fd, 1), loop.io(fd, 2))
         back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", self.client_lock, self._on_u2c)
         try:
             self._pump(self.client, upstream, self.c2u, "client", self.upstream_lock, self._on_c2u)
@@ -111,15 +128,26 @@ class Session:
             back.join(timeout=5)
 
     def close(self) -> None:
+        """Close both connections; a pump waiting on one of them wakes with EBADF and ends."""
         if self.closed:
             return
         self.closed = True
+        watchers = [w for pair in self._watchers.values() for w in pair]
+        self._watchers.clear()
+        # Thrown into a pump waiting on one of these watchers (a fresh one: it carries a traceback).
+        closed = OSError(errno.EBADF, "connection closed by the other side of the relay")
+        self.hub.cancel_waits_close_and_then(watchers, closed, self._close_sockets)
+
+    def _close_sockets(self) -> None:
         for sock in (self.client, self.upstream):
             if sock is not None:
                 try:
                     sock.close()
                 except OSError:
                     pass
+
+    def idle_for(self, now: float) -> float:
+        return now - self.last_activity
 
     @property
     def in_flight(self) -> int:
@@ -177,6 +205,12 @@ class Session:
             self.close()
 
     # The pump -------------------------------------------------------------------------------
+    #
+    # The pumps talk to the raw non-blocking sockets under gevent's socket objects and wait on
+    # libev watchers of their own: gevent's socket methods cost a getsockopt per sendall and a
+    # Timeout object per recv, which was most of the relay's time.  Idle connections are found
+    # by the worker's sweep (``last_activity``), not by per-call timeouts; ``close`` wakes any
+    # pump waiting on a watcher.
 
     def _pump(
         self,
@@ -192,27 +226,34 @@ class Session:
         view = memoryview(buf)
         filled = 0
         scan = scanner.scan
-        recv_into = src.recv_into
+        wait = self.hub.wait
+        rwatch = self._watchers[src]
+        recv_into = src._sock.recv_into
+        send = self._send
+        monotonic = time.monotonic
+        readable = True  # try a read before waiting for readiness
         try:
             while True:
+                if not readable:
+                    wait(rwatch[0])
                 try:
                     n = recv_into(view[filled:])
-                except TimeoutError:
-                    if time.monotonic() - self.last_activity < self.settings.idle_timeout:
-                        continue
-                    log.info("closing idle connection", extra=ctx(role=self.role, client=self.client_addr))
-                    return
+                except BlockingIOError:
+                    readable = False
+                    continue
                 if n == 0:
                     return
-                self.last_activity = time.monotonic()
+                # A short read drained the socket: wait for readiness first next time (saves a
+                # failing recv per message when clients send one request at a time).
+                readable = n == len(buf) - filled
+                self.last_activity = monotonic()
                 filled += n
                 start = pos = 0
                 need = 0
                 while True:
                     ev, a, b = scan(buf, pos, filled)
                     if a > start:
-                        with dst_lock:
-                            dst.sendall(view[start:a])
+                        send(dst, dst_lock, view[start:a])
                         start = a
                     if ev == EV_FORWARD:
                         need = b
@@ -260,21 +301,43 @@ class Session:
             view.release()
             self.close()
 
+    def _send(self, dst: socket.socket, lock: Semaphore, data: Any) -> None:
+        """Write all of ``data`` to ``dst``; greenlets writing the same socket never interleave.
+
+        Most writes complete in one ``send`` without yielding, and greenlets only switch when
+        one yields, so the lock is taken only when a write must wait for buffer space.
+        """
+        raw = dst._sock
+        if not lock.locked():
+            try:
+                n = raw.send(data)
+            except BlockingIOError:
+                n = 0
+            if n == len(data):
+                return
+            data = memoryview(data)[n:]
+        wwatch = self._watchers[dst][1]
+        with lock:
+            while data:
+                try:
+                    n = raw.send(data)
+                except BlockingIOError:
+                    self.hub.wait(wwatch)
+                    continue
+                data = data[n:]
+
     def _apply(self, verdict: Verdict, frame: Frame, dst: socket.socket, dst_lock: Semaphore) -> bool:
         """Carry out a policy verdict; False when the connection must be closed."""
         kind = verdict.kind
         if kind == "pass":
-            with dst_lock:
-                dst.sendall(frame.data)
+            self._send(dst, dst_lock, frame.data)
         elif kind == "rewrite":
-            with dst_lock:
-                dst.sendall(verdict.data)
+            self._send(dst, dst_lock, verdict.data)
         elif kind == "reply":
             # The answer goes back to where the frame came from.
             src, lock = (self.client, self.client_lock) if dst is self.upstream else (self.upstream, self.upstream_lock)
             assert src is not None
-            with lock:
-                src.sendall(verdict.data)
+            self._send(src, lock, verdict.data)
         elif kind == "close":
             log.warning(
                 "policy closed connection", extra=ctx(role=self.role, client=self.client_addr, reason=verdict.reason)

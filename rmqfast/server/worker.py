@@ -36,7 +36,7 @@ from rmqfast.log import ctx
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.policy import DenyAdminCodes, FilterChain, RewriteRoutes
 from rmqfast.proxy.policy import Session as PolicySession
-from rmqfast.proxy.relay import RelaySettings, Session
+from rmqfast.proxy.relay import RelaySettings, Session, close_idle
 
 log = logging.getLogger("rmqfast.worker")
 
@@ -122,6 +122,7 @@ class Worker:
         self.registry.refresh()
         gevent.spawn(self._refresh_loop)
         gevent.spawn(self._publish_loop)
+        gevent.spawn(self._idle_loop)
         self.metrics.workers_up.set(1)
         log.info(
             "worker ready",
@@ -186,6 +187,13 @@ class Worker:
                 self.registry.refresh()
             except Exception:
                 log.exception("endpoint table refresh failed")
+
+    def _idle_loop(self) -> None:
+        """Close connections idle for longer than ``proxy.idle_timeout`` (checked a few times per period)."""
+        while True:
+            limit = self.settings.idle_timeout
+            gevent.sleep(min(max(limit / 4, 0.05), 5.0))
+            close_idle(self.sessions, limit)
 
     def _publish_loop(self) -> None:
         while True:
