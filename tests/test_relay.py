@@ -19,9 +19,12 @@ from rmqfast.proxy import relay
 from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 
-IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py-scan")]
+# (scanner, stats, compiled pump?): the Python pump runs with both scanners, the C pump with its own.
+IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy, False), id="py-scan")]
 if codec.FrameScannerC is not None:
-    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c-scan"))
+    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, False), id="c-scan-py-pump"))
+if codec.Pump is not None:
+    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, True), id="c-pump"))
 
 
 def read_frame(sock: socket.socket) -> bytes | None:
@@ -85,8 +88,15 @@ class Events:
 
 @pytest.fixture(params=IMPLS)
 def proxy(request, monkeypatch):
-    Scanner, Stats = request.param
+    Scanner, Stats, c_pump = request.param
     monkeypatch.setattr(relay, "FrameScanner", Scanner)
+    if not c_pump:
+        monkeypatch.setattr(relay, "Pump", None)
+
+    def wrong_pump(*args):
+        raise AssertionError(f"this parametrization must not run {'the Python' if c_pump else 'the C'} pump")
+
+    monkeypatch.setattr(Session, "_pump_py" if c_pump else "_pump_c", wrong_pump)
     broker = FakeBroker()
     stats = Stats()
     events = Events()

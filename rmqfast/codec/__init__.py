@@ -32,6 +32,9 @@ else:
     _impl = _scan_py  # type: ignore[assignment]
     IMPLEMENTATION = "python"
 
+# The compiled relay pump (receive -> scan -> send in C); None means: pump in Python.
+Pump = _speedups.Pump if _impl is _speedups else None
+
 FrameScanner = _impl.FrameScanner
 ScanStats = _impl.ScanStats
 code_slot = _impl.code_slot
@@ -50,6 +53,6 @@ DEFAULT_MAX_HEADER = _scan_py.DEFAULT_MAX_HEADER
 __all__ = [
     "ACTION_PASS", "ACTION_POLICY", "CODE_SLOTS", "DEFAULT_MAX_FRAME", "DEFAULT_MAX_HEADER",
     "EV_ERROR", "EV_FORWARD", "EV_POLICY", "IMPLEMENTATION", "NO_EXTENSIONS", "OTHER_SLOT",
-    "FrameScanner", "FrameScannerC", "FrameScannerPy", "ScanStats", "ScanStatsC", "ScanStatsPy",
+    "FrameScanner", "FrameScannerC", "Pump", "FrameScannerPy", "ScanStats", "ScanStatsC", "ScanStatsPy",
     "code_slot", "slot_code",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,8 @@ import gevent
 from gevent import socket
 from gevent.lock import Semaphore
 
-from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner
+from rmqfast import codec
+from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump
 from rmqfast.codec import codes as C
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import FilterChain, Frame, Verdict, error_response
@@ -32,6 +34,17 @@ if TYPE_CHECKING:
     from rmqfast.config import HostPort
 
 log = logging.getLogger("rmqfast.relay")
+
+if Pump is not None:
+    from rmqfast._speedups import (  # type: ignore[attr-defined]
+        P_EOF,
+        P_OS_ERROR,
+        P_POLICY,
+        P_WAIT_LOCK,
+        P_WAIT_READ,
+        P_WAIT_WRITE,
+        P_YIELD,
+    )
 
 
 class RelaySettings:
@@ -221,6 +234,90 @@ class Session:
         dst_lock: Semaphore,
         on_policy: Any,
     ) -> None:
+        try:
+            if Pump is not None and isinstance(scanner, codec.FrameScannerC):
+                self._pump_c(src, dst, scanner, side, dst_lock, on_policy)
+            else:
+                self._pump_py(src, dst, scanner, side, dst_lock, on_policy)
+        except OSError as exc:
+            if not self.closed and exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, None):
+                log.info(
+                    "connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc))
+                )
+        finally:
+            self.close()
+
+    def _protocol_error(self, side: str, scanner: FrameScanner) -> None:
+        # One log line (the scanner counted it); only this connection closes.
+        log.warning(
+            "protocol error; closing connection",
+            extra=ctx(role=self.role, side=side, client=self.client_addr, upstream=self.upstream_addr,
+                      error=scanner.error),
+        )
+
+    def _pump_c(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        scanner: FrameScanner,
+        side: str,
+        dst_lock: Semaphore,
+        on_policy: Any,
+    ) -> None:
+        """The compiled pump: C receives, scans and forwards; Python waits and does policy.
+
+        ``self.closed`` is checked before every step: once closed, the file descriptor
+        numbers may already belong to other connections.
+        """
+        pump = Pump(scanner, src.fileno(), dst.fileno(), self.settings.buffer_size)
+        rwatch = self._watchers[src][0]
+        wwatch = self._watchers[dst][1]
+        wait = self.hub.wait
+        step = pump.step
+        locked = dst_lock.locked
+        monotonic = time.monotonic
+        st = step(not locked())
+        while not self.closed:
+            if st == P_WAIT_READ:
+                wait(rwatch)
+                self.last_activity = monotonic()
+            elif st == P_WAIT_WRITE or st == P_WAIT_LOCK:
+                with dst_lock:
+                    while not self.closed:
+                        st = step(True)
+                        if st != P_WAIT_WRITE:
+                            break
+                        wait(wwatch)
+                continue
+            elif st == P_POLICY:
+                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque)
+                pump.consume()
+                if not self._apply(on_policy(frame), frame, dst, dst_lock):
+                    return
+            elif st == P_YIELD:
+                self.last_activity = monotonic()
+                gevent.sleep(0)
+            elif st == P_EOF:
+                return
+            elif st == P_OS_ERROR:
+                raise OSError(pump.errno_value, os.strerror(pump.errno_value))
+            else:  # P_PROTOCOL_ERROR
+                self._protocol_error(side, scanner)
+                return
+            if self.closed:
+                return
+            st = step(not locked())
+
+    def _pump_py(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        scanner: FrameScanner,
+        side: str,
+        dst_lock: Semaphore,
+        on_policy: Any,
+    ) -> None:
+        """The same loop in Python, for the pure-Python scanner (and as the C pump's reference)."""
         size = self.settings.buffer_size
         buf = bytearray(size)
         view = memoryview(buf)
@@ -233,7 +330,7 @@ class Session:
         monotonic = time.monotonic
         readable = True  # try a read before waiting for readiness
         try:
-            while True:
+            while not self.closed:
                 if not readable:
                     wait(rwatch[0])
                 try:
@@ -264,17 +361,7 @@ class Session:
                             return
                         start = pos = b
                         continue
-                    # EV_ERROR: one log line (the scanner counted it); only this connection closes.
-                    log.warning(
-                        "protocol error; closing connection",
-                        extra=ctx(
-                            role=self.role,
-                            side=side,
-                            client=self.client_addr,
-                            upstream=self.upstream_addr,
-                            error=scanner.error,
-                        ),
-                    )
+                    self._protocol_error(side, scanner)
                     return
                 rest = filled - start
                 if rest and start:
@@ -292,14 +379,8 @@ class Session:
                     view.release()
                     buf = bytearray(size)
                     view = memoryview(buf)
-        except OSError as exc:
-            if not self.closed and exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, None):
-                log.info(
-                    "connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc))
-                )
         finally:
             view.release()
-            self.close()
 
     def _send(self, dst: socket.socket, lock: Semaphore, data: Any) -> None:
         """Write all of ``data`` to ``dst``; greenlets writing the same socket never interleave.
