@@ -815,6 +815,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--build-dir", type=Path, default=None, help="where the C tools are built (default build/bench)")
     ap.add_argument("--no-install", action="store_true", help="do not apt-get install haproxy when it is missing")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    ap.add_argument("--real", action="store_true",
+                    help="real-broker mode instead: the Java producer against a real RocketMQ, direct vs rmqfast "
+                         "(see rmqfast bench --real --help)")
     ap.add_argument("--report", type=Path, metavar="FILE",
                     help="run nothing: print the summary of an earlier results file (.jsonl)")
     args = ap.parse_args(argv)
@@ -874,6 +877,11 @@ def report(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--real" in argv:
+        from rmqfast.bench_real import main as real_main
+
+        return real_main(argv)
     args = _parse(argv)
     try:
         if args.report:

@@ -115,10 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--messages", type=int, default=2000, help="messages to send (default 2000)")
     demo.add_argument("--workers", type=int, default=2, help="proxy worker processes (default 2)")
     demo.add_argument("--keep-running", action="store_true", help="leave everything running until Ctrl-C")
+
+    # The bench has its own parser (rmqfast.bench); `rmqfast bench ...` hands it the rest of argv.
+    sub.add_parser(
+        "bench",
+        help="benchmarks side by side: direct vs HAProxy vs rmqfast (null broker), or --real (real RocketMQ)",
+        add_help=False,
+    )
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from rmqfast.bench import main as bench_main
+
+        return bench_main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command is None:

@@ -35,6 +35,7 @@ import org.apache.rocketmq.client.producer.LocalTransactionState;
 import org.apache.rocketmq.client.producer.MessageQueueSelector;
 import org.apache.rocketmq.client.producer.SendCallback;
 import org.apache.rocketmq.client.producer.SendResult;
+import org.apache.rocketmq.client.producer.SendStatus;
 import org.apache.rocketmq.client.producer.TransactionListener;
 import org.apache.rocketmq.client.producer.TransactionMQProducer;
 import org.apache.rocketmq.client.producer.TransactionSendResult;
@@ -171,6 +172,8 @@ public final class RmqDriver {
         switch (scenario) {
             case "produce":
                 return produceScenario(result);
+            case "perf-produce":
+                return perfProduceScenario(result);
             case "consume-push":
                 return consumeScenario(result, "push");
             case "consume-litepull":
@@ -1005,5 +1008,102 @@ public final class RmqDriver {
         result.put("brokers", new ArrayList<>(new LinkedHashSet<>(
             Arrays.asList(qs.stream().map(q -> (String) q.get("broker_name")).toArray(String[]::new)))));
         return EXIT_OK;
+    }
+    // ------------------------------------------------------------------ perf-produce (benchmarks)
+
+    /**
+     * Throughput and latency of synchronous sends: --threads T senders share one producer and send
+     * --body-size byte messages for --warmup-ms, then measure for --duration-ms. Every send's latency
+     * is recorded (microseconds); the result has msg_per_s and p50/p99/p99.9.
+     */
+    private int perfProduceScenario(Map<String, Object> result) throws Exception {
+        String topic = topic();
+        int threads = o.integer("threads", 16);
+        long warmupMs = o.lng("warmup-ms", 2000);
+        long durationMs = o.lng("duration-ms", 10000);
+        byte[] body = new byte[o.integer("body-size", 1024)];
+        Arrays.fill(body, (byte) 'x');
+        DefaultMQProducer p = newProducer(new DefaultMQProducer(group("")));
+        p.start();
+        final long begin = System.nanoTime();
+        final long measureFrom = begin + warmupMs * 1_000_000L;
+        final long measureTo = measureFrom + durationMs * 1_000_000L;
+        long[][] lat = new long[threads][];
+        int[] counts = new int[threads];
+        AtomicInteger failed = new AtomicInteger();
+        List<Thread> ts = new ArrayList<>();
+        for (int t = 0; t < threads; t++) {
+            final int ti = t;
+            Thread th = new Thread(() -> {
+                long[] mine = new long[1 << 16];
+                int n = 0;
+                int seq = 0;
+                while (true) {
+                    long t0 = System.nanoTime();
+                    if (t0 >= measureTo) {
+                        break;
+                    }
+                    Message m = new Message(topic, "TagA", "k" + ti + "_" + seq++, body);
+                    boolean ok;
+                    try {
+                        ok = p.send(m).getSendStatus() == SendStatus.SEND_OK;
+                    } catch (Exception e) {
+                        ok = false;
+                    }
+                    long t1 = System.nanoTime();
+                    if (t0 < measureFrom) {
+                        continue;
+                    }
+                    if (!ok) {
+                        failed.incrementAndGet();
+                        continue;
+                    }
+                    if (n == mine.length) {
+                        mine = Arrays.copyOf(mine, n * 2);
+                    }
+                    mine[n++] = (t1 - t0) / 1000;
+                }
+                lat[ti] = mine;
+                counts[ti] = n;
+            }, "perf-" + t);
+            ts.add(th);
+            th.start();
+        }
+        for (Thread th : ts) {
+            th.join();
+        }
+        shutdown("producer", p::shutdown);
+        int total = 0;
+        for (int c : counts) {
+            total += c;
+        }
+        long[] all = new long[total];
+        int k = 0;
+        for (int t = 0; t < threads; t++) {
+            System.arraycopy(lat[t], 0, all, k, counts[t]);
+            k += counts[t];
+        }
+        Arrays.sort(all);
+        result.put("topic", topic);
+        result.put("threads", threads);
+        result.put("duration_s", durationMs / 1000.0);
+        result.put("sent_count", total);
+        result.put("failed_count", failed.get());
+        result.put("msg_per_s", total * 1000.0 / durationMs);
+        Map<String, Object> pct = new LinkedHashMap<>();
+        pct.put("p50", percentile(all, 0.50));
+        pct.put("p99", percentile(all, 0.99));
+        pct.put("p999", percentile(all, 0.999));
+        pct.put("max", total > 0 ? all[total - 1] : 0);
+        result.put("lat_us", pct);
+        return failed.get() == 0 || o.bool("allow-failures", false) ? EXIT_OK : EXIT_SEND_FAILED;
+    }
+
+    private static long percentile(long[] sorted, double q) {
+        if (sorted.length == 0) {
+            return 0;
+        }
+        int i = (int) Math.ceil(q * sorted.length) - 1;
+        return sorted[Math.max(0, Math.min(sorted.length - 1, i))];
     }
 }
