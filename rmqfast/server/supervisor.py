@@ -60,15 +60,21 @@ class SupervisorState:
 
 
 def sd_notify(message: str) -> bool:
-    """Send a systemd notification (``READY=1``...); False when not under systemd."""
+    """Send a systemd notification (``READY=1``...); False when not under systemd or it failed.
+
+    A notification that cannot be delivered is logged, never raised: the proxy keeps serving.
+    """
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return False
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        s.sendall(message.encode())
+    target = "\0" + addr[1:] if addr.startswith("@") else addr
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(target)
+            s.sendall(message.encode())
+    except OSError as exc:
+        log.warning("systemd notification failed", extra=ctx(notify_socket=addr, message=message, error=str(exc)))
+        return False
     return True
 
 
@@ -227,6 +233,11 @@ class Supervisor:
                         for wp in self.state.workers.values():
                             wp.proc.kill()
         finally:
+            # Whatever ended the loop, no worker may outlive its supervisor (they hold the ports).
+            for wp in list(self.state.workers.values()):
+                if wp.proc.poll() is None:
+                    wp.proc.kill()
+                    wp.proc.wait()
             for sig, handler in prev.items():
                 signal.signal(sig, handler)
             if self.admin is not None:
