@@ -14,6 +14,11 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy
 
 DEF CODE_SLOTS_C = 2048
+DEF LAT_BUCKETS_C = 18      # len(LATENCY_BOUNDS_NS) + 1
+DEF NRESULTS_C = 14         # len(RESULTS)
+DEF R_ONEWAY_C = 12
+DEF R_UNANSWERED_C = 13
+DEF MAX_TRACKED_C = 65536
 DEF TOPIC_SLOTS_C = 1024
 DEF MAX_TOPIC_LEN_C = 255
 
@@ -29,6 +34,50 @@ MAX_TOPIC_LEN = MAX_TOPIC_LEN_C
 OTHER_TOPIC = b"__other__"
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 DEFAULT_MAX_HEADER = 1024 * 1024
+MAX_TRACKED = MAX_TRACKED_C
+
+cdef int64_t[17] LAT_BOUNDS = [
+    100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,
+    100000000, 250000000, 500000000, 1000000000, 2500000000, 5000000000, 10000000000,
+    30000000000]
+
+cdef extern from "<time.h>" nogil:
+    ctypedef int clockid_t
+    cdef struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(clockid_t clk, timespec* ts)
+    enum: CLOCK_MONOTONIC
+
+
+cdef inline int64_t monotonic_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef inline int latency_bucket(int64_t ns) noexcept nogil:
+    cdef int i
+    for i in range(17):
+        if ns <= LAT_BOUNDS[i]:
+            return i
+    return 17
+
+
+cdef inline int result_index(int32_t code) noexcept nogil:
+    # same table as _scan_py._RESULT_OF_CODE
+    if code == 0: return 0
+    if code == 1: return 1
+    if code == 2: return 2
+    if code == 3: return 3
+    if code == 10 or code == 12: return 4
+    if code == 11: return 5
+    if code == 16: return 6
+    if code == 17: return 7
+    if code == 19 or code == 22: return 8
+    if code == 20: return 9
+    if code == 21: return 10
+    return 11
 
 cdef enum:
     SEND_V1 = 10
@@ -134,11 +183,16 @@ cdef class ScanStats:
     cdef public uint64_t frames
     cdef public uint64_t bytes
     cdef public uint64_t protocol_errors
+    cdef public uint64_t untracked
+    cdef uint64_t* _lat      # CODE_SLOTS_C rows of LAT_BUCKETS_C counts + the sum of ns
+    cdef uint64_t* _res      # CODE_SLOTS_C rows of NRESULTS_C counts
 
     def __cinit__(self):
         cdef int i
         self._topics = <TopicEntry*>calloc(TOPIC_SLOTS_C, sizeof(TopicEntry))
-        if self._topics == NULL:
+        self._lat = <uint64_t*>calloc(CODE_SLOTS_C * (LAT_BUCKETS_C + 1), sizeof(uint64_t))
+        self._res = <uint64_t*>calloc(CODE_SLOTS_C * NRESULTS_C, sizeof(uint64_t))
+        if self._topics == NULL or self._lat == NULL or self._res == NULL:
             raise MemoryError()
         for i in range(TOPIC_SLOTS_C):
             self._topics[i].length = -1
@@ -146,6 +200,47 @@ cdef class ScanStats:
 
     def __dealloc__(self):
         free(self._topics)
+        free(self._lat)
+        free(self._res)
+
+    cdef inline void observe_c(self, int slot, int64_t ns, int result) noexcept nogil:
+        cdef uint64_t* row = self._lat + slot * (LAT_BUCKETS_C + 1)
+        row[latency_bucket(ns)] += 1
+        row[LAT_BUCKETS_C] += <uint64_t>ns
+        self._res[slot * NRESULTS_C + result] += 1
+
+    def observe(self, int slot, int64_t ns, int result):
+        """A request of code slot ``slot`` ended with ``result`` after ``ns`` nanoseconds."""
+        self._check(slot, result)
+        self.observe_c(slot, ns if ns > 0 else 0, result)
+
+    def count_result(self, int slot, int result):
+        """A request ended without a timed round trip (oneway, answered by the proxy, unanswered)."""
+        self._check(slot, result)
+        self._res[slot * NRESULTS_C + result] += 1
+
+    cdef _check(self, int slot, int result):
+        if not 0 <= slot < CODE_SLOTS_C or not 0 <= result < NRESULTS_C:
+            raise ValueError(f"slot {slot} / result {result} out of range")
+
+    def latencies(self):
+        """``(slot, bucket counts, sum of ns)`` for every slot with a timed request."""
+        cdef int i, b
+        cdef uint64_t* row
+        out = []
+        for i in range(CODE_SLOTS_C):
+            row = self._lat + i * (LAT_BUCKETS_C + 1)
+            for b in range(LAT_BUCKETS_C):
+                if row[b]:
+                    out.append((i, tuple([row[k] for k in range(LAT_BUCKETS_C)]), row[LAT_BUCKETS_C]))
+                    break
+        return out
+
+    def results(self):
+        """``(slot, result index, count)`` for every non-zero pair."""
+        cdef int i, r
+        return [(i, r, self._res[i * NRESULTS_C + r])
+                for i in range(CODE_SLOTS_C) for r in range(NRESULTS_C) if self._res[i * NRESULTS_C + r]]
 
     @property
     def request_counts(self):
@@ -474,6 +569,130 @@ cdef uint64_t count_batch(const uint8_t* p, Py_ssize_t n) noexcept nogil:
     return count
 
 
+cdef struct PendingEntry:
+    int64_t key          # -1: empty; else direction << 32 | (uint32) opaque
+    int32_t slot
+    int64_t t_ns
+
+
+cdef class InFlight:
+    """Requests of one connection awaiting their response (the C twin of ``_scan_py.InFlight``).
+
+    Open addressing with linear probing and backward-shift deletion; it grows while it is at
+    most half full and never beyond ``capacity`` entries.
+    """
+
+    cdef PendingEntry* tab
+    cdef Py_ssize_t size, count
+    cdef readonly Py_ssize_t capacity
+
+    def __cinit__(self, Py_ssize_t capacity=MAX_TRACKED_C):
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.size = 16
+        self.count = 0
+        self.tab = self._alloc(16)
+
+    cdef PendingEntry* _alloc(self, Py_ssize_t n) except NULL:
+        cdef PendingEntry* t = <PendingEntry*>malloc(n * sizeof(PendingEntry))
+        cdef Py_ssize_t i
+        if t == NULL:
+            raise MemoryError()
+        for i in range(n):
+            t[i].key = -1
+        return t
+
+    def __dealloc__(self):
+        free(self.tab)
+
+    def __len__(self):
+        return self.count
+
+    cdef inline Py_ssize_t _home(self, int64_t key) noexcept nogil:
+        return <Py_ssize_t>((<uint64_t>key * 11400714819323198485ULL) >> 40) & (self.size - 1)
+
+    cdef int _grow(self) except -1:
+        cdef PendingEntry* old = self.tab
+        cdef Py_ssize_t n = self.size, i, j
+        self.tab = self._alloc(n * 2)
+        self.size = n * 2
+        for i in range(n):
+            if old[i].key >= 0:
+                j = self._home(old[i].key)
+                while self.tab[j].key >= 0:
+                    j = (j + 1) & (self.size - 1)
+                self.tab[j] = old[i]
+        free(old)
+        return 0
+
+    cdef int track_c(self, int direction, int32_t opaque, int slot, int64_t now) except -1:
+        """1 when tracked, 0 when the connection already tracks ``capacity`` requests."""
+        cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
+        cdef Py_ssize_t j = self._home(key)
+        while self.tab[j].key >= 0:
+            if self.tab[j].key == key:
+                self.tab[j].slot = slot
+                self.tab[j].t_ns = now
+                return 1
+            j = (j + 1) & (self.size - 1)
+        if self.count >= self.capacity:
+            return 0
+        if 2 * (self.count + 1) > self.size:
+            self._grow()
+            j = self._home(key)
+            while self.tab[j].key >= 0:
+                j = (j + 1) & (self.size - 1)
+        self.tab[j].key = key
+        self.tab[j].slot = slot
+        self.tab[j].t_ns = now
+        self.count += 1
+        return 1
+
+    cdef bint take_c(self, int direction, int32_t opaque, int* slot, int64_t* t) noexcept:
+        cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
+        cdef Py_ssize_t mask = self.size - 1
+        cdef Py_ssize_t j = self._home(key), k, h
+        while self.tab[j].key >= 0:
+            if self.tab[j].key == key:
+                slot[0] = self.tab[j].slot
+                t[0] = self.tab[j].t_ns
+                # backward-shift deletion keeps every probe chain unbroken
+                k = (j + 1) & mask
+                while self.tab[k].key >= 0:
+                    h = self._home(self.tab[k].key)
+                    if ((k - h) & mask) >= ((k - j) & mask):
+                        self.tab[j] = self.tab[k]
+                        j = k
+                    k = (k + 1) & mask
+                self.tab[j].key = -1
+                self.count -= 1
+                return True
+            j = (j + 1) & mask
+        return False
+
+    def track(self, int direction, int32_t opaque, int slot, int64_t now_ns):
+        return self.track_c(direction, opaque, slot, now_ns) == 1
+
+    def take(self, int direction, int32_t opaque):
+        cdef int slot
+        cdef int64_t t
+        if self.take_c(direction, opaque, &slot, &t):
+            return (slot, t)
+        return None
+
+    def abandon(self, ScanStats stats not None):
+        """The connection closed: every request still waiting ends as ``unanswered``."""
+        cdef Py_ssize_t i, n = self.count
+        for i in range(self.size):
+            if self.tab[i].key >= 0:
+                stats._res[self.tab[i].slot * NRESULTS_C + R_UNANSWERED_C] += 1
+                self.tab[i].key = -1
+        self.count = 0
+        return n
+
+
+
 cdef class FrameScanner:
     """Walks Remoting frames in receive buffers; see ``rmqfast/codec/_scan_py.py``."""
 
@@ -489,15 +708,22 @@ cdef class FrameScanner:
     cdef public int code
     cdef public int flag
     cdef public int opaque
+    cdef readonly InFlight inflight
+    cdef readonly int direction
 
     def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
                  Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
-                 Py_ssize_t max_header_size=DEFAULT_MAX_HEADER):
+                 Py_ssize_t max_header_size=DEFAULT_MAX_HEADER,
+                 InFlight inflight=None, int direction=0):
+        if direction != 0 and direction != 1:
+            raise ValueError(f"direction must be 0 (client to upstream) or 1 (upstream to client), got {direction!r}")
         if max_frame_size < 8:
             raise ValueError(f"max_frame_size must be at least 8, got {max_frame_size!r}")
         if max_header_size < 1:
             raise ValueError(f"max_header_size must be positive, got {max_header_size!r}")
         self.stats = stats
+        self.inflight = inflight
+        self.direction = direction
         self.response_policy = response_policy
         self.max_frame_size = max_frame_size
         self.max_header_size = max_header_size
@@ -521,17 +747,17 @@ cdef class FrameScanner:
         for i in range(CODE_SLOTS_C):
             self._actions[i] = actions[i]
 
-    def scan(self, buf, Py_ssize_t start, Py_ssize_t end):
+    def scan(self, buf, Py_ssize_t start, Py_ssize_t end, int64_t now_ns=-1):
         cdef Py_buffer view
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         try:
             if start < 0 or end > view.len or start > end:
                 raise ValueError(f"scan range [{start}:{end}] outside a buffer of {view.len} bytes")
-            return self._scan(<const uint8_t*>view.buf, start, end)
+            return self._scan(<const uint8_t*>view.buf, start, end, now_ns)
         finally:
             PyBuffer_Release(&view)
 
-    cdef tuple _scan(self, const uint8_t* p, Py_ssize_t start, Py_ssize_t end):
+    cdef tuple _scan(self, const uint8_t* p, Py_ssize_t start, Py_ssize_t end, int64_t now):
         cdef Py_ssize_t pos = start, avail, take, total
         cdef int32_t length, mark
         cdef int stype, err, slot
@@ -539,6 +765,8 @@ cdef class FrameScanner:
         cdef bint policy, is_response
         cdef HeaderInfo info
         cdef ScanStats stats = self.stats
+        if now < 0 and self.inflight is not None:
+            now = monotonic_ns()
         if self._skip:
             take = self._skip if self._skip < end - pos else end - pos
             self._skip -= take
@@ -600,6 +828,8 @@ cdef class FrameScanner:
                 if not info.flag & 2:
                     self.requests += 1
                 self._count_topic(p + pos, hlen, total, &info)
+            if self.inflight is not None:
+                self._time(slot, info.code, info.flag, info.opaque, now, policy)
             if policy:
                 self.code = info.code
                 self.flag = info.flag
@@ -610,6 +840,19 @@ cdef class FrameScanner:
                 return (0, end, 0)
             pos += total
         return (0, pos, 0)
+
+    cdef void _time(self, int slot, int32_t code, int flag, int32_t opaque, int64_t now, bint policy) except *:
+        cdef int started_slot
+        cdef int64_t started
+        if flag & 1:
+            if self.inflight.take_c(self.direction ^ 1, opaque, &started_slot, &started):
+                self.stats.observe_c(started_slot, now - started if now > started else 0, result_index(code))
+        elif policy:
+            return  # the relay tracks it if it forwards it
+        elif flag & 2:
+            self.stats._res[slot * NRESULTS_C + R_ONEWAY_C] += 1
+        elif not self.inflight.track_c(self.direction, opaque, slot, now):
+            self.stats.untracked += 1
 
     cdef void _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, HeaderInfo* info) noexcept:
         cdef Py_ssize_t s, n
@@ -687,6 +930,7 @@ cdef class Pump:
     cdef int pend_ev, phase, reads
     cdef int src, dst
     cdef bint readable
+    cdef int64_t now     # when the bytes being scanned arrived (-1: the scanner does not time)
     cdef readonly int errno_value
     cdef readonly Py_ssize_t frame_start, frame_end
 
@@ -731,7 +975,7 @@ cdef class Pump:
         cdef uint8_t* grown
         while True:
             if self.phase == PH_SCAN:
-                t = self.scanner._scan(self.buf, self.pos, self.filled)
+                t = self.scanner._scan(self.buf, self.pos, self.filled, self.now)
                 self.pend_ev = t[0]
                 self.fwd = t[1]
                 self.pend_b = t[2]
@@ -802,6 +1046,7 @@ cdef class Pump:
             if n == 0:
                 return P_EOF
             self.reads += 1
+            self.now = monotonic_ns() if self.scanner.inflight is not None else -1
             self.readable = n == space
             self.filled += n
             self.phase = PH_SCAN

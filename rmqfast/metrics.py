@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rmqfast.codec import slot_code
+from rmqfast.codec import LATENCY_BOUNDS_NS, RESULTS, slot_code
 
 NAMESPACE = "rmqfast"
 
@@ -21,11 +21,23 @@ class Metrics:
     """The worker-side metric objects (created after PROMETHEUS_MULTIPROC_DIR is set)."""
 
     def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.requests = Counter(
-            "rmqfast_requests_total", "Requests relayed or answered, by role and request code",
+            "rmqfast_requests_total",
+            "Requests that ended, by role, request code and result (success, system_busy..., oneway, unanswered)",
+            ["role", "code", "result"],
+        )
+        self.request_duration = Histogram(
+            "rmqfast_request_duration_seconds",
+            "From a request passing the proxy to its response passing back, by role and request code",
             ["role", "code"],
+            buckets=[b / 1e9 for b in LATENCY_BOUNDS_NS],
+        )
+        self.untimed = Counter(
+            "rmqfast_untimed_requests_total",
+            "Requests not timed: their connection already had the maximum of requests awaiting answers",
+            ["role"],
         )
         self.request_bytes = Counter(
             "rmqfast_request_bytes_total", "Bytes of request frames, by role and request code",
@@ -74,7 +86,10 @@ class StatsPublisher:
         self.m = metrics
         self.role = role
         self.stats = stats
-        self._req: dict[int, tuple[int, int]] = {}
+        self._req: dict[int, int] = {}
+        self._results: dict[tuple[int, int], int] = {}
+        self._lat: dict[int, tuple[tuple[int, ...], int]] = {}
+        self._untimed = 0
         self._resp: dict[int, int] = {}
         self._topics: dict[bytes, tuple[int, int, int, int]] = {}
         self._bytes = 0
@@ -82,13 +97,28 @@ class StatsPublisher:
 
     def publish(self) -> None:
         m, role, st = self.m, self.role, self.stats
-        for slot, count, nbytes in st.requests():
-            c0, b0 = self._req.get(slot, (0, 0))
+        for slot, _count, nbytes in st.requests():
+            b0 = self._req.get(slot, 0)
+            if nbytes != b0:
+                m.request_bytes.labels(role, _code_label(slot)).inc(nbytes - b0)
+                self._req[slot] = nbytes
+        for slot, result, count in st.results():
+            c0 = self._results.get((slot, result), 0)
             if count != c0:
-                label = _code_label(slot)
-                m.requests.labels(role, label).inc(count - c0)
-                m.request_bytes.labels(role, label).inc(nbytes - b0)
-                self._req[slot] = (count, nbytes)
+                m.requests.labels(role, _code_label(slot), RESULTS[result]).inc(count - c0)
+                self._results[(slot, result)] = count
+        for slot, buckets, sum_ns in st.latencies():
+            old_buckets, old_sum = self._lat.get(slot, ((0,) * len(buckets), 0))
+            if sum_ns != old_sum or buckets != old_buckets:
+                add_to_histogram(
+                    m.request_duration.labels(role, _code_label(slot)),
+                    [b - a for a, b in zip(old_buckets, buckets, strict=True)],
+                    (sum_ns - old_sum) / 1e9,
+                )
+                self._lat[slot] = (buckets, sum_ns)
+        if st.untracked != self._untimed:
+            m.untimed.labels(role).inc(st.untracked - self._untimed)
+            self._untimed = st.untracked
         for slot, count in st.responses():
             c0 = self._resp.get(slot, 0)
             if count != c0:
@@ -113,3 +143,25 @@ class StatsPublisher:
         if st.protocol_errors != self._errors:
             m.protocol_errors.labels(role).inc(st.protocol_errors - self._errors)
             self._errors = st.protocol_errors
+
+
+def add_to_histogram(child: Any, bucket_deltas: list[int], sum_delta: float) -> None:
+    """Add observations counted elsewhere (per bucket, in C) to a prometheus-client histogram.
+
+    prometheus-client can only ``observe()`` one value at a time; its per-bucket values
+    (``_buckets``, non-cumulative, and ``_sum``) take increments directly, in multiprocess mode
+    too.  Should a future version hide them, each bucket's count is observed at the bucket's
+    upper bound instead (same bucket counts; the sum is then an upper bound).
+    """
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if buckets is not None and total is not None and len(buckets) == len(bucket_deltas):
+        for value, d in zip(buckets, bucket_deltas, strict=True):
+            if d:
+                value.inc(d)
+        total.inc(sum_delta)
+        return
+    bounds = [*child._upper_bounds]  # pragma: no cover - only with an incompatible prometheus-client
+    for bound, d in zip(bounds, bucket_deltas, strict=False):  # pragma: no cover
+        for _ in range(d):
+            child.observe(bound if bound != float("inf") else bounds[-2])

@@ -303,3 +303,27 @@ def test_slow_upstream_reader_backpressure_keeps_every_byte(proxy):
     wait_until(lambda: len(got) == len(frames), timeout=20)
     assert bytes(got) == frames
     slow.stop(timeout=1)
+
+
+def test_requests_are_timed_and_their_results_counted(proxy):
+    port, broker, stats, _, _, sessions = proxy
+    s = connect(port)
+    oneway = send_frame(3, code=C.END_TRANSACTION, flag=C.FLAG_ONEWAY)
+    s.sendall(send_frame(1) + send_frame(2, code=C.UPDATE_BROKER_CONFIG, body=b"x=1") + oneway)
+    with gevent.Timeout(5):
+        assert {decode_frame(read_frame(s)).opaque for _ in range(2)} == {1, 2}
+    wait_until(lambda: len(broker.seen) == 2)
+    results = {(codec.slot_code(slot), codec.RESULTS[r]): n for slot, r, n in stats.results()}
+    assert results == {(C.SEND_MESSAGE_V2, "success"): 1, (C.UPDATE_BROKER_CONFIG, "no_permission"): 1,
+                       (C.END_TRANSACTION, "oneway"): 1}
+    ((slot, buckets, total_ns),) = stats.latencies()
+    assert codec.slot_code(slot) == C.SEND_MESSAGE_V2 and sum(buckets) == 1 and 0 < total_ns < 5e9
+    # a request still waiting when the connection closes ends as "unanswered"
+    s.sendall(send_frame(4, code=C.HEART_BEAT, body=b"{}"))
+    gevent.sleep(0.2)  # heartbeat answered (plus the check-back request the fake broker sends)
+    (session,) = sessions
+    session.inflight.track(0, 999, codec.code_slot(C.PULL_MESSAGE), 0)  # as if a long poll were pending
+    s.close()
+    wait_until(lambda: not sessions)
+    results = {(codec.slot_code(slot), codec.RESULTS[r]): n for slot, r, n in stats.results()}
+    assert results[(C.PULL_MESSAGE, "unanswered")] == 1 and results[(C.HEART_BEAT, "success")] == 1

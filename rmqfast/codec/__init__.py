@@ -22,8 +22,10 @@ except ImportError:  # not built (pure install) or built for another interpreter
 
 FrameScannerPy = _scan_py.FrameScanner
 ScanStatsPy = _scan_py.ScanStats
+InFlightPy = _scan_py.InFlight
 FrameScannerC = _speedups.FrameScanner if _speedups is not None else None
 ScanStatsC = _speedups.ScanStats if _speedups is not None else None
+InFlightC = _speedups.InFlight if _speedups is not None else None
 
 if _speedups is not None and not NO_EXTENSIONS:
     _impl = _speedups
@@ -37,6 +39,7 @@ Pump = _speedups.Pump if _impl is _speedups else None
 
 FrameScanner = _impl.FrameScanner
 ScanStats = _impl.ScanStats
+InFlight = _impl.InFlight
 code_slot = _impl.code_slot
 slot_code = _impl.slot_code
 
@@ -49,10 +52,15 @@ CODE_SLOTS = _scan_py.CODE_SLOTS
 OTHER_SLOT = _scan_py.OTHER_SLOT
 DEFAULT_MAX_FRAME = _scan_py.DEFAULT_MAX_FRAME
 DEFAULT_MAX_HEADER = _scan_py.DEFAULT_MAX_HEADER
+LATENCY_BOUNDS_NS = _scan_py.LATENCY_BOUNDS_NS
+LATENCY_BUCKETS = _scan_py.LATENCY_BUCKETS
+RESULTS = _scan_py.RESULTS
+MAX_TRACKED = _scan_py.MAX_TRACKED
 
 __all__ = [
     "ACTION_PASS", "ACTION_POLICY", "CODE_SLOTS", "DEFAULT_MAX_FRAME", "DEFAULT_MAX_HEADER",
     "EV_ERROR", "EV_FORWARD", "EV_POLICY", "IMPLEMENTATION", "NO_EXTENSIONS", "OTHER_SLOT",
+    "InFlight", "InFlightC", "InFlightPy", "LATENCY_BOUNDS_NS", "LATENCY_BUCKETS", "MAX_TRACKED", "RESULTS",
     "FrameScanner", "FrameScannerC", "Pump", "FrameScannerPy", "ScanStats", "ScanStatsC", "ScanStatsPy",
     "code_slot", "slot_code",
 ]

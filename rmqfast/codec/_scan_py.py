@@ -32,6 +32,7 @@ than ``json.loads``.
 from __future__ import annotations
 
 import struct
+import time
 
 EV_FORWARD = 0
 EV_POLICY = 1
@@ -59,6 +60,40 @@ _SEND_V2 = 310
 _SEND_BATCH = 320
 _PULL = 11
 _LITE_PULL = 361
+
+#: Upper bounds (nanoseconds) of the request latency histogram; one more bucket holds the rest.
+LATENCY_BOUNDS_NS = (
+    100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000, 25_000_000, 50_000_000,
+    100_000_000, 250_000_000, 500_000_000, 1_000_000_000, 2_500_000_000, 5_000_000_000, 10_000_000_000,
+    30_000_000_000,
+)
+LATENCY_BUCKETS = len(LATENCY_BOUNDS_NS) + 1
+
+#: How a request ended (the ``result`` label of ``rmqfast_requests_total``), by index.
+RESULTS = (
+    "success", "system_error", "system_busy", "not_supported", "flush_timeout", "slave_unavailable",
+    "no_permission", "topic_not_exist", "not_found", "retry_immediately", "offset_moved", "other_error",
+    "oneway", "unanswered",
+)
+R_ONEWAY = 12
+R_UNANSWERED = 13
+# response code -> result index; codes not listed are "other_error"
+_RESULT_OF_CODE = {0: 0, 1: 1, 2: 2, 3: 3, 10: 4, 12: 4, 11: 5, 16: 6, 17: 7, 19: 8, 22: 8, 20: 9, 21: 10}
+
+#: Requests awaiting their response that one connection tracks at most (more are not timed).
+MAX_TRACKED = 65536
+
+
+def result_index(response_code: int) -> int:
+    return _RESULT_OF_CODE.get(response_code, 11)
+
+
+def latency_bucket(ns: int) -> int:
+    for i, bound in enumerate(LATENCY_BOUNDS_NS):
+        if ns <= bound:
+            return i
+    return len(LATENCY_BOUNDS_NS)
+
 
 _I32 = struct.Struct(">i")
 _I16 = struct.Struct(">h")
@@ -95,6 +130,41 @@ class ScanStats:
         self.protocol_errors = 0
         # topic -> [sends, messages, pulls, bytes]
         self._topics: dict[bytes, list[int]] = {}
+        # slot -> [bucket counts..., sum of nanoseconds]
+        self._latency: dict[int, list[int]] = {}
+        # (slot, result index) -> count
+        self._results: dict[tuple[int, int], int] = {}
+        #: Requests not timed because their connection already tracked MAX_TRACKED.
+        self.untracked = 0
+
+    def observe(self, slot: int, ns: int, result: int) -> None:
+        """A request of code slot ``slot`` ended with ``result`` after ``ns`` nanoseconds."""
+        self._check(slot, result)
+        h = self._latency.get(slot)
+        if h is None:
+            h = self._latency[slot] = [0] * (LATENCY_BUCKETS + 1)
+        h[latency_bucket(ns)] += 1
+        h[LATENCY_BUCKETS] += ns
+        self.count_result(slot, result)
+
+    def count_result(self, slot: int, result: int) -> None:
+        """A request ended without a timed round trip (oneway, answered by the proxy, unanswered)."""
+        self._check(slot, result)
+        key = (slot, result)
+        self._results[key] = self._results.get(key, 0) + 1
+
+    @staticmethod
+    def _check(slot: int, result: int) -> None:
+        if not 0 <= slot < CODE_SLOTS or not 0 <= result < len(RESULTS):
+            raise ValueError(f"slot {slot} / result {result} out of range")
+
+    def latencies(self) -> list[tuple[int, tuple[int, ...], int]]:
+        """``(slot, bucket counts, sum of ns)`` for every slot with a timed request."""
+        return [(s, tuple(h[:LATENCY_BUCKETS]), h[LATENCY_BUCKETS]) for s, h in sorted(self._latency.items())]
+
+    def results(self) -> list[tuple[int, int, int]]:
+        """``(slot, result index, count)`` for every non-zero pair."""
+        return [(s, r, n) for (s, r), n in sorted(self._results.items())]
 
     def _topic_slot(self, topic: bytes) -> list[int]:
         entry = self._topics.get(topic)
@@ -348,6 +418,41 @@ def _count_batch(body: bytes) -> int:
     return count
 
 
+class InFlight:
+    """Requests of one connection awaiting their response: (direction, opaque) -> (slot, start ns).
+
+    Both scanners of a relayed connection share one: the client-to-upstream scanner (direction
+    0) tracks client requests and takes the answers to the upstream's requests, the other one
+    (direction 1) the reverse.  Requests that need policy are tracked by the relay once it has
+    forwarded them.
+    """
+
+    def __init__(self, capacity: int = MAX_TRACKED) -> None:
+        self.capacity = capacity
+        self._pending: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def track(self, direction: int, opaque: int, slot: int, now_ns: int) -> bool:
+        key = (direction, opaque)
+        if len(self._pending) >= self.capacity and key not in self._pending:
+            return False
+        self._pending[key] = (slot, now_ns)
+        return True
+
+    def take(self, direction: int, opaque: int) -> tuple[int, int] | None:
+        return self._pending.pop((direction, opaque), None)
+
+    def abandon(self, stats: ScanStats) -> int:
+        """The connection closed: every request still waiting ends as ``unanswered``."""
+        n = len(self._pending)
+        for slot, _ in self._pending.values():
+            stats.count_result(slot, R_UNANSWERED)
+        self._pending.clear()
+        return n
+
+
 class FrameScanner:
     """Walks Remoting frames in receive buffers; see the module docstring."""
 
@@ -359,7 +464,11 @@ class FrameScanner:
         response_policy: bool = False,
         max_frame_size: int = DEFAULT_MAX_FRAME,
         max_header_size: int = DEFAULT_MAX_HEADER,
+        inflight: InFlight | None = None,
+        direction: int = 0,
     ) -> None:
+        if direction not in (0, 1):
+            raise ValueError(f"direction must be 0 (client to upstream) or 1 (upstream to client), got {direction!r}")
         if max_frame_size < 8:
             raise ValueError(f"max_frame_size must be at least 8, got {max_frame_size!r}")
         if max_header_size < 1:
@@ -372,6 +481,8 @@ class FrameScanner:
         if actions is not None:
             self.set_actions(actions)
         self._skip = 0
+        self.inflight = inflight
+        self.direction = direction
         #: Non-oneway requests seen (for in-flight accounting by the peer direction).
         self.requests = 0
         #: Responses seen.
@@ -388,7 +499,12 @@ class FrameScanner:
             raise ValueError(f"action table must have {CODE_SLOTS} entries, got {len(actions)}")
         self._actions[:] = actions
 
-    def scan(self, buf: bytes | bytearray | memoryview, start: int, end: int) -> tuple[int, int, int]:
+    def scan(
+        self, buf: bytes | bytearray | memoryview, start: int, end: int, now_ns: int = -1
+    ) -> tuple[int, int, int]:
+        """See the module docstring; ``now_ns`` (monotonic) times requests, read once per call if -1."""
+        if now_ns < 0 and self.inflight is not None:
+            now_ns = time.monotonic_ns()
         mv = memoryview(buf)
         if start < 0 or end > len(mv) or start > end:
             raise ValueError(f"scan range [{start}:{end}] outside a buffer of {len(mv)} bytes")
@@ -461,6 +577,8 @@ class FrameScanner:
                 if not info.flag & 2:
                     self.requests += 1
                 self._count_topic(mv, pos, hlen, total, code, info)
+            if self.inflight is not None:
+                self._time(slot, code, info.flag, info.opaque, now_ns, policy)
             if policy:
                 self.code = code
                 self.flag = info.flag
@@ -471,6 +589,20 @@ class FrameScanner:
                 return EV_FORWARD, end, 0
             pos += total
         return EV_FORWARD, pos, 0
+
+    def _time(self, slot: int, code: int, flag: int, opaque: int, now_ns: int, policy: bool) -> None:
+        inflight = self.inflight
+        assert inflight is not None
+        if flag & 1:
+            started = inflight.take(self.direction ^ 1, opaque)
+            if started is not None:
+                self.stats.observe(started[0], max(0, now_ns - started[1]), result_index(code))
+        elif policy:
+            return  # the relay tracks it if it forwards it
+        elif flag & 2:
+            self.stats.count_result(slot, R_ONEWAY)
+        elif not inflight.track(self.direction, opaque, slot, now_ns):
+            self.stats.untracked += 1
 
     def _count_topic(
         self, mv: memoryview, pos: int, hlen: int, total: int, code: int, info: _HeaderInfo

@@ -24,8 +24,10 @@ from gevent import socket
 from gevent.lock import Semaphore
 
 from rmqfast import codec
-from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump
+from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump, code_slot
 from rmqfast.codec import codes as C
+from rmqfast.codec._scan_py import R_ONEWAY, result_index
+from rmqfast.codec.command import decode_frame
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import FilterChain, Frame, Verdict, error_response
 
@@ -103,6 +105,7 @@ class Session:
         self.closed = False
         self.c2u: FrameScanner | None = None
         self.u2c: FrameScanner | None = None
+        self.inflight: Any = None  # requests awaiting answers, shared by c2u and u2c (timing, results)
         self.hub = gevent.get_hub()
         # socket -> (read watcher, write watcher), on the raw file descriptors
         self._watchers: dict[socket.socket, tuple[Any, Any]] = {}
@@ -115,12 +118,16 @@ class Session:
             return
         self.upstream = upstream
         s = self.settings
+        compiled = codec.FrameScannerC is not None and FrameScanner is codec.FrameScannerC
+        self.inflight = codec.InFlightC() if compiled else codec.InFlightPy()
         self.c2u = FrameScanner(
             self.stats,
             actions=self.chain.request_actions,
             response_policy=False,
             max_frame_size=s.max_frame,
             max_header_size=s.max_header,
+            inflight=self.inflight,
+            direction=0,
         )
         # Requests from the broker to the client (39, 40, 307, 309...) are always relayed.
         self.u2c = FrameScanner(
@@ -128,6 +135,8 @@ class Session:
             response_policy=self.chain.response_policy,
             max_frame_size=s.max_frame,
             max_header_size=s.max_header,
+            inflight=self.inflight,
+            direction=1,
         )
         loop = self.hub.loop
         for sock in (self.client, upstream):
@@ -145,6 +154,8 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        if self.inflight is not None:
+            self.inflight.abandon(self.stats)  # what was not answered by now never will be
         watchers = [w for pair in self._watchers.values() for w in pair]
         self._watchers.clear()
         # Thrown into a pump waiting on one of these watchers (a fresh one: it carries a traceback).
@@ -205,7 +216,11 @@ class Session:
                     if ev != EV_POLICY:
                         break
                     frame = Frame(bytes(buf[a:b]), scanner.code, scanner.flag, scanner.opaque)
-                    if not frame.is_oneway:
+                    slot = code_slot(frame.code)
+                    if frame.is_oneway:
+                        self.stats.count_result(slot, R_ONEWAY)
+                    else:
+                        self.stats.count_result(slot, result_index(C.SYSTEM_ERROR))
                         self.client.sendall(error_response(frame, C.SYSTEM_ERROR, remark))
                     pos = b
                 if ev != EV_FORWARD or filled - pos >= len(buf) - 1024:
@@ -410,14 +425,18 @@ class Session:
     def _apply(self, verdict: Verdict, frame: Frame, dst: socket.socket, dst_lock: Semaphore) -> bool:
         """Carry out a policy verdict; False when the connection must be closed."""
         kind = verdict.kind
-        if kind == "pass":
-            self._send(dst, dst_lock, frame.data)
-        elif kind == "rewrite":
-            self._send(dst, dst_lock, verdict.data)
+        request = not frame.flag & C.FLAG_RESPONSE
+        if kind == "pass" or kind == "rewrite":
+            if request:
+                self._track(frame, 0 if dst is self.upstream else 1)
+            self._send(dst, dst_lock, frame.data if kind == "pass" else verdict.data)
         elif kind == "reply":
             # The answer goes back to where the frame came from.
             src, lock = (self.client, self.client_lock) if dst is self.upstream else (self.upstream, self.upstream_lock)
             assert src is not None
+            if request:
+                answered = decode_frame(verdict.data).code  # replies are rare and small
+                self.stats.count_result(code_slot(frame.code), result_index(answered))
             self._send(src, lock, verdict.data)
         elif kind == "close":
             log.warning(
@@ -426,6 +445,14 @@ class Session:
             return False
         # "divert": the filter owns the frame now.
         return True
+
+    def _track(self, frame: Frame, direction: int) -> None:
+        """A policy request is forwarded: time it like the scanner times the others."""
+        slot = code_slot(frame.code)
+        if frame.is_oneway:
+            self.stats.count_result(slot, R_ONEWAY)
+        elif self.inflight is not None and not self.inflight.track(direction, frame.opaque, slot, time.monotonic_ns()):
+            self.stats.untracked += 1
 
     def _on_c2u(self, frame: Frame) -> Verdict:
         if frame.flag & C.FLAG_RESPONSE:

@@ -272,6 +272,15 @@ def test_metrics_after_traffic(proxy: ProxyProcess) -> None:
     assert sends_310 >= 25
     wait_metric(proxy, req, metric(m0, req, code="320", role="broker") + 3, code="320", role="broker")
     m = proxy.metrics()
+    # every send ended with a result, and was timed in a histogram that resolves sub-millisecond latency
+    assert metric(m, req, code="310", role="broker", result="success") - metric(
+        m0, req, code="310", role="broker", result="success") >= 25
+    hist = "rmqfast_request_duration_seconds"
+    labels = {"code": "310", "role": "broker"}
+    assert metric(m, f"{hist}_count", **labels) - metric(m0, f"{hist}_count", **labels) >= 25
+    assert metric(m, f"{hist}_bucket", code="310", role="broker", le="0.0001") <= metric(
+        m, f"{hist}_bucket", code="310", role="broker", le="0.001") <= metric(m, f"{hist}_count", code="310")
+    assert 0 < metric(m, f"{hist}_sum", code="310", role="broker") < metric(m, f"{hist}_count", code="310") * 5
     # per-topic counters: 25 single messages; 3 batch frames carrying 30 messages
     assert metric(m, "rmqfast_topic_sends_total", topic=t_sync) >= 25
     assert metric(m, "rmqfast_topic_messages_total", topic=t_sync) == metric(

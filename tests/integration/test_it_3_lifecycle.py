@@ -115,7 +115,8 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
         producer = None
         try:
             consumer.wait_started(30)
-            wait_metric(p, "rmqfast_requests_total", 1, role="broker", code="11")  # consumer pulling
+            # consumer pulling (request bytes count on arrival; requests_total when a long poll ends)
+            wait_metric(p, "rmqfast_request_bytes_total", 1, role="broker", code="11")
             before = _requests_total(p)
             producer = start_driver(
                 "produce",
