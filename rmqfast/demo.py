@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from rmqfast.testing import RocketMQCluster, ensure_jars
 from rmqfast.testing.javaclient import run_driver
@@ -32,13 +33,35 @@ def _n(value: object) -> object:
     return len(value) if isinstance(value, list | dict) else value
 
 
+def _spark_report(records_dir: Path) -> bool:
+    """The Spark report over the records the demo's proxy wrote (and results/bench if any)."""
+    out = Path("results") / "demo-report"
+    inputs = [str(records_dir)]
+    if Path("results/bench").is_dir():
+        inputs.append("results/bench")
+    _say(f"Spark (local mode) report from the proxy's traffic records in {records_dir}")
+    try:
+        from rmqfast.analytics import analyze
+
+        s = analyze(inputs, out, quiet=True)
+    except Exception as exc:  # the traffic part of the demo stands on its own
+        _say(f"Spark report FAILED: {exc}")
+        return False
+    c = s["counts"]
+    _say(f"Spark report: {c.get('agg_rows', 0)} aggregate rows from {c.get('agg_files', 0)} files, "
+         f"{c.get('bench_runs', 0)} benchmark runs, {len(s['problems'])} input problem(s), {s['seconds']} s")
+    _say(f"report: {Path(s['report']).resolve()}")
+    return True
+
+
 def run_demo(messages: int = 2000, workers: int = 2, keep_running: bool = False) -> int:
     _say("building/locating the RocketMQ jars (Maven Central; first run downloads ~130 MB)")
     jars = ensure_jars()
     _say("starting RocketMQ 5.3.3 name server + broker on loopback")
     with RocketMQCluster(jars=jars) as cluster:
         _say(f"RocketMQ up: name server {cluster.namesrv_addr}, broker {cluster.broker_addr}")
-        with ProxyProcess([cluster.namesrv_addr], workers=workers, log_format="human") as proxy:
+        records = {"sample_rate": 0.1, "rotate_seconds": 10}
+        with ProxyProcess([cluster.namesrv_addr], workers=workers, log_format="human", records=records) as proxy:
             _say(f"rmqfast up: name server proxy {proxy.namesrv_addr}, admin {proxy.admin_url}")
             results = []
             for client, mode, count in (
@@ -105,6 +128,8 @@ def run_demo(messages: int = 2000, workers: int = 2, keep_running: bool = False)
                         time.sleep(3600)
                 except KeyboardInterrupt:
                     pass
+            proxy.stop()  # workers close (rename) their last record files
+            ok = _spark_report(proxy.records_dir) and ok
     _say("everything stopped" + ("" if ok else "; SOME RUNS FAILED (see above)"))
     return 0 if ok else 1
 

@@ -55,6 +55,7 @@ class ProxyProcess:
         range_size: int = 20,
         log_format: str = "json",
         env: dict[str, str] | None = None,
+        records: dict[str, Any] | None = None,
     ) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="rmqfast-proxy-"))
         base = free_port_block(range_size + 2)
@@ -63,6 +64,12 @@ class ProxyProcess:
         self.port_range = (base + 2, base + 1 + range_size)
         self.config_path = self.workdir / "rmqfast.toml"
         ups = ", ".join(json.dumps(u) for u in namesrv_upstreams)
+        #: ``records={"dir": ..., "sample_rate": ...}`` enables [records] with those keys
+        self.records_dir = Path(records["dir"]) if records and "dir" in records else self.workdir / "records"
+        records_toml = ""
+        if records is not None:
+            keys = {"enabled": True, **records, "dir": str(self.records_dir)}
+            records_toml = "\n[records]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
         self.config_path.write_text(
             f"""
 [proxy]
@@ -83,6 +90,7 @@ listen = "127.0.0.1:{self.admin_port}"
 [log]
 format = "{log_format}"
 level = "info"
+{records_toml}
 {extra_config}
 """
         )

@@ -1,0 +1,60 @@
+"""The Spark session used by the jobs (local mode by default, any ``--master`` works)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rmqfast.records.parquet import Column
+
+#: Settings for a small machine; on a cluster, spark-submit's own flags take precedence
+#: for everything given there (``--driver-memory``, ``--conf ...``).
+LOCAL_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.files.ignoreCorruptFiles": "true",  # second safety net after inputs.check
+    "spark.sql.files.maxPartitionBytes": str(64 << 20),
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.driver.host": "127.0.0.1",
+    "spark.sql.adaptive.enabled": "true",
+}
+
+
+def get_spark(master: str | None = None, app: str = "rmqfast-analyze", driver_memory: str = "2g",
+              conf: dict[str, str] | None = None) -> Any:
+    """A SparkSession; ``master=None`` keeps what spark-submit set (or ``local[*]``).
+
+    Starts offline: nothing is downloaded (pyspark ships its jars).
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", os.environ.get("PYSPARK_PYTHON", "python3"))
+    from pyspark.sql import SparkSession
+
+    b = SparkSession.builder.appName(app)
+    submitted = "SPARK_SUBMIT_OPTS" in os.environ or os.environ.get("PYSPARK_GATEWAY_PORT")
+    if master:
+        b = b.master(master)
+    elif not submitted:
+        b = b.master("local[*]")
+    local = (master or "local").startswith("local") and not submitted
+    settings = dict(LOCAL_CONF)
+    if not local:  # on a cluster the driver must be reachable from the executors
+        settings.pop("spark.driver.bindAddress")
+        settings.pop("spark.driver.host")
+        settings["spark.sql.shuffle.partitions"] = "64"
+    if not submitted:
+        settings["spark.driver.memory"] = driver_memory
+    settings.update(conf or {})
+    for k, v in settings.items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def struct_type(columns: tuple[Column, ...] | list[Column]) -> Any:
+    from pyspark.sql import types as T
+
+    kinds = {"int32": T.IntegerType(), "int64": T.LongType(), "double": T.DoubleType(), "string": T.StringType()}
+    return T.StructType([T.StructField(c.name, kinds[c.kind], True) for c in columns])
