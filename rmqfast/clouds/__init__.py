@@ -1,0 +1,1 @@
+"""Remote clouds: Remoting client for other clusters, online-consumer detection."""

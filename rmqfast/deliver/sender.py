@@ -1,0 +1,283 @@
+"""Sending copies to one remote cluster as a producer, in order per message queue.
+
+Route: ``GET_ROUTEINFO_BY_TOPIC`` (105) at the remote name servers (cached; refreshed on
+errors and every ``route_ttl`` seconds); a topic the remote does not know is sent through
+the ``TBW102`` route with ``defaultTopic`` set, like the Java client does, so a broker with
+``autoCreateTopicEnable`` creates it.
+
+Queue: the writable queues of the route, sorted by (broker name, queue id) as the Java client
+sorts them; the copy goes to queue ``original_queue_id mod count``, so every message of one
+original queue (one sharding key of an ordered producer) lands in one remote queue.  Each
+remote queue is a lane served by one greenlet that sends one copy at a time and waits for its
+answer: order per queue is kept, retries included.
+
+Request: ``SEND_MESSAGE_V2`` (310), or ``SEND_BATCH_MESSAGE`` (320) for batches, to the master
+of the chosen queue's broker, header fields ``a``..``n`` of ``SendMessageRequestHeaderV2``.
+The body, flag, system flag (compression), born timestamp and every property (``UNIQ_KEY``
+too) are the producer's; the property ``RMQFAST_ORIGIN=<local cloud>`` is added (to every
+message of a batch) so that no rmqfast copies it back.
+
+Answers SUCCESS, FLUSH_DISK_TIMEOUT (10), FLUSH_SLAVE_TIMEOUT (12) and SLAVE_NOT_AVAILABLE
+(11) mean the message is stored (as for the Java client).  MESSAGE_ILLEGAL (13) can never
+succeed: the copy is given up and counted.  Everything else (connection errors, SYSTEM_BUSY,
+TOPIC_NOT_EXIST while the topic is created...) is retried with exponential backoff from
+``retry_initial`` to ``retry_max``, forever: a remote that is away makes the backlog grow,
+it does not lose copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gevent
+from gevent.event import Event
+
+from rmqfast.clouds.remoting import ConnectionPool, RemoteError, fetch_route
+from rmqfast.codec.batch import decode_batch, encode_batch
+from rmqfast.log import ctx
+from rmqfast.spill.record import ORIGIN_PROPERTY, CopyRecord
+
+log = logging.getLogger("rmqfast.deliver")
+
+SEND_MESSAGE_V2 = 310
+SEND_BATCH_MESSAGE = 320
+STORED_CODES = frozenset({0, 10, 11, 12})
+PERMANENT_CODES = frozenset({13})
+
+
+def with_origin(properties: str, origin: str) -> str:
+    """``properties`` plus ``RMQFAST_ORIGIN=origin`` (kept if already there)."""
+    if f"{ORIGIN_PROPERTY}\x01" in properties:
+        return properties
+    if properties and not properties.endswith("\x02"):
+        properties += "\x02"
+    return properties + f"{ORIGIN_PROPERTY}\x01{origin}\x02"
+
+
+def build_request(rec: CopyRecord, broker_name: str, queue_id: int, origin: str) -> tuple[int, dict[str, str], bytes]:
+    """(code, V2 header fields, body) of the remote send of ``rec``."""
+    body = rec.body
+    if rec.is_batch:
+        entries = decode_batch(body)
+        for e in entries:
+            e.properties[ORIGIN_PROPERTY] = origin
+        body = encode_batch(entries)
+    ext = {
+        "a": rec.producer_group or "RMQFAST_DELIVER",
+        "b": rec.topic,
+        "c": "TBW102",
+        "d": "4",
+        "e": str(queue_id),
+        "f": str(rec.sys_flag),
+        "g": str(rec.born_timestamp),
+        "h": str(rec.flag),
+        "i": with_origin(rec.properties, origin),
+        "j": str(rec.reconsume_times),
+        "k": "false",
+        "l": str(rec.max_reconsume_times),
+        "m": "true" if rec.is_batch else "false",
+        "n": broker_name,
+    }
+    return (SEND_BATCH_MESSAGE if rec.is_batch else SEND_MESSAGE_V2), ext, body
+
+
+@dataclass
+class Item:
+    seq: int
+    record: CopyRecord
+    raw: bytes
+    done: Callable[[int, int], None]  # (seq, status)
+    alive: Callable[[], bool]
+    attempts: int = 0
+
+
+@dataclass
+class _Route:
+    masters: dict[str, str]
+    queues: list[tuple[str, int]]
+    fetched: float
+    via_default: bool = False
+
+
+@dataclass
+class _Lane:
+    items: deque[Item] = field(default_factory=deque)
+    wake: Event = field(default_factory=Event)
+    greenlet: Any = None
+
+
+class RemoteSender:
+    def __init__(
+        self,
+        name: str,
+        namesrvs: list[str],
+        origin: str,
+        *,
+        retry_initial: float = 0.1,
+        retry_max: float = 5.0,
+        timeout: float = 3.0,
+        route_ttl: float = 30.0,
+        metrics: Any = None,
+        on_status: Callable[[str, bool, str], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.namesrvs = namesrvs
+        self.origin = origin
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.timeout = timeout
+        self.route_ttl = route_ttl
+        self.metrics = metrics
+        self.on_status = on_status
+        self.pool = ConnectionPool(timeout)
+        self.routes: dict[str, _Route] = {}
+        self.lanes: dict[tuple[str, str, int], _Lane] = {}
+        self.up = True
+        self.delivered = 0
+        self.retries = 0
+        self.failures = 0
+
+    # Routing --------------------------------------------------------------------------------
+
+    def route(self, topic: str, *, force: bool = False) -> _Route:
+        r = self.routes.get(topic)
+        if r is not None and not force and time.monotonic() - r.fetched < self.route_ttl:
+            return r
+        got = fetch_route(self.pool, self.namesrvs, topic, timeout=self.timeout)
+        via_default = False
+        if got is None:
+            got = fetch_route(self.pool, self.namesrvs, "TBW102", timeout=self.timeout)
+            via_default = True
+            if got is None:
+                raise RemoteError(
+                    f"remote {self.name} knows neither topic {topic} nor TBW102 (auto-creation is off): "
+                    f"create {topic} in {self.name}"
+                )
+        masters, qdatas = got
+        queues = sorted(
+            (bname, qid)
+            for bname, n, perm in qdatas
+            if perm & 2 and bname in masters
+            for qid in range(min(n, 4) if via_default else n)
+        )
+        if not queues:
+            raise RemoteError(f"remote {self.name} has no writable queue for {topic}")
+        r = _Route(masters, queues, time.monotonic(), via_default)
+        self.routes[topic] = r
+        return r
+
+    def target(self, rec: CopyRecord) -> tuple[str, int]:
+        qs = self.route(rec.topic).queues
+        return qs[rec.queue_id % len(qs)]
+
+    # Lanes ----------------------------------------------------------------------------------
+
+    def submit(self, item: Item) -> None:
+        try:
+            bname, qid = self.target(item.record)
+        except RemoteError as exc:
+            # No route yet (remote away): park in a lane of its own; it re-routes when sending.
+            self._set_up(False, str(exc))
+            bname, qid = "", -1
+        key = (item.record.topic, bname, qid)
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = _Lane()
+            lane.greenlet = gevent.spawn(self._lane_loop, key, lane)
+        lane.items.append(item)
+        lane.wake.set()
+
+    def backlog(self) -> int:
+        return sum(len(x.items) for x in self.lanes.values())
+
+    def _lane_loop(self, key: tuple[str, str, int], lane: _Lane) -> None:
+        while True:
+            if not lane.items:
+                lane.wake.clear()
+                lane.wake.wait()
+                continue
+            item = lane.items[0]
+            if not item.alive():  # the worker that sent it went away; it sends again
+                lane.items.popleft()
+                continue
+            status = self._send_until_done(item, key)
+            lane.items.popleft()
+            item.done(item.seq, status)
+
+    def _send_until_done(self, item: Item, key: tuple[str, str, int]) -> int:
+        delay = self.retry_initial
+        rec = item.record
+        while True:
+            err = ""
+            try:
+                if key[2] < 0:
+                    bname, qid = self.target(rec)
+                else:
+                    bname, qid = key[1], key[2]
+                    r = self.route(rec.topic)
+                    if bname not in r.masters:
+                        bname, qid = self.target(rec)
+                addr = self.route(rec.topic).masters[bname]
+                code, ext, body = build_request(rec, bname, qid, self.origin)
+                resp = self.pool.request(addr, code, ext, body, timeout=self.timeout)
+                if resp.code in STORED_CODES:
+                    self._set_up(True, "")
+                    self.delivered += 1
+                    if self.metrics is not None:
+                        self.metrics.delivered(self.name, rec)
+                    return 0
+                if resp.code in PERMANENT_CODES:
+                    self.failures += 1
+                    log.error(
+                        "remote refused a copy for good; giving it up",
+                        extra=ctx(remote=self.name, topic=rec.topic, code=resp.code, remark=resp.remark),
+                    )
+                    if self.metrics is not None:
+                        self.metrics.failed(self.name, f"code_{resp.code}")
+                    return 1
+                err = f"{addr} answered code {resp.code}: {resp.remark}"
+                if resp.code == 17:
+                    self.routes.pop(rec.topic, None)
+            except RemoteError as exc:
+                err = str(exc)
+                self.routes.pop(rec.topic, None)
+                self._set_up(False, err)
+            except Exception as exc:  # a copy we cannot encode: never blocks the lane forever
+                self.failures += 1
+                log.exception("cannot send a copy; giving it up", extra=ctx(remote=self.name, topic=rec.topic))
+                if self.metrics is not None:
+                    self.metrics.failed(self.name, type(exc).__name__)
+                return 1
+            item.attempts += 1
+            self.retries += 1
+            if self.metrics is not None:
+                self.metrics.retried(self.name)
+            if item.attempts in (1, 10) or item.attempts % 100 == 0:
+                log.warning(
+                    "remote send failed; retrying",
+                    extra=ctx(remote=self.name, topic=rec.topic, attempt=item.attempts, error=err,
+                           retry_in_s=round(delay, 3)),
+                )
+            gevent.sleep(delay)
+            delay = min(self.retry_max, delay * 2)
+            if not item.alive():
+                return 1  # the worker will send it again; nothing to acknowledge
+
+    def _set_up(self, up: bool, error: str) -> None:
+        if up != self.up:
+            self.up = up
+            log.warning("remote cloud is " + ("reachable again" if up else "unreachable"),
+                        extra=ctx(remote=self.name, error=error))
+            if self.on_status is not None:
+                self.on_status(self.name, up, error)
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            if lane.greenlet is not None:
+                lane.greenlet.kill(block=False)
+        self.pool.close()

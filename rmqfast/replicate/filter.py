@@ -1,0 +1,188 @@
+"""The copy path: a policy filter that tees copies of sends to remote clouds.
+
+It asks the scanner for SEND_MESSAGE (10), SEND_MESSAGE_V2 (310) and SEND_BATCH_MESSAGE
+(320) requests, lets every one of them through unchanged (it never rewrites or answers a
+send, except SYSTEM_BUSY when the spill is full with policy ``reject``), and takes a copy per
+remote cloud that the topic's rule selects:
+
+* ``[[replicate.topic]]`` rule, else ``replicate.default``: ``never``, ``always``, or
+  ``online`` (only while the remote has consumers online for the topic: the detector's cache);
+* an optional tag filter (``tags``: the message's ``TAGS`` must be one of them; a batch is
+  judged by its first message's tag);
+* never a copy of a copy: a message carrying ``RMQFAST_ORIGIN`` came from another cloud;
+* never the system topics (``%RETRY%``, ``%DLQ%``, ``RMQ_SYS_``, ``TBW102``... unless a rule
+  names them) nor prepared transaction halves (their commit comes as END_TRANSACTION, which is
+  not copied: transactional messages are not delivered across clouds yet).
+
+The copy is taken *before* the request is forwarded (``on_request`` runs in the client-to-broker
+pump), so in durable mode the synced group commit completes before the producer can see its
+answer.  The local broker's answer decides the copy's fate (``on_response``): SUCCESS releases
+it to the deliverer; any other code cancels it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any
+
+from rmqfast.clouds.detector import OnlineDetector
+from rmqfast.codec import codes as C
+from rmqfast.codec.properties import TAGS, parse_properties
+from rmqfast.config import Config, TopicRule
+from rmqfast.log import ctx
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, error_response, reply, slots_of
+from rmqfast.replicate.replicator import Replicator, SpillFull
+from rmqfast.spill.record import KIND_BATCH, KIND_SINGLE, ORIGIN_PROPERTY, CopyRecord
+
+log = logging.getLogger("rmqfast.replicate")
+
+SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+TRANSACTION_PREPARED = 1 << 2
+_SYSTEM_PREFIXES = ("%RETRY%", "%DLQ%", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC", "TBW102", "RMQ_")
+_ORIGIN_MARK = ORIGIN_PROPERTY + "\x01"
+
+# SendMessageRequestHeader field names, by SendMessageRequestHeaderV2 short name.
+_V1 = {
+    "a": "producerGroup", "b": "topic", "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag",
+    "i": "properties", "j": "reconsumeTimes", "l": "maxReconsumeTimes", "n": "bname",
+}
+
+_PENDING = "replicate_pending"
+
+
+def _int(v: str | None, default: int = 0) -> int:
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default
+
+
+class ReplicateFilter(Filter):
+    name = "replicate"
+    wants_responses = True
+
+    def __init__(self, cfg: Config, replicator: Replicator, detector: OnlineDetector | None) -> None:
+        self.replicator = replicator
+        self.detector = detector
+        self.rules: dict[str, TopicRule] = {t.name: t for t in cfg.replicate.topics}
+        self.default = cfg.replicate.default
+        self.remotes = [r.name for r in cfg.clouds.remotes]
+        self._slots = slots_of(SEND_CODES)
+        self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def request_slots(self) -> set[int]:
+        return self._slots
+
+    # Rules ------------------------------------------------------------------------------------
+
+    def targets(self, topic: str, tag: str | None) -> list[str]:
+        """The remotes a message of ``topic`` with ``tag`` is copied to, now."""
+        rule = self.rules.get(topic)
+        if rule is None:
+            if self.default == "never" or topic.startswith(_SYSTEM_PREFIXES):
+                return []
+            mode, tags, remotes = self.default, (), self.remotes
+        else:
+            mode, tags, remotes = rule.replicate, rule.tags, rule.remotes or self.remotes
+        if mode == "never" or (tags and tag not in tags):
+            return []
+        if mode == "always" or self.detector is None:
+            return list(remotes)
+        return [r for r in remotes if self.detector.online(r, topic)]
+
+    # Requests ---------------------------------------------------------------------------------
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        if frame.code not in SEND_CODES:
+            return None
+        try:
+            cmd = frame.command()
+        except ValueError:
+            return None  # the broker answers malformed frames itself
+        ext = cmd.ext_fields or {}
+        if frame.code == C.SEND_MESSAGE:
+            ext = {k: ext.get(v) for k, v in _V1.items() if ext.get(v) is not None}  # type: ignore[misc]
+        topic = ext.get("b")
+        if not topic:
+            return None
+        props_text = ext.get("i") or ""
+        if _ORIGIN_MARK in props_text:
+            self.replicator.count_not_copied("copy_of_copy")
+            return None
+        sys_flag = _int(ext.get("f"))
+        if sys_flag & TRANSACTION_PREPARED:
+            return None
+        tag = parse_properties(props_text).get(TAGS) if props_text else None
+        batch = frame.code == C.SEND_BATCH_MESSAGE
+        if batch and tag is None and cmd.body:
+            tag = _first_batch_tag(cmd.body)
+            if _ORIGIN_MARK.encode() in cmd.body:
+                self.replicator.count_not_copied("copy_of_copy")
+                return None
+        remotes = self.targets(topic, tag)
+        if not remotes:
+            return None
+        rec = CopyRecord(
+            topic=topic,
+            body=cmd.body,
+            properties=props_text,
+            queue_id=_int(ext.get("e")),
+            sys_flag=sys_flag,
+            born_timestamp=_int(ext.get("g")),
+            flag=_int(ext.get("h")),
+            reconsume_times=_int(ext.get("j")),
+            max_reconsume_times=_int(ext.get("l"), 16),
+            broker_name=ext.get("n") or "",
+            producer_group=ext.get("a") or "",
+            kind=KIND_BATCH if batch else KIND_SINGLE,
+            created_ms=int(time.time() * 1000),
+        )
+        try:
+            seqs = self.replicator.take(remotes, topic, rec.encode(), awaiting=not frame.is_oneway)
+        except SpillFull as exc:
+            log.warning("send refused: cross-cloud spill full", extra=ctx(topic=topic, client=session.client_addr))
+            if frame.is_oneway:
+                return divert(str(exc))
+            return reply(error_response(frame, C.SYSTEM_BUSY, str(exc)))
+        if seqs and not frame.is_oneway:
+            pending: dict[int, list[int]] = session.state.setdefault(_PENDING, {})
+            pending[frame.opaque] = seqs
+            self._sessions.add(session)
+        return None
+
+    def on_response(self, session: Session, frame: Frame) -> Verdict | None:
+        pending: dict[int, list[int]] | None = session.state.get(_PENDING)
+        if not pending:
+            return None
+        seqs = pending.pop(frame.opaque, None)
+        if seqs is None:
+            return None
+        if frame.code == C.SUCCESS:
+            self.replicator.confirm(seqs)
+        else:
+            self.replicator.cancel(seqs)
+        return None
+
+    def sweep(self) -> int:
+        """Release the copies of requests whose connection closed before the answer came."""
+        n = 0
+        for s in list(self._sessions):
+            if getattr(s, "closed", False):
+                pending = s.state.pop(_PENDING, {})
+                for seqs in pending.values():
+                    self.replicator.confirm(seqs)
+                    n += len(seqs)
+                self._sessions.discard(s)
+        return n
+
+
+def _first_batch_tag(body: bytes) -> str | None:
+    from rmqfast.codec.batch import decode_batch
+
+    try:
+        entries = decode_batch(body)
+    except ValueError:
+        return None
+    return entries[0].properties.get(TAGS) if entries else None

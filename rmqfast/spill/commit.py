@@ -1,0 +1,97 @@
+"""Group commit: concurrent producers' copies become one synced RocksDB write.
+
+A producer's greenlet calls :meth:`GroupCommitter.commit`; the copies get their sequence
+numbers at once (so keys follow arrival order) and join the pending batch; the greenlet then
+waits.  One committer greenlet takes everything pending, writes it as one ``WriteBatch`` with
+``sync=True`` in a native thread (the gevent hub keeps serving other connections meanwhile,
+rocksdict releases the GIL during the write), and wakes every waiter.  While one fsync runs,
+the next batch fills, so under concurrency there are many messages per fsync; a lone producer
+pays one fsync per message, as it must.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gevent
+import gevent.event
+from gevent.event import Event
+
+from rmqfast.log import ctx
+from rmqfast.spill.store import SpillStore
+
+log = logging.getLogger("rmqfast.spill")
+
+
+class CommitFailed(RuntimeError):
+    """The synced write failed: the copies were not stored (the caller must not acknowledge them)."""
+
+
+class _Batch:
+    __slots__ = ("items", "done", "error")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, int, bytes]] = []
+        self.done = Event()
+        self.error: BaseException | None = None
+
+
+class GroupCommitter:
+    def __init__(self, store: SpillStore) -> None:
+        self.store = store
+        self._pending = _Batch()
+        self._wake = Event()
+        self._closed = False
+        self.batches = 0
+        self._greenlet = gevent.spawn(self._run)
+
+    def commit(self, items: list[tuple[str, str, bytes]]) -> list[int]:
+        """Store ``(remote, topic, value)`` copies durably; returns their sequence numbers.
+
+        Raises :class:`CommitFailed` when RocksDB refused the write.
+        """
+        seqs = [self.store.next_seq() for _ in items]
+        self.commit_seqs([(r, t, s, v) for (r, t, v), s in zip(items, seqs, strict=True)])
+        return seqs
+
+    def commit_seqs(self, items: list[tuple[str, str, int, bytes]]) -> None:
+        """Like :meth:`commit` for copies whose sequence numbers the caller took already
+        (:meth:`SpillStore.next_seq`), so it can register them before waiting."""
+        if self._closed:
+            raise CommitFailed("the spill committer is closed (the worker is stopping)")
+        batch = self._pending
+        batch.items.extend(items)
+        self._wake.set()
+        batch.done.wait()
+        if batch.error is not None:
+            raise CommitFailed(f"synced spill write to {self.store.path} failed: {batch.error}") from batch.error
+
+    def _run(self) -> None:
+        pool = gevent.get_hub().threadpool
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            batch = self._pending
+            if not batch.items:
+                continue
+            self._pending = _Batch()
+            try:
+                pool.apply(self.store.write_unaccounted, (batch.items,), {"sync": True})
+                self.store.account(batch.items, sync=True)
+                self.batches += 1
+            except Exception as exc:  # disk full, I/O error: every waiter hears it
+                log.error("synced spill write failed", extra=ctx(error=str(exc), path=str(self.store.path)))
+                batch.error = exc
+            batch.done.set()
+
+    @property
+    def messages_per_fsync(self) -> float:
+        return self.store.synced_messages / self.store.fsyncs if self.store.fsyncs else 0.0
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._greenlet.join(timeout=5)
+        if self._pending.items:
+            self._pending.error = CommitFailed("closed")
+            self._pending.done.set()
