@@ -8,7 +8,7 @@ Python object per frame: the buffer is read through a raw pointer, counters are 
 and topics are counted in an open-addressing table of fixed-size C strings.
 """
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
 from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy
@@ -329,6 +329,9 @@ cdef struct HeaderInfo:
     Py_ssize_t b_len
     Py_ssize_t t_start
     Py_ssize_t t_len
+    Py_ssize_t p_start       # message properties ("i" in V2 headers, "properties" in V1); -1: absent
+    Py_ssize_t p_len
+    bint p_esc               # JSON-escaped (separators appear as \u0001 / \u0002)
 
 
 cdef inline bint is_ws(uint8_t c) noexcept nogil:
@@ -441,7 +444,15 @@ cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, He
         if i >= n or h[i] != 58:
             return -E_COLON_EXPECTED
         i = skip_ws(h, i + 1, n)
-        if (key_is(h, ks, klen, b"b", 1) or key_is(h, ks, klen, b"topic", 5)) and i < n and h[i] == 34:
+        if (key_is(h, ks, klen, b"i", 1) or key_is(h, ks, klen, b"properties", 10)) and i < n and h[i] == 34:
+            vs = i + 1
+            i = skip_string(h, i, n, &esc)
+            if i < 0:
+                return i
+            info.p_start = vs
+            info.p_len = i - 1 - vs
+            info.p_esc = esc
+        elif (key_is(h, ks, klen, b"b", 1) or key_is(h, ks, klen, b"topic", 5)) and i < n and h[i] == 34:
             vs = i + 1
             i = skip_string(h, i, n, &esc)
             if i < 0:
@@ -552,6 +563,10 @@ cdef int parse_binary_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) n
         elif key_is(h, ks, klen, b"topic", 5):
             info.t_start = i
             info.t_len = vlen
+        elif key_is(h, ks, klen, b"i", 1) or key_is(h, ks, klen, b"properties", 10):
+            info.p_start = i
+            info.p_len = vlen
+            info.p_esc = False
         i += vlen
     return E_OK
 
@@ -567,6 +582,319 @@ cdef uint64_t count_batch(const uint8_t* p, Py_ssize_t n) noexcept nogil:
         count += 1
         i += size
     return count
+
+
+# --------------------------------------------------------------------------------------------
+# The limiter: GCRA token buckets whose state lives in memory shared by all worker processes.
+#
+# A bucket is one int64 in the shared file: its "theoretical arrival time" (TAT, CLOCK_MONOTONIC
+# nanoseconds).  A send of n messages conforms when max(TAT, now) + n*interval - now stays within
+# the burst tolerance (burst*interval); it is admitted by one compare-and-swap of the TAT.  Every
+# worker runs the same rules (same config) against the same TATs, so the configured rate holds
+# for the whole proxy instance however connections spread over workers.  A batch larger than the
+# burst passes only when its bucket is full, and is charged in full (the long-run rate holds).
+# The pure-Python twin (rmqfast.limits.gcra) does the same under an flock.
+
+cdef extern from *:
+    """
+    static inline int rmq_cas64(int64_t *p, int64_t *expected, int64_t desired) {
+        return __atomic_compare_exchange_n(p, expected, desired, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    }
+    static inline int64_t rmq_load64(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+    static inline int64_t rmq_add64(int64_t *p, int64_t v) { return __atomic_add_fetch(p, v, __ATOMIC_ACQ_REL); }
+    """
+    bint rmq_cas64(int64_t* p, int64_t* expected, int64_t desired) nogil
+    int64_t rmq_load64(int64_t* p) nogil
+    int64_t rmq_add64(int64_t* p, int64_t v) nogil
+
+DEF SLOT_WORDS_C = 8          # int64 words per shared slot: [msgs TAT, bytes TAT, unused...]
+DEF MAX_RULES_C = 1023        # slot 0 is the global bucket
+DEF LIM_TOPICS_C = 1024
+SLOT_BYTES = SLOT_WORDS_C * 8
+MAX_RULES = MAX_RULES_C
+MODE_LIMIT = 0
+MODE_REJECT = 1
+MODE_OPEN = 2
+
+
+cdef struct Rule:
+    double interval          # ns per message (0: no message limit)
+    double tolerance         # burst * interval
+    double binterval         # ns per byte (0: no byte limit)
+    double btolerance
+    int mode
+    int slot
+    int tlen                 # topic pattern length; prefix patterns end with '*' (not stored)
+    int glen                 # tag length; -1: any tag
+    bint prefix
+    uint8_t topic[256]
+    uint8_t tag[256]
+
+
+cdef struct LimTopic:
+    uint32_t hash
+    int length               # -1: empty
+    int gen
+    int topic_rule           # best topic rule (-1: none)
+    bint has_tag_rules
+    uint8_t name[256]
+
+
+cdef inline bint gcra(int64_t* tat_p, int64_t now, double interval, double tolerance, int64_t n,
+                      int64_t* charged) noexcept nogil:
+    cdef int64_t cost = <int64_t>(interval * n + 0.5)
+    cdef int64_t tol = <int64_t>tolerance
+    cdef int64_t tat = rmq_load64(tat_p)
+    cdef int64_t base, new
+    while True:
+        base = tat if tat > now else now
+        new = base + cost
+        if base - now > tol - (cost if cost < tol else tol):
+            return False
+        if rmq_cas64(tat_p, &tat, new):
+            charged[0] = cost
+            return True
+
+
+cdef Py_ssize_t find_tag(const uint8_t* p, Py_ssize_t n, bint esc, Py_ssize_t* tlen) noexcept nogil:
+    """Start of the TAGS property value in a properties string (-1: none); its length in tlen."""
+    cdef Py_ssize_t i = 0, s, sep = 6 if esc else 1
+    while i + 4 + sep <= n:
+        if (i == 0 or p[i - 1] == 2 or (esc and i >= 6 and p[i - 1] == 50 and p[i - 6] == 92)) \
+                and memcmp(p + i, b"TAGS", 4) == 0 \
+                and ((not esc and p[i + 4] == 1) or (esc and memcmp(p + i + 4, b"\\u0001", 6) == 0)):
+            s = i + 4 + sep
+            i = s
+            while i < n:
+                if (not esc and p[i] == 2) or (esc and i + 6 <= n and memcmp(p + i, b"\\u0002", 6) == 0):
+                    break
+                i += 1
+            tlen[0] = i - s
+            return s
+        i += 1
+    return -1
+
+
+cdef class Limiter:
+    """Per-topic / per-tag / global send limits of one worker over shared buckets."""
+
+    cdef object _shm             # the mapped shared file (kept alive)
+    cdef int64_t* slots
+    cdef Py_ssize_t nslots
+    cdef Rule* rules
+    cdef readonly int nrules
+    cdef int global_rule         # index into rules of the global limit (-1: none)
+    cdef bint any_tag_rules
+    cdef int gen
+    cdef LimTopic* topics
+    cdef uint64_t* admitted      # per rule: messages admitted / rejected
+    cdef uint64_t* rejected
+    cdef readonly bint active
+
+    def __cinit__(self, shm):
+        cdef Py_buffer view
+        PyObject_GetBuffer(shm, &view, PyBUF_WRITABLE)
+        try:
+            if view.len < SLOT_WORDS_C * 8 * (MAX_RULES_C + 1):
+                raise ValueError(f"shared limiter memory of {view.len} bytes is too small "
+                                 f"(need {SLOT_WORDS_C * 8 * (MAX_RULES_C + 1)})")
+            self.slots = <int64_t*>view.buf
+            self.nslots = MAX_RULES_C + 1
+        finally:
+            PyBuffer_Release(&view)
+        self._shm = shm  # the mmap object outlives the buffer view: the pointer stays valid
+        self.rules = <Rule*>calloc(MAX_RULES_C + 1, sizeof(Rule))
+        self.topics = <LimTopic*>calloc(LIM_TOPICS_C, sizeof(LimTopic))
+        self.admitted = <uint64_t*>calloc(MAX_RULES_C + 1, sizeof(uint64_t))
+        self.rejected = <uint64_t*>calloc(MAX_RULES_C + 1, sizeof(uint64_t))
+        if self.rules == NULL or self.topics == NULL or self.admitted == NULL or self.rejected == NULL:
+            raise MemoryError()
+        self.global_rule = -1
+        self.gen = 1
+        self._clear_topics()
+
+    def __dealloc__(self):
+        free(self.rules)
+        free(self.topics)
+        free(self.admitted)
+        free(self.rejected)
+
+    cdef void _clear_topics(self) noexcept:
+        cdef int i
+        for i in range(LIM_TOPICS_C):
+            self.topics[i].length = -1
+
+    def configure(self, rules):
+        """Replace the rules: a list of (topic, tag or None, rate, burst, bytes_rate, bytes_burst, mode, slot).
+
+        ``topic`` is a name, ``prefix*`` or ``*``; an empty topic marks the global limit.  The
+        per-rule counters restart (the metrics publisher keeps its own running totals).
+        """
+        cdef int i, n = len(rules)
+        cdef Rule* r
+        if n > MAX_RULES_C + 1:
+            raise ValueError(f"{n} limit rules; at most {MAX_RULES_C} (plus the global one)")
+        self.global_rule = -1
+        self.any_tag_rules = False
+        for i in range(n):
+            topic, tag, rate, burst, brate, bburst, mode, slot = rules[i]
+            topic = bytes(topic)
+            r = &self.rules[i]
+            r.prefix = topic.endswith(b"*")
+            if r.prefix:
+                topic = topic[:len(topic) - 1]
+            if len(topic) > 255 or (tag is not None and len(tag) > 255):
+                raise ValueError(f"limit rule {i}: topic or tag longer than 255 bytes")
+            if not 0 <= slot < self.nslots:
+                raise ValueError(f"limit rule {i}: slot {slot} outside 0..{self.nslots - 1}")
+            r.tlen = len(topic)
+            memcpy(r.topic, <const char*>topic, r.tlen)
+            if tag is None:
+                r.glen = -1
+            else:
+                tag = bytes(tag)
+                r.glen = len(tag)
+                memcpy(r.tag, <const char*>tag, r.glen)
+                self.any_tag_rules = True
+            r.interval = 1e9 / rate if rate > 0 else 0
+            r.tolerance = burst * r.interval
+            r.binterval = 1e9 / brate if brate > 0 else 0
+            r.btolerance = bburst * r.binterval
+            r.mode = mode
+            r.slot = slot
+            self.admitted[i] = 0
+            self.rejected[i] = 0
+            if r.tlen == 0 and not r.prefix and r.glen < 0:
+                self.global_rule = i
+        self.nrules = n
+        self.active = n > 0
+        self.gen += 1
+        self._clear_topics()
+
+    def counters(self):
+        """``(rule index, admitted messages, rejected messages)`` per rule."""
+        return [(i, self.admitted[i], self.rejected[i]) for i in range(self.nrules)]
+
+    cdef int _topic_rule(self, const uint8_t* t, int n, bint* has_tags) noexcept:
+        """Best topic rule without a tag: exact name, then the longest prefix, then '*'."""
+        cdef int i, best = -1, best_len = -1
+        cdef Rule* r
+        has_tags[0] = False
+        for i in range(self.nrules):
+            r = &self.rules[i]
+            if i == self.global_rule:
+                continue
+            if r.prefix:
+                if r.tlen > n or memcmp(r.topic, t, r.tlen) != 0:
+                    continue
+            elif r.tlen != n or memcmp(r.topic, t, n) != 0:
+                continue
+            if r.glen >= 0:
+                has_tags[0] = True
+                continue
+            if not r.prefix:
+                best, best_len = i, 1 << 20
+            elif r.tlen > best_len:
+                best, best_len = i, r.tlen
+        return best
+
+    cdef LimTopic* _lookup(self, const uint8_t* t, int n, LimTopic* scratch) noexcept:
+        cdef uint32_t h = 2166136261u
+        cdef int i
+        cdef uint32_t idx
+        cdef LimTopic* e
+        cdef bint has_tags
+        if n > 255:
+            n = 255
+        for i in range(n):
+            h = (h ^ t[i]) * 16777619u
+        idx = h & (LIM_TOPICS_C - 1)
+        for i in range(16):  # short probe: a miss beyond it resolves without caching
+            e = &self.topics[idx]
+            if e.length < 0 or (e.hash == h and e.length == n and memcmp(e.name, t, n) == 0):
+                if e.length < 0 or e.gen != self.gen:
+                    e.hash = h
+                    e.length = n
+                    memcpy(e.name, t, n)
+                    e.topic_rule = self._topic_rule(t, n, &has_tags)
+                    e.has_tag_rules = has_tags
+                    e.gen = self.gen
+                return e
+            idx = (idx + 1) & (LIM_TOPICS_C - 1)
+        scratch.topic_rule = self._topic_rule(t, n, &has_tags)
+        scratch.has_tag_rules = has_tags
+        return scratch
+
+    cdef bint applies(self, const uint8_t* t, int n) noexcept:
+        """Whether any rule may limit a send to this topic (then the scanner needs the whole frame)."""
+        cdef LimTopic scratch
+        cdef LimTopic* e
+        if self.global_rule >= 0:
+            return True
+        e = self._lookup(t, n, &scratch)
+        return e.topic_rule >= 0 or e.has_tag_rules
+
+    cdef int decide(self, const uint8_t* t, int n, const uint8_t* props, Py_ssize_t plen, bint esc,
+                    int64_t msgs, int64_t nbytes, int64_t now) noexcept:
+        """-1: admitted; else the index of the rule that rejected the send."""
+        cdef LimTopic scratch
+        cdef LimTopic* e = self._lookup(t, n, &scratch)
+        cdef int chain[3]
+        cdef int nchain = 0, i, k, r_i
+        cdef Py_ssize_t gs, glen = 0
+        cdef Rule* r
+        cdef int64_t charged_m[3]
+        cdef int64_t charged_b[3]
+        if e.has_tag_rules and props != NULL:
+            gs = find_tag(props, plen, esc, &glen)
+            if gs >= 0:
+                for i in range(self.nrules):
+                    r = &self.rules[i]
+                    if r.glen == glen and memcmp(r.tag, props + gs, glen) == 0 and i != self.global_rule:
+                        if (r.prefix and r.tlen <= n and memcmp(r.topic, t, r.tlen) == 0) or \
+                                (not r.prefix and r.tlen == n and memcmp(r.topic, t, n) == 0):
+                            chain[nchain] = i
+                            nchain += 1
+                            break
+        if e.topic_rule >= 0:
+            chain[nchain] = e.topic_rule
+            nchain += 1
+        if self.global_rule >= 0:
+            chain[nchain] = self.global_rule
+            nchain += 1
+        for k in range(nchain):
+            r_i = chain[k]
+            r = &self.rules[r_i]
+            charged_m[k] = 0
+            charged_b[k] = 0
+            if r.mode == MODE_OPEN:
+                continue
+            if r.mode == MODE_REJECT or \
+                    (r.interval > 0 and not gcra(self.slots + r.slot * SLOT_WORDS_C, now, r.interval,
+                                                 r.tolerance, msgs, &charged_m[k])) or \
+                    (r.binterval > 0 and not gcra(self.slots + r.slot * SLOT_WORDS_C + 1, now, r.binterval,
+                                                  r.btolerance, nbytes, &charged_b[k])):
+                # refund what the earlier buckets (and this one's message bucket) charged
+                for i in range(k + 1):
+                    r = &self.rules[chain[i]]
+                    if charged_m[i]:
+                        rmq_add64(self.slots + r.slot * SLOT_WORDS_C, -charged_m[i])
+                    if charged_b[i]:
+                        rmq_add64(self.slots + r.slot * SLOT_WORDS_C + 1, -charged_b[i])
+                self.rejected[r_i] += msgs
+                return r_i
+        for k in range(nchain):
+            self.admitted[chain[k]] += msgs
+        return -1
+
+    def admit(self, topic, tag=None, int64_t msgs=1, int64_t nbytes=0, int64_t now_ns=-1):
+        """One decision from Python (tests, benchmarks): -1 admitted, else the rejecting rule."""
+        cdef bytes t = bytes(topic)
+        cdef bytes props = b"TAGS\x01" + bytes(tag) + b"\x02" if tag is not None else b""
+        if now_ns < 0:
+            now_ns = monotonic_ns()
+        return self.decide(<const uint8_t*><const char*>t, len(t), <const uint8_t*><const char*>props,
+                           len(props), False, msgs, nbytes, now_ns)
 
 
 cdef struct PendingEntry:
@@ -710,11 +1038,13 @@ cdef class FrameScanner:
     cdef public int opaque
     cdef readonly InFlight inflight
     cdef readonly int direction
+    cdef public Limiter limiter
+    cdef public int limited      # rule index when the last EV_POLICY was a send over its limit, else -1
 
     def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
                  Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
                  Py_ssize_t max_header_size=DEFAULT_MAX_HEADER,
-                 InFlight inflight=None, int direction=0):
+                 InFlight inflight=None, int direction=0, Limiter limiter=None):
         if direction != 0 and direction != 1:
             raise ValueError(f"direction must be 0 (client to upstream) or 1 (upstream to client), got {direction!r}")
         if max_frame_size < 8:
@@ -724,6 +1054,8 @@ cdef class FrameScanner:
         self.stats = stats
         self.inflight = inflight
         self.direction = direction
+        self.limiter = limiter
+        self.limited = -1
         self.response_policy = response_policy
         self.max_frame_size = max_frame_size
         self.max_header_size = max_header_size
@@ -762,7 +1094,9 @@ cdef class FrameScanner:
         cdef int32_t length, mark
         cdef int stype, err, slot
         cdef Py_ssize_t hlen
-        cdef bint policy, is_response
+        cdef bint policy, is_response, limit_check
+        cdef int limited
+        cdef Py_ssize_t ts = -1, tl = 0
         cdef HeaderInfo info
         cdef ScanStats stats = self.stats
         if now < 0 and self.inflight is not None:
@@ -803,6 +1137,9 @@ cdef class FrameScanner:
             info.b_len = 0
             info.t_start = -1
             info.t_len = 0
+            info.p_start = -1
+            info.p_len = 0
+            info.p_esc = False
             if stype == 0:
                 err = parse_json_header(p + pos + 8, hlen, &info)
             else:
@@ -811,11 +1148,20 @@ cdef class FrameScanner:
                 return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[err]}")
             slot = code_slot(info.code)
             is_response = info.flag & 1
+            limit_check = False
             if is_response:
                 policy = self.response_policy
             else:
                 policy = self._actions[slot] == 1
-            if (policy or info.code == SEND_BATCH) and avail < total:
+                if self.limiter is not None and self.limiter.active and \
+                        (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
+                    if info.code == SEND_V1:
+                        ts, tl = info.t_start, info.t_len
+                    else:
+                        ts, tl = info.b_start, info.b_len
+                    # a limited send is decided whole (a rejected one is never relayed)
+                    limit_check = ts >= 0 and self.limiter.applies(p + pos + 8 + ts, <int>tl)
+            if (policy or info.code == SEND_BATCH or limit_check) and avail < total:
                 return (0, pos, total)
             stats.frames += 1
             stats.bytes += total
@@ -828,9 +1174,21 @@ cdef class FrameScanner:
                 if not info.flag & 2:
                     self.requests += 1
                 self._count_topic(p + pos, hlen, total, &info)
+            limited = -1
+            if limit_check:
+                if now < 0:
+                    now = monotonic_ns()
+                limited = self.limiter.decide(
+                    p + pos + 8 + ts, <int>tl,
+                    p + pos + 8 + info.p_start if info.p_start >= 0 else NULL, info.p_len, info.p_esc,
+                    <int64_t>count_batch(p + pos + 8 + hlen, total - 8 - hlen) if info.code == SEND_BATCH else 1,
+                    total, now)
+                if limited >= 0:
+                    policy = True
             if self.inflight is not None:
                 self._time(slot, info.code, info.flag, info.opaque, now, policy)
             if policy:
+                self.limited = limited
                 self.code = info.code
                 self.flag = info.flag
                 self.opaque = info.opaque

@@ -1,4 +1,4 @@
-"""Command line: ``rmqfast serve | check-config | demo``."""
+"""Command line: ``rmqfast serve | check-config | demo | analyze``."""
 
 from __future__ import annotations
 
@@ -108,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", metavar="FILE")
     _add_serve_flags(check)
 
+    spill = sub.add_parser(
+        "spill",
+        help="show the cross-cloud backlog in the spill directories (stopped or running proxy)",
+    )
+    spill.add_argument("what", choices=("stats", "inspect"), help="stats: backlog per lane; inspect: the copies")
+    spill.add_argument("--config", "-c", metavar="FILE", help="the proxy's config file (for proxy.state_dir)")
+    spill.add_argument("--state-dir", metavar="DIR", help="proxy.state_dir (overrides --config)")
+    spill.add_argument("--limit", type=int, default=20, help="inspect: at most this many copies (default 20)")
+    spill.add_argument("--remote", help="inspect: only this remote cloud")
+    spill.add_argument("--topic", help="inspect: only this topic")
+    spill.add_argument("--json", action="store_true", help="JSON output")
+
     demo = sub.add_parser(
         "demo",
         help="start a local RocketMQ (Maven Central jars), rmqfast in front, real traffic, a report",
@@ -116,12 +128,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="proxy worker processes (default 2)")
     demo.add_argument("--keep-running", action="store_true", help="leave everything running until Ctrl-C")
 
+    from rmqfast.limits import cli as limits_cli
+
+    limits_cli.add_parser(sub)
+
     # The bench has its own parser (rmqfast.bench); `rmqfast bench ...` hands it the rest of argv.
     sub.add_parser(
         "bench",
         help="benchmarks side by side: direct vs HAProxy vs rmqfast (null broker), or --real (real RocketMQ)",
         add_help=False,
     )
+    analyze = sub.add_parser(
+        "analyze",
+        help="Spark report (HTML, PNG charts, Parquet/CSV tables) from traffic records and benchmark results",
+    )
+    from rmqfast.analytics.report import add_arguments
+
+    add_arguments(analyze)
     return ap
 
 
@@ -136,10 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
+    if args.command == "limits":
+        from rmqfast.limits import cli as limits_cli
+
+        return limits_cli.run(args)
     if args.command == "demo":
         from rmqfast.demo import run_demo
 
         return run_demo(messages=args.messages, workers=args.workers, keep_running=args.keep_running)
+
+    if args.command == "analyze":
+        from rmqfast.analytics.report import run_cli
+
+        return run_cli(args)
+
+    if args.command == "spill":
+        return _spill(args)
 
     path = args.file if args.command == "check-config" else args.config
 
@@ -164,6 +199,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rmqfast: {exc}", file=sys.stderr)
         return 2
+
+
+def _spill(args: argparse.Namespace) -> int:
+    from rmqfast.spill import cli as spill_cli
+    from rmqfast.spill.store import SpillError
+
+    state_dir = args.state_dir
+    if state_dir is None:
+        try:
+            raw = config_mod.load_file(args.config) if args.config else {}
+        except ConfigError as exc:
+            print(f"rmqfast: {exc}", file=sys.stderr)
+            return 2
+        state_dir = (raw.get("proxy") or {}).get("state_dir", config_mod.ProxySection().state_dir)
+    try:
+        if args.what == "stats":
+            return spill_cli.stats(state_dir, as_json=args.json)
+        return spill_cli.inspect(state_dir, limit=args.limit, remote=args.remote, topic=args.topic, as_json=args.json)
+    except SpillError as exc:
+        print(f"rmqfast spill: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rmqfast.errors import ConfigError
+from rmqfast.limits.rules import LimitsSection, parse_limits
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -78,12 +79,70 @@ class PolicySection:
 @dataclass
 class AdminSection:
     listen: HostPort | None = None
+    # Required (as "Authorization: Bearer <token>") to change limits over HTTP; without one,
+    # changes are accepted only when the admin endpoint listens on a loopback address.
+    token: str = ""
 
 
 @dataclass
 class LogSection:
     format: str = "json"
     level: str = "info"
+
+
+@dataclass
+class RecordsSection:
+    """``[records]``: traffic records for the Spark jobs (docs/records.md)."""
+
+    enabled: bool = False
+    dir: str = "records"
+    rotate_seconds: float = 60.0
+    rotate_bytes: int = 64 << 20
+    sample_rate: float = 0.0  # share of requests written as sampled per-request records
+    format: str = "parquet"  # parquet | jsonl
+
+
+@dataclass
+class RemoteCloud:
+    """A remote cluster copies are delivered to: a name and its name servers ('host:port')."""
+
+    name: str
+    namesrv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CloudsSection:
+    local: str = "local"
+    detect_interval: float = 2.0
+    detect_timeout: float = 3.0
+    remotes: list[RemoteCloud] = field(default_factory=list)
+
+
+@dataclass
+class TopicRule:
+    """``[[replicate.topic]]``: when copies of a topic go to remote clouds."""
+
+    name: str
+    replicate: str = "online"  # online | always | never
+    tags: list[str] = field(default_factory=list)  # empty: every tag
+    remotes: list[str] = field(default_factory=list)  # empty: every remote
+    groups: list[str] = field(default_factory=list)  # consumer groups to ask the remotes about
+
+
+@dataclass
+class ReplicateSection:
+    durability: str = "fast"  # fast | durable
+    default: str = "never"  # rule for topics no [[replicate.topic]] names
+    channel_size: int = 10000
+    disk_cap_bytes: int = 1 << 30
+    on_disk_full: str = "reject"  # reject | drop
+    write_buffer_bytes: int = 8 << 20
+    block_cache_bytes: int = 8 << 20
+    deliver_processes: int = 1
+    max_in_flight: int = 1024
+    retry_initial: float = 0.1
+    retry_max: float = 5.0
+    topics: list[TopicRule] = field(default_factory=list)
 
 
 @dataclass
@@ -94,6 +153,15 @@ class Config:
     policy: PolicySection = field(default_factory=PolicySection)
     admin: AdminSection = field(default_factory=AdminSection)
     log: LogSection = field(default_factory=LogSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    records: RecordsSection = field(default_factory=RecordsSection)
+    clouds: CloudsSection = field(default_factory=CloudsSection)
+    replicate: ReplicateSection = field(default_factory=ReplicateSection)
+
+    @property
+    def replication_enabled(self) -> bool:
+        """Copies are taken only when at least one remote cloud is configured."""
+        return bool(self.clouds.remotes)
 
     # Derived values -------------------------------------------------------------------
 
@@ -209,9 +277,126 @@ _KNOWN = {
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
     "policy": {"allow_codes", "deny_codes"},
-    "admin": {"listen"},
+    "admin": {"listen", "token"},
+    "limits": {"global_rate", "global_burst", "global_bytes_rate", "global_bytes_burst", "rule"},
     "log": {"format", "level"},
+    "records": {"enabled", "dir", "rotate_seconds", "rotate_bytes", "sample_rate", "format"},
+    "clouds": {"local", "detect_interval", "detect_timeout", "remote"},
+    "replicate": {
+        "durability",
+        "default",
+        "channel_size",
+        "disk_cap_bytes",
+        "on_disk_full",
+        "write_buffer_bytes",
+        "block_cache_bytes",
+        "deliver_processes",
+        "max_in_flight",
+        "retry_initial",
+        "retry_max",
+        "topic",
+    },
 }
+
+_REPLICATE_CHOICES = ("online", "always", "never")
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def _name(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 64 or not set(value) <= _NAME_CHARS:
+        raise ConfigError(
+            f"{key}: {value!r} is not allowed; expected a name of 1 to 64 letters, digits, '-', '_' or '.'"
+        )
+    return value
+
+
+def _str_list(key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a list of non-empty strings")
+    return list(value)
+
+
+def _parse_clouds(cfg: Config, raw: dict[str, Any]) -> None:
+    cl = _table("clouds", raw.get("clouds", {}))
+    _check_keys("clouds", cl, _KNOWN["clouds"])
+    c = cfg.clouds
+    if "local" in cl:
+        c.local = _name("clouds.local", cl["local"])
+    if "detect_interval" in cl:
+        c.detect_interval = _float("clouds.detect_interval", cl["detect_interval"], 0.1, 3600)
+    if "detect_timeout" in cl:
+        c.detect_timeout = _float("clouds.detect_timeout", cl["detect_timeout"], 0.1, 60)
+    remotes = cl.get("remote", [])
+    if not isinstance(remotes, list):
+        raise ConfigError(f"clouds.remote: {remotes!r} is not allowed; expected an array of tables [[clouds.remote]]")
+    for i, r in enumerate(remotes):
+        key = f"clouds.remote[{i}]"
+        r = _table(key, r)
+        _check_keys(key, r, {"name", "namesrv"})
+        if "name" not in r or "namesrv" not in r:
+            raise ConfigError(f"{key}: both 'name' and 'namesrv' (the remote name servers) are required")
+        name = _name(f"{key}.name", r["name"])
+        if name == c.local:
+            raise ConfigError(f"{key}.name: {name!r} is the local cloud's name (clouds.local); pick another")
+        if any(x.name == name for x in c.remotes):
+            raise ConfigError(f"{key}.name: {name!r} is used by another [[clouds.remote]]")
+        addrs = _str_list(f"{key}.namesrv", r["namesrv"])
+        ns = [str(parse_hostport(f"{key}.namesrv[{j}]", a)) for j, a in enumerate(addrs)]
+        if not ns:
+            raise ConfigError(f"{key}.namesrv: [] is not allowed; expected at least one 'host:port'")
+        c.remotes.append(RemoteCloud(name, ns))
+
+    rp = _table("replicate", raw.get("replicate", {}))
+    _check_keys("replicate", rp, _KNOWN["replicate"])
+    r = cfg.replicate
+    if "durability" in rp:
+        r.durability = _choice("replicate.durability", rp["durability"], ("fast", "durable"))
+    if "default" in rp:
+        r.default = _choice("replicate.default", rp["default"], _REPLICATE_CHOICES)
+    if "on_disk_full" in rp:
+        r.on_disk_full = _choice("replicate.on_disk_full", rp["on_disk_full"], ("reject", "drop"))
+    for k, lo, hi in (
+        ("channel_size", 0, 10_000_000),
+        ("disk_cap_bytes", 1 << 20, 1 << 50),
+        ("write_buffer_bytes", 64 << 10, 1 << 30),
+        ("block_cache_bytes", 64 << 10, 1 << 34),
+        ("deliver_processes", 1, 64),
+        ("max_in_flight", 1, 1_000_000),
+    ):
+        if k in rp:
+            setattr(r, k, _int(f"replicate.{k}", rp[k], lo, hi))
+    for k, lo, hi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600)):
+        if k in rp:
+            setattr(r, k, _float(f"replicate.{k}", rp[k], lo, hi))
+    topics = rp.get("topic", [])
+    if not isinstance(topics, list):
+        raise ConfigError(
+            f"replicate.topic: {topics!r} is not allowed; expected an array of tables [[replicate.topic]]"
+        )
+    names = {x.name for x in c.remotes}
+    for i, t in enumerate(topics):
+        key = f"replicate.topic[{i}]"
+        t = _table(key, t)
+        _check_keys(key, t, {"name", "replicate", "tags", "remotes", "groups"})
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise ConfigError(f"{key}.name: {t.get('name')!r} is not allowed; expected the topic name")
+        rule = TopicRule(
+            t["name"],
+            _choice(f"{key}.replicate", t.get("replicate", "online"), _REPLICATE_CHOICES),
+            _str_list(f"{key}.tags", t.get("tags", [])),
+            _str_list(f"{key}.remotes", t.get("remotes", [])),
+            _str_list(f"{key}.groups", t.get("groups", [])),
+        )
+        for rn in rule.remotes:
+            if rn not in names:
+                raise ConfigError(
+                    f"{key}.remotes: {rn!r} is not a configured remote; known: {', '.join(sorted(names)) or 'none'}"
+                )
+        if any(x.name == rule.name for x in r.topics):
+            raise ConfigError(f"{key}.name: topic {rule.name!r} has another rule already")
+        r.topics.append(rule)
 
 
 def _check_keys(prefix: str, table: dict[str, Any], allowed: set[str]) -> None:
@@ -295,14 +480,50 @@ def from_dict(raw: dict[str, Any]) -> Config:
     _check_keys("admin", ad, _KNOWN["admin"])
     if ad.get("listen"):
         cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
+    if "token" in ad:
+        cfg.admin.token = _str("admin.token", ad["token"])
+
+    cfg.limits = parse_limits(raw.get("limits", {}))
 
     lg = _table("log", raw.get("log", {}))
     _check_keys("log", lg, _KNOWN["log"])
     cfg.log.format = _choice("log.format", lg.get("format", "json"), ("json", "human"))
     cfg.log.level = _choice("log.level", lg.get("level", "info"), ("debug", "info", "warning", "error"))
 
+    _parse_records(cfg, raw)
+
+    _parse_clouds(cfg, raw)
+
     _check_ports(cfg)
     return cfg
+
+
+def _parse_records(cfg: Config, raw: dict[str, Any]) -> None:
+    rc = _table("records", raw.get("records", {}))
+    _check_keys("records", rc, _KNOWN["records"])
+    r = cfg.records
+    if "enabled" in rc:
+        if not isinstance(rc["enabled"], bool):
+            raise ConfigError(f"records.enabled: {rc['enabled']!r} is not allowed; expected true or false")
+        r.enabled = rc["enabled"]
+    if "dir" in rc:
+        r.dir = _str("records.dir", rc["dir"])
+        if not r.dir:
+            raise ConfigError("records.dir: '' is not allowed; expected a directory path (created if missing)")
+    if "rotate_seconds" in rc:
+        r.rotate_seconds = _float("records.rotate_seconds", rc["rotate_seconds"], 1, 86400)
+    if "rotate_bytes" in rc:
+        r.rotate_bytes = _int("records.rotate_bytes", rc["rotate_bytes"], 4096, 1 << 40)
+    if "sample_rate" in rc:
+        v = rc["sample_rate"]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+            raise ConfigError(
+                f"records.sample_rate: {v!r} is not allowed; expected a number from 0 (no per-request records) "
+                "to 1 (every request)"
+            )
+        r.sample_rate = float(v)
+    if "format" in rc:
+        r.format = _choice("records.format", rc["format"], ("parquet", "jsonl"))
 
 
 def _check_ports(cfg: Config) -> None:
@@ -396,7 +617,19 @@ def from_json(text: str) -> Config:
             static=[StaticBroker(hp(s["listen"]), hp(s["upstream"])) for s in d["brokers"]["static"]],  # type: ignore[arg-type]
         ),
         policy=PolicySection(**d["policy"]),
-        admin=AdminSection(listen=hp(d["admin"]["listen"])),
+        admin=AdminSection(listen=hp(d["admin"]["listen"]), token=d["admin"].get("token", "")),
         log=LogSection(**d["log"]),
     )
+    if "limits" in d:
+        cfg.limits = LimitsSection.from_dict(d["limits"])
+    if "records" in d:
+        cfg.records = RecordsSection(**d["records"])
+    if "clouds" in d:
+        cl = dict(d["clouds"])
+        cl["remotes"] = [RemoteCloud(**x) for x in cl.get("remotes", [])]
+        cfg.clouds = CloudsSection(**cl)
+    if "replicate" in d:
+        rp = dict(d["replicate"])
+        rp["topics"] = [TopicRule(**x) for x in rp.get("topics", [])]
+        cfg.replicate = ReplicateSection(**rp)
     return cfg

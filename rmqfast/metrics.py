@@ -69,6 +69,18 @@ class Metrics:
         self.upstream_errors = Counter(
             "rmqfast_upstream_errors_total", "Failed upstream connection attempts", ["role"],
         )
+        self.limit_admitted = Counter(
+            "rmqfast_limit_admitted_total", "Messages admitted by a send limit rule (batches count every message)",
+            ["topic", "tag"],
+        )
+        self.limit_rejected = Counter(
+            "rmqfast_limit_rejected_total", "Messages answered SYSTEM_BUSY by a send limit rule (over limit or reject)",
+            ["topic", "tag"],
+        )
+        self.limit_rate = Gauge(
+            "rmqfast_limit_rate", "Configured limit of a rule (0: none), unit messages or bytes per second",
+            ["topic", "tag", "unit"], multiprocess_mode="max",
+        )
         self.workers_up = Gauge(
             "rmqfast_worker_up", "1 for every running worker process", multiprocess_mode="livesum",
         )

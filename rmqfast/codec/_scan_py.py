@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import Any
 
 EV_FORWARD = 0
 EV_POLICY = 1
@@ -195,7 +196,7 @@ class ScanStats:
 
 
 class _HeaderInfo:
-    __slots__ = ("code", "flag", "opaque", "b", "topic")
+    __slots__ = ("code", "flag", "opaque", "b", "topic", "props", "props_esc")
 
     def __init__(self) -> None:
         self.code = 0
@@ -203,6 +204,8 @@ class _HeaderInfo:
         self.opaque = 0
         self.b: tuple[int, int] | None = None  # span of extFields.b
         self.topic: tuple[int, int] | None = None  # span of extFields.topic
+        self.props: tuple[int, int] | None = None  # span of extFields.i / properties (message properties)
+        self.props_esc = False  # JSON-escaped: separators appear as \u0001 / \u0002
 
 
 class _JsonError(Exception):
@@ -346,7 +349,12 @@ def _walk_ext_fields(h: bytes, i: int, n: int, info: _HeaderInfo) -> int:
         if i >= n or h[i] != 0x3A:
             raise _JsonError("':' expected")
         i = _skip_ws(h, i + 1, n)
-        if (key == b"b" or key == b"topic") and i < n and h[i] == 0x22:
+        if (key == b"i" or key == b"properties") and i < n and h[i] == 0x22:
+            vs = i + 1
+            i, esc = _skip_string(h, i, n)
+            info.props = (vs, i - 1 - vs)
+            info.props_esc = esc
+        elif (key == b"b" or key == b"topic") and i < n and h[i] == 0x22:
             vs = i + 1
             i, esc = _skip_string(h, i, n)
             # A topic with escapes is never valid (RocketMQ topics are [%|a-zA-Z0-9_-]);
@@ -401,6 +409,9 @@ def _parse_binary_header(h: bytes, info: _HeaderInfo) -> None:
             info.b = (i, vlen)
         elif key == b"topic":
             info.topic = (i, vlen)
+        elif key == b"i" or key == b"properties":
+            info.props = (i, vlen)
+            info.props_esc = False
         i += vlen
 
 
@@ -466,6 +477,7 @@ class FrameScanner:
         max_header_size: int = DEFAULT_MAX_HEADER,
         inflight: InFlight | None = None,
         direction: int = 0,
+        limiter: Any = None,
     ) -> None:
         if direction not in (0, 1):
             raise ValueError(f"direction must be 0 (client to upstream) or 1 (upstream to client), got {direction!r}")
@@ -483,6 +495,9 @@ class FrameScanner:
         self._skip = 0
         self.inflight = inflight
         self.direction = direction
+        #: send limits (rmqfast.limits); ``limited`` is the rejecting rule of the last EV_POLICY, else -1
+        self.limiter = limiter
+        self.limited = -1
         #: Non-oneway requests seen (for in-flight accounting by the peer direction).
         self.requests = 0
         #: Responses seen.
@@ -557,13 +572,22 @@ class FrameScanner:
             code = info.code
             slot = code_slot(code)
             is_response = info.flag & 1
+            limit_check = False
+            topic = b""
             if is_response:
                 policy = self.response_policy
             else:
                 policy = self._actions[slot] == ACTION_POLICY
-            # Policy frames, and batches (whose inner messages are counted), are only
-            # handled whole; everything else is forwarded as soon as its header is seen.
-            if (policy or code == _SEND_BATCH) and avail < total:
+                limiter = self.limiter
+                if limiter is not None and limiter.active and code in (_SEND_V2, _SEND_BATCH, _SEND_V1):
+                    span = info.topic if code == _SEND_V1 else info.b
+                    if span is not None:
+                        topic = header[span[0] : span[0] + span[1]]
+                        # a limited send is decided whole (a rejected one is never relayed)
+                        limit_check = limiter.applies(topic)
+            # Policy frames, batches (whose inner messages are counted) and limited sends are
+            # only handled whole; everything else is forwarded as soon as its header is seen.
+            if (policy or code == _SEND_BATCH or limit_check) and avail < total:
                 return EV_FORWARD, pos, total
             # Count the frame (exactly once: we only get here when it is complete or passed).
             stats.frames += 1
@@ -577,9 +601,19 @@ class FrameScanner:
                 if not info.flag & 2:
                     self.requests += 1
                 self._count_topic(mv, pos, hlen, total, code, info)
+            limited = -1
+            if limit_check:
+                if now_ns < 0:
+                    now_ns = time.monotonic_ns()
+                props = header[info.props[0] : info.props[0] + info.props[1]] if info.props is not None else None
+                msgs = _count_batch(bytes(mv[pos + 8 + hlen : pos + total])) if code == _SEND_BATCH else 1
+                limited = self.limiter.decide(topic, props, info.props_esc, msgs, total, now_ns)
+                if limited >= 0:
+                    policy = True
             if self.inflight is not None:
                 self._time(slot, code, info.flag, info.opaque, now_ns, policy)
             if policy:
+                self.limited = limited
                 self.code = code
                 self.flag = info.flag
                 self.opaque = info.opaque

@@ -27,7 +27,7 @@ from rmqfast import codec
 from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec._scan_py import R_ONEWAY, result_index
-from rmqfast.codec.command import decode_frame
+from rmqfast.codec.command import decode_frame, encode, make_response
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import FilterChain, Frame, Verdict, error_response
 
@@ -87,8 +87,11 @@ class Session:
         stats: ScanStats,
         settings: RelaySettings,
         events: Any,
+        limits: Any = None,
     ) -> None:
         self.role = role
+        # send limits of this worker (rmqfast.limits.WorkerLimits) or None
+        self.limits = limits
         self.client = client
         self.client_addr = client_addr
         self.upstreams = upstreams
@@ -128,6 +131,7 @@ class Session:
             max_header_size=s.max_header,
             inflight=self.inflight,
             direction=0,
+            limiter=self.limits.limiter_for(compiled) if self.limits is not None else None,
         )
         # Requests from the broker to the client (39, 40, 307, 309...) are always relayed.
         self.u2c = FrameScanner(
@@ -307,7 +311,8 @@ class Session:
             elif st == P_POLICY:
                 frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque)
                 pump.consume()
-                if not self._apply(on_policy(frame), frame, dst, dst_lock):
+                verdict = self._over_limit(frame, scanner) if scanner.limited >= 0 else on_policy(frame)
+                if not self._apply(verdict, frame, dst, dst_lock):
                     return
             elif st == P_YIELD:
                 self.last_activity = monotonic()
@@ -372,7 +377,8 @@ class Session:
                         break
                     if ev == EV_POLICY:
                         frame = Frame(bytes(view[a:b]), scanner.code, scanner.flag, scanner.opaque)
-                        if not self._apply(on_policy(frame), frame, dst, dst_lock):
+                        verdict = self._over_limit(frame, scanner) if scanner.limited >= 0 else on_policy(frame)
+                        if not self._apply(verdict, frame, dst, dst_lock):
                             return
                         start = pos = b
                         continue
@@ -445,6 +451,18 @@ class Session:
             return False
         # "divert": the filter owns the frame now.
         return True
+
+    def _over_limit(self, frame: Frame, scanner: Any) -> Verdict:
+        """A send over its limit (or to a topic switched to reject): SYSTEM_BUSY, never relayed.
+
+        The answer carries the ext fields a Java client reads from a send response; Java
+        clients >= 5.3.0 (and 4.9.x) retry SYSTEM_BUSY on another queue, see the README.
+        """
+        rule = self.limits.rule_description(scanner.limited) if self.limits is not None else "a send limit"
+        remark = f"rmqfast: {rule}; retry later"
+        data = encode(make_response(frame.command(), C.SYSTEM_BUSY, remark,
+                                    ext_fields={"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}))
+        return Verdict("reply", data=data)
 
     def _track(self, frame: Frame, direction: int) -> None:
         """A policy request is forwarded: time it like the scanner times the others."""

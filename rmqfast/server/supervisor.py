@@ -36,7 +36,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rmqfast.config import Config
+from rmqfast.deliver.pool import DeliverPool
 from rmqfast.errors import ConfigError
+from rmqfast.limits import create_shared, reset_slots
+from rmqfast.limits import rules as limits_rules
+from rmqfast.limits.rules import LimitsSection
 from rmqfast.log import ctx
 
 log = logging.getLogger("rmqfast.supervisor")
@@ -93,6 +97,11 @@ class Supervisor:
         self.admin: ThreadingHTTPServer | None = None
         self.exit_code = 0
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
+        self.deliver: DeliverPool | None = None  # cross-cloud deliver processes (rmqfast.deliver)
+        # send-limit buckets shared by the workers; live rule changes from the admin endpoint
+        self.limits_shm = create_shared(self.runtime)
+        self._limits_lock = threading.Lock()
+        self._limits_update: tuple[LimitsSection, threading.Event] | None = None
 
     # Workers ----------------------------------------------------------------------------------
 
@@ -181,6 +190,34 @@ class Supervisor:
             except ProcessLookupError:
                 pass
 
+    def _reset_changed_buckets(self, old: LimitsSection, new: LimitsSection) -> None:
+        before = {r[-1]: r for r in old.limiter_rules()}
+        after = {r[-1]: r for r in new.limiter_rules()}
+        changed = [slot for slot in set(before) | set(after) if before.get(slot) != after.get(slot)]
+        if changed:
+            reset_slots(self.limits_shm, changed)
+
+    def set_limits(self, new: LimitsSection, timeout: float = 5.0) -> bool:
+        """Apply new limits in every worker (called from the admin thread); True once signalled."""
+        done = threading.Event()
+        with self._limits_lock:
+            self._limits_update = (new, done)
+        return done.wait(timeout)
+
+    def _apply_limits_update(self) -> None:
+        with self._limits_lock:
+            update, self._limits_update = self._limits_update, None
+        if update is None:
+            return
+        new, done = update
+        self._reset_changed_buckets(self.cfg.limits, new)
+        self.cfg.limits = new
+        self._write_config()
+        for wp in self.state.workers.values():
+            wp.proc.send_signal(signal.SIGHUP)
+        log.info("limits changed over the admin endpoint", extra=ctx(rules=len(new.rules)))
+        done.set()
+
     def _reload(self) -> None:
         self.reload_requested = False
         sd_notify("RELOADING=1")
@@ -192,6 +229,7 @@ class Supervisor:
             return
         if new.worker_count != self.cfg.worker_count:
             log.warning("proxy.workers changes need a restart; keeping the current worker count")
+        self._reset_changed_buckets(self.cfg.limits, new.limits)
         self.cfg = new
         self._write_config()
         for wp in self.state.workers.values():
@@ -208,6 +246,12 @@ class Supervisor:
             signal.SIGHUP: signal.signal(signal.SIGHUP, lambda *_: setattr(self, "reload_requested", True)),
         }
         try:
+            if self.cfg.replication_enabled:
+                self.deliver = DeliverPool(
+                    self.cfg.replicate.deliver_processes, self.runtime,
+                    dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(self.prom_dir)), self._mark_dead,
+                )
+                self.deliver.start()
             for i in range(self.cfg.worker_count):
                 self._spawn(i)
             deadline: float | None = None
@@ -215,8 +259,12 @@ class Supervisor:
                 for key, _ in self.sel.select(timeout=0.1):
                     self._read_status(key.data)
                 self._reap()
+                if self.deliver is not None:
+                    self.deliver.reap()
                 if self.reload_requested and not self.stopping:
                     self._reload()
+                if self._limits_update is not None and not self.stopping:
+                    self._apply_limits_update()
                 if not self.all_ready_notified and self.state.workers and all(
                     w.ready for w in self.state.workers.values()
                 ):
@@ -238,6 +286,8 @@ class Supervisor:
                 if wp.proc.poll() is None:
                     wp.proc.kill()
                     wp.proc.wait()
+            if self.deliver is not None:
+                self.deliver.stop()
             for sig, handler in prev.items():
                 signal.signal(sig, handler)
             if self.admin is not None:
@@ -271,6 +321,45 @@ class Supervisor:
         self._ready_cache = (now, False, why)
         return False, why
 
+    def limits_view(self) -> dict[str, object]:
+        """The rules in force and what they admitted and rejected so far (summed over workers)."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, path=str(self.prom_dir))
+        counts: dict[tuple[str, str], dict[str, float]] = {}
+        for fam in reg.collect():
+            if fam.name in ("rmqfast_limit_admitted", "rmqfast_limit_rejected"):
+                kind = fam.name.rsplit("_", 1)[1]
+                for smp in fam.samples:
+                    if smp.name.endswith("_total"):
+                        key = (smp.labels["topic"], smp.labels["tag"])
+                        counts.setdefault(key, {})[kind] = smp.value
+        sec = self.cfg.limits
+        rules = []
+        for r in sec.all_rules():
+            key = (r.topic or "(global)", r.tag or "")
+            rules.append({"topic": r.topic or "(global)", "tag": r.tag, "mode": r.mode, "rate": r.rate,
+                          "burst": r.effective_burst(), "bytes_rate": r.bytes_rate,
+                          "bytes_burst": r.effective_bytes_burst(),
+                          "admitted": counts.get(key, {}).get("admitted", 0),
+                          "rejected": counts.get(key, {}).get("rejected", 0)})
+        return {"rules": rules}
+
+    def limits_write_refusal(self, authorization: str) -> tuple[int, str] | None:
+        """Why a limit change over HTTP is refused (status, reason), or None when allowed."""
+        token = self.cfg.admin.token
+        if token:
+            if authorization != f"Bearer {token}":
+                return 401, "limit changes need 'Authorization: Bearer <admin.token>'"
+            return None
+        hp = self.cfg.admin.listen
+        if hp is None or not (hp.host.startswith("127.") or hp.host in ("::1", "localhost")):
+            return 403, ("the admin endpoint listens beyond loopback and admin.token is not set: limit changes "
+                         "over HTTP are refused; set admin.token (then send it as a Bearer token)")
+        return None
+
     def _start_admin(self) -> None:
         if self.cfg.admin.listen is None:
             return
@@ -293,15 +382,57 @@ class Supervisor:
                     alive = sum(1 for w in workers if w.proc.poll() is None)
                     body = {"status": "ok" if alive else "down", "workers_alive": alive,
                             "worker_pids": [w.proc.pid for w in workers],
-                            "restarts": sup.state.restarts}
+                            "restarts": sup.state.restarts,
+                            "deliver_pids": sup.deliver.pids() if sup.deliver is not None else []}
                     self._send(200 if alive else 503, json.dumps(body).encode(), "application/json")
                 elif path == "/readyz":
                     ok, why = sup.ready()
                     self._send(200 if ok else 503, json.dumps({"ready": ok, "reason": why}).encode(),
                                "application/json")
+                elif path == "/limits":
+                    self._json(200, sup.limits_view())
                 else:
-                    self._send(404, b'{"error": "unknown path; try /metrics, /healthz, /readyz"}',
+                    self._send(404, b'{"error": "unknown path; try /metrics, /healthz, /readyz, /limits"}',
                                "application/json")
+
+            def do_PUT(self) -> None:  # noqa: N802
+                self._change("PUT")
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                self._change("DELETE")
+
+            def _change(self, method: str) -> None:
+                path, _, query = self.path.partition("?")
+                if path != "/limits/rule":
+                    self._json(404, {"error": f"{method} {path}: unknown path; use {method} /limits/rule"})
+                    return
+                refusal = sup.limits_write_refusal(self.headers.get("Authorization", ""))
+                if refusal is not None:
+                    self._json(refusal[0], {"error": refusal[1]})
+                    return
+                try:
+                    if method == "PUT":
+                        length = int(self.headers.get("Content-Length") or 0)
+                        body = json.loads(self.rfile.read(length) or b"null")
+                        new = limits_rules.upsert(sup.cfg.limits, limits_rules.parse_rule("rule", body))
+                    else:
+                        from urllib.parse import parse_qs
+
+                        q = parse_qs(query)
+                        topic = q.get("topic", [""])[0]
+                        if not topic:
+                            raise ConfigError("DELETE /limits/rule needs ?topic=NAME[&tag=TAG]")
+                        new = limits_rules.remove(sup.cfg.limits, topic, q.get("tag", [None])[0])
+                except (ConfigError, ValueError) as exc:
+                    self._json(400, {"error": str(exc)})
+                    return
+                if not sup.set_limits(new):
+                    self._json(503, {"error": "the supervisor did not apply the change within 5 s; retry"})
+                    return
+                self._json(200, sup.limits_view())
+
+            def _json(self, code: int, body: object) -> None:
+                self._send(code, json.dumps(body, indent=1).encode(), "application/json")
 
             def _send(self, code: int, body: bytes, ctype: str) -> None:
                 self.send_response(code)

@@ -34,9 +34,10 @@ from rmqfast.codec import codes as C
 from rmqfast.config import Config, HostPort
 from rmqfast.log import ctx
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
-from rmqfast.proxy.policy import DenyAdminCodes, FilterChain, RewriteRoutes
+from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
 from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
+from rmqfast.records import StatsDelta, TrafficRecorder
 
 log = logging.getLogger("rmqfast.worker")
 
@@ -67,7 +68,11 @@ class Listener:
 
 
 class Worker:
-    def __init__(self, cfg: Config, index: int, status: Callable[[dict], None]) -> None:
+    def __init__(
+        self, cfg: Config, index: int, status: Callable[[dict], None], runtime: Path | None = None
+    ) -> None:
+        from rmqfast.limits import SHM_NAME
+        from rmqfast.limits.worker import LimitsPublisher, WorkerLimits
         from rmqfast.metrics import Metrics, StatsPublisher
 
         self.cfg = cfg
@@ -76,6 +81,17 @@ class Worker:
         self.metrics = Metrics()
         self.stats = {"namesrv": ScanStats(), "broker": ScanStats()}
         self.publishers = [StatsPublisher(self.metrics, role, st) for role, st in self.stats.items()]
+        # [limits]: buckets shared with the other workers through the supervisor's file
+        self.limits: WorkerLimits | None = None
+        self.limits_publisher: LimitsPublisher | None = None
+        if runtime is not None and (runtime / SHM_NAME).exists():
+            self.limits = WorkerLimits(runtime / SHM_NAME, cfg.limits)
+            self.limits_publisher = LimitsPublisher(self.metrics, self.limits)
+            self.limits_publisher.reconfigure(cfg.limits)
+        self.records: TrafficRecorder | None = None  # [records]: traffic records for the Spark jobs
+        if cfg.records.enabled:
+            self.records = TrafficRecorder(cfg.records, index)
+            self.record_deltas = [StatsDelta(role, st) for role, st in self.stats.items()]
         self.listeners: dict[HostPort, Listener] = {}
         self.sessions: set[Session] = set()
         self.ns_preferred = 0
@@ -93,6 +109,15 @@ class Worker:
 
     def _build_chains(self) -> None:
         pol = self.cfg.policy
+        broker_filters: list[Filter] = []
+        if self.cfg.replication_enabled:  # cross-cloud copies (rmqfast.replicate)
+            from rmqfast.replicate import ReplicationService
+
+            if getattr(self, "replication", None) is None:
+                self.replication = ReplicationService(self.cfg, self.index)
+            else:
+                self.replication.reconfigure(self.cfg)
+            broker_filters.append(self.replication.filter)
         self.chains = {
             "namesrv": FilterChain(
                 [
@@ -103,6 +128,7 @@ class Worker:
             "broker": FilterChain(
                 [
                     DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
+                    *broker_filters,
                 ]
             ),
         }
@@ -120,6 +146,8 @@ class Worker:
         assert ns is not None
         self._listen("namesrv", ns, None)
         self.registry.refresh()
+        if getattr(self, "replication", None) is not None:
+            self.replication.start()
         gevent.spawn(self._refresh_loop)
         gevent.spawn(self._publish_loop)
         gevent.spawn(self._idle_loop)
@@ -154,7 +182,8 @@ class Worker:
                 lst = self.cfg.namesrv.upstreams
                 k = self.ns_preferred % len(lst)
                 ups = lst[k:] + lst[:k]
-            session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self)
+            session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self,
+                              limits=self.limits if role == "broker" else None)
             self.metrics.connections.labels(role).inc()
             gauge = self.metrics.connections_active.labels(role)
             gauge.inc()
@@ -203,6 +232,10 @@ class Worker:
     def publish(self) -> None:
         for p in self.publishers:
             p.publish()
+        if self.limits_publisher is not None:
+            self.limits_publisher.publish()
+        if self.records is not None:
+            self.records.add_aggregates([row for d in self.record_deltas for row in d.take()])
 
     # Signals -----------------------------------------------------------------------------------
 
@@ -224,6 +257,10 @@ class Worker:
         for s in list(self.sessions):
             s.close()
         self.publish()
+        if self.records is not None:
+            self.records.close()
+        if getattr(self, "replication", None) is not None:
+            self.replication.close()
         log.info("worker stopped", extra=ctx(worker=self.index, cut_sessions=left))
 
     def reload(self, cfg: Config) -> None:
@@ -232,6 +269,8 @@ class Worker:
         log_mod.setup(cfg.log.format, cfg.log.level)
         self.settings.__dict__.update(self._settings(cfg).__dict__)
         self.registry.reconfigure(cfg)
+        if self.limits_publisher is not None:
+            self.limits_publisher.reconfigure(cfg.limits)  # live sessions see it at once
         self._build_chains()
         for s in list(self.sessions):
             if s.c2u is not None:
@@ -273,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
 
     try:
-        worker = Worker(cfg, args.index, status)
+        worker = Worker(cfg, args.index, status, runtime)
         worker.start()
     except Exception as exc:  # bind errors, unreadable endpoint table...
         log.error("worker cannot start", extra=ctx(worker=args.index, error=str(exc)))

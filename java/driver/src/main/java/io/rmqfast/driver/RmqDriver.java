@@ -215,6 +215,16 @@ public final class RmqDriver {
         }
     }
 
+    /** An exception and its causes (5.x wraps the broker's answer in "Send [n] times, still failed"). */
+    static String errorText(Throwable e) {
+        StringBuilder sb = new StringBuilder(String.valueOf(e));
+        Throwable c = e.getCause();
+        for (int depth = 0; c != null && c != e && depth < 5; depth++, c = c.getCause()) {
+            sb.append(" <- ").append(c);
+        }
+        return sb.toString();
+    }
+
     static String clientMajor() {
         String v = MQVersion.getVersionDesc(MQVersion.CURRENT_VERSION);
         // "V5_3_3" / "V4_9_4"
@@ -343,7 +353,7 @@ public final class RmqDriver {
                         putResult(rec, r);
                         out.sent.add(rec);
                     } catch (Exception e) {
-                        rec.put("error", e.toString());
+                        rec.put("error", errorText(e));
                         rec.put("msg_id", MessageClientIDSetter.getUniqID(m));
                         out.failed.add(rec);
                         log("send idx=%d failed: %s", s.idx, e);
@@ -376,7 +386,7 @@ public final class RmqDriver {
 
                             @Override
                             public void onException(Throwable e) {
-                                rec.put("error", e.toString());
+                                rec.put("error", errorText(e));
                                 rec.put("msg_id", MessageClientIDSetter.getUniqID(m));
                                 bad.put(s.idx, rec);
                                 log("async send idx=%d failed: %s", s.idx, e);
@@ -385,7 +395,7 @@ public final class RmqDriver {
                             }
                         });
                     } catch (Exception e) {
-                        rec.put("error", e.toString());
+                        rec.put("error", errorText(e));
                         bad.put(s.idx, rec);
                         sem.release();
                         done.countDown();
@@ -420,7 +430,7 @@ public final class RmqDriver {
                         rec.put("msg_id", MessageClientIDSetter.getUniqID(m));
                         out.sent.add(rec);
                     } catch (Exception e) {
-                        rec.put("error", e.toString());
+                        rec.put("error", errorText(e));
                         out.failed.add(rec);
                     }
                 }
@@ -451,7 +461,7 @@ public final class RmqDriver {
                         log("batch %d failed: %s", b / batchSize, e);
                         for (int j = 0; j < chunk.size(); j++) {
                             Map<String, Object> rec = chunk.get(j).describe(maxBodyPrint);
-                            rec.put("error", e.toString());
+                            rec.put("error", errorText(e));
                             rec.put("batch_no", b / batchSize);
                             out.failed.add(rec);
                         }
@@ -886,7 +896,7 @@ public final class RmqDriver {
                         : r.getLocalTransactionState().name());
                     sent.add(rec);
                 } catch (Exception e) {
-                    rec.put("error", e.toString());
+                    rec.put("error", errorText(e));
                     failed.add(rec);
                     log("transactional send idx=%d failed: %s", i, e);
                 }

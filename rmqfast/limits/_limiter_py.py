@@ -1,0 +1,189 @@
+"""Pure-Python twin of the compiled ``Limiter`` (ext/_speedups.pyx): same GCRA, same rules.
+
+The compiled limiter updates the shared buckets with a 64-bit compare-and-swap; Python has no
+atomic operations on shared memory, so this twin does each read-modify-write under an
+``flock`` of the shared file (``lock_fd``) when several processes share it.  Read the
+compiled limiter's section comment for the theory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import struct
+import time
+from typing import Any
+
+SLOT_WORDS = 8
+SLOT_BYTES = SLOT_WORDS * 8
+MAX_RULES = 1023
+MODE_LIMIT, MODE_REJECT, MODE_OPEN = 0, 1, 2
+_Q = struct.Struct("<q")  # native little-endian int64, as the C side sees it on x86-64 / arm64
+
+
+def find_tag(props: bytes, esc: bool) -> bytes | None:
+    """The TAGS property of a properties string (JSON-escaped separators when ``esc``)."""
+    sep1, sep2 = (b"\\u0001", b"\\u0002") if esc else (b"\x01", b"\x02")
+    for i in range(len(props)):
+        if (i == 0 or props[i - 1] == 2 or (esc and i >= 6 and props[i - 6 : i] == b"\\u0002")) and props.startswith(
+            b"TAGS" + sep1, i
+        ):
+            s = i + 4 + len(sep1)
+            e = props.find(sep2, s)
+            return props[s : e if e >= 0 else len(props)]
+    return None
+
+
+class Limiter:
+    def __init__(self, shm: Any, lock_fd: int | None = None) -> None:
+        need = SLOT_BYTES * (MAX_RULES + 1)
+        if len(shm) < need:
+            raise ValueError(f"shared limiter memory of {len(shm)} bytes is too small (need {need})")
+        self._shm = shm
+        self._lock_fd = lock_fd
+        self.rules: list[dict[str, Any]] = []
+        self.global_rule = -1
+        self.active = False
+        self.admitted: list[int] = []
+        self.rejected: list[int] = []
+        self._cache: dict[bytes, tuple[int, bool]] = {}
+
+    @property
+    def nrules(self) -> int:
+        return len(self.rules)
+
+    def configure(self, rules: list[tuple[Any, ...]]) -> None:
+        if len(rules) > MAX_RULES + 1:
+            raise ValueError(f"{len(rules)} limit rules; at most {MAX_RULES} (plus the global one)")
+        out = []
+        self.global_rule = -1
+        for i, (topic, tag, rate, burst, brate, bburst, mode, slot) in enumerate(rules):
+            topic = bytes(topic)
+            prefix = topic.endswith(b"*")
+            if prefix:
+                topic = topic[:-1]
+            if len(topic) > 255 or (tag is not None and len(tag) > 255):
+                raise ValueError(f"limit rule {i}: topic or tag longer than 255 bytes")
+            if not 0 <= slot <= MAX_RULES:
+                raise ValueError(f"limit rule {i}: slot {slot} outside 0..{MAX_RULES}")
+            interval = 1e9 / rate if rate > 0 else 0.0
+            binterval = 1e9 / brate if brate > 0 else 0.0
+            out.append({"topic": topic, "prefix": prefix, "tag": None if tag is None else bytes(tag),
+                        "interval": interval, "tolerance": burst * interval, "binterval": binterval,
+                        "btolerance": bburst * binterval, "mode": mode, "slot": slot})
+            if not topic and not prefix and tag is None:
+                self.global_rule = i
+        self.rules = out
+        self.admitted = [0] * len(out)
+        self.rejected = [0] * len(out)
+        self.active = bool(out)
+        self._cache = {}
+
+    def counters(self) -> list[tuple[int, int, int]]:
+        return [(i, self.admitted[i], self.rejected[i]) for i in range(len(self.rules))]
+
+    def _topic_rule(self, t: bytes) -> tuple[int, bool]:
+        best, best_len, has_tags = -1, -1, False
+        for i, r in enumerate(self.rules):
+            if i == self.global_rule:
+                continue
+            if r["prefix"]:
+                if not t.startswith(r["topic"]):
+                    continue
+            elif r["topic"] != t:
+                continue
+            if r["tag"] is not None:
+                has_tags = True
+                continue
+            if not r["prefix"]:
+                best, best_len = i, 1 << 20
+            elif len(r["topic"]) > best_len:
+                best, best_len = i, len(r["topic"])
+        return best, has_tags
+
+    def _lookup(self, t: bytes) -> tuple[int, bool]:
+        t = t[:255]
+        hit = self._cache.get(t)
+        if hit is None:
+            hit = self._cache[t] = self._topic_rule(t)
+        return hit
+
+    def applies(self, topic: bytes) -> bool:
+        if self.global_rule >= 0:
+            return True
+        rule, has_tags = self._lookup(topic)
+        return rule >= 0 or has_tags
+
+    def _gcra(self, off: int, now: int, interval: float, tolerance: float, n: int) -> int | None:
+        """The cost charged, or None when the send does not conform."""
+        cost = int(interval * n + 0.5)
+        tol = int(tolerance)
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            (tat,) = _Q.unpack_from(self._shm, off)
+            base = tat if tat > now else now
+            if base - now > tol - min(cost, tol):
+                return None
+            _Q.pack_into(self._shm, off, base + cost)
+            return cost
+        finally:
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _refund(self, off: int, cost: int) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            (tat,) = _Q.unpack_from(self._shm, off)
+            _Q.pack_into(self._shm, off, tat - cost)
+        finally:
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def decide(self, t: bytes, props: bytes | None, esc: bool, msgs: int, nbytes: int, now: int) -> int:
+        """-1: admitted; else the index of the rule that rejected the send."""
+        topic_rule, has_tags = self._lookup(t)
+        chain = []
+        if has_tags and props is not None:
+            tag = find_tag(props, esc)
+            if tag is not None:
+                for i, r in enumerate(self.rules):
+                    if r["tag"] == tag and i != self.global_rule and (
+                        t.startswith(r["topic"]) if r["prefix"] else t == r["topic"]
+                    ):
+                        chain.append(i)
+                        break
+        if topic_rule >= 0:
+            chain.append(topic_rule)
+        if self.global_rule >= 0:
+            chain.append(self.global_rule)
+        charged: list[tuple[int, int]] = []
+        for ri in chain:
+            r = self.rules[ri]
+            if r["mode"] == MODE_OPEN:
+                continue
+            base = r["slot"] * SLOT_BYTES
+            ok = r["mode"] != MODE_REJECT
+            if ok and r["interval"] > 0:
+                c = self._gcra(base, now, r["interval"], r["tolerance"], msgs)
+                ok = c is not None
+                if ok:
+                    charged.append((base, c))  # type: ignore[arg-type]
+            if ok and r["binterval"] > 0:
+                c = self._gcra(base + 8, now, r["binterval"], r["btolerance"], nbytes)
+                ok = c is not None
+                if ok:
+                    charged.append((base + 8, c))  # type: ignore[arg-type]
+            if not ok:
+                for off, cost in charged:
+                    if cost:
+                        self._refund(off, cost)
+                self.rejected[ri] += msgs
+                return ri
+        for ri in chain:
+            self.admitted[ri] += msgs
+        return -1
+
+    def admit(self, topic: bytes, tag: bytes | None = None, msgs: int = 1, nbytes: int = 0, now_ns: int = -1) -> int:
+        props = b"TAGS\x01" + tag + b"\x02" if tag is not None else b""
+        return self.decide(bytes(topic), props, False, msgs, nbytes, time.monotonic_ns() if now_ns < 0 else now_ns)

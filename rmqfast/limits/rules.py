@@ -1,0 +1,175 @@
+"""``[limits]``: per-topic / per-tag / global send limits, as configured and as the limiter sees them.
+
+A rule names a topic (``orders``), a topic prefix (``orders-*``) or every topic (``*``),
+optionally one tag, and limits it in messages per second and/or bytes per second with a burst.
+``mode`` switches a rule at runtime: ``limit`` applies the rates, ``reject`` answers every send
+with SYSTEM_BUSY (a circuit breaker), ``open`` lets everything through.  A send must conform to
+its topic+tag rule (if one matches its tag), its best topic rule (exact name, else the longest
+prefix, else ``*``) and the global limit.
+
+Each rule owns a slot in the shared bucket memory: the global limit slot 0, rule ``i`` slot
+``i + 1`` (every worker derives the same numbering from the same configuration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rmqfast.errors import ConfigError
+
+MODES = ("limit", "reject", "open")
+MODE_CODES = {"limit": 0, "reject": 1, "open": 2}
+MAX_RULES = 1023
+_TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_%|")
+
+
+@dataclass
+class LimitRule:
+    topic: str
+    tag: str | None = None
+    rate: float = 0.0  # messages per second (0: no message limit)
+    burst: float = 0.0  # messages; 0: rate / 10, at least 1
+    bytes_rate: float = 0.0  # bytes per second (0: no byte limit)
+    bytes_burst: float = 0.0  # bytes; 0: bytes_rate / 10, at least 64 KiB
+    mode: str = "limit"
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        return (self.topic, self.tag)
+
+    def effective_burst(self) -> float:
+        return self.burst or max(1.0, self.rate / 10)
+
+    def effective_bytes_burst(self) -> float:
+        return self.bytes_burst or max(65536.0, self.bytes_rate / 10)
+
+    def describe(self) -> str:
+        what = f"topic {self.topic}" + (f" tag {self.tag}" if self.tag is not None else "")
+        if self.topic == "":
+            what = "the proxy's global send limit"
+        if self.mode == "reject":
+            return f"{what} is switched to reject"
+        parts = []
+        if self.rate:
+            parts.append(f"{self.rate:g} msg/s (burst {self.effective_burst():g})")
+        if self.bytes_rate:
+            parts.append(f"{self.bytes_rate:g} B/s (burst {self.effective_bytes_burst():g})")
+        return f"{what} is over its limit of {' and '.join(parts)}"
+
+
+@dataclass
+class LimitsSection:
+    global_rate: float = 0.0
+    global_burst: float = 0.0
+    global_bytes_rate: float = 0.0
+    global_bytes_burst: float = 0.0
+    rules: list[LimitRule] = field(default_factory=list)
+
+    def global_rule(self) -> LimitRule | None:
+        if not self.global_rate and not self.global_bytes_rate:
+            return None
+        return LimitRule("", None, self.global_rate, self.global_burst, self.global_bytes_rate,
+                         self.global_bytes_burst)
+
+    def all_rules(self) -> list[LimitRule]:
+        """The rules in slot order minus one: configured rules, then the global one (if any)."""
+        g = self.global_rule()
+        return [*self.rules, *([g] if g else [])]
+
+    def limiter_rules(self) -> list[tuple[bytes, bytes | None, float, float, float, float, int, int]]:
+        """The tuples ``Limiter.configure`` takes (the global limit in slot 0)."""
+        out = []
+        for i, r in enumerate(self.rules):
+            out.append((r.topic.encode(), None if r.tag is None else r.tag.encode(), r.rate, r.effective_burst(),
+                        r.bytes_rate, r.effective_bytes_burst(), MODE_CODES[r.mode], i + 1))
+        g = self.global_rule()
+        if g is not None:
+            out.append((b"", None, g.rate, g.effective_burst(), g.bytes_rate, g.effective_bytes_burst(), 0, 0))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LimitsSection:
+        d = dict(d)
+        d["rules"] = [LimitRule(**r) for r in d.get("rules", [])]
+        return cls(**d)
+
+
+def _num(key: str, value: Any, lo: float = 0.0, hi: float = 1e12) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected a number from {lo:g} to {hi:g}")
+    return float(value)
+
+
+def parse_rule(key: str, raw: Any) -> LimitRule:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: {raw!r} is not allowed; expected a table")
+    unknown = set(raw) - {"topic", "tag", "rate", "burst", "bytes_rate", "bytes_burst", "mode"}
+    if unknown:
+        raise ConfigError(f"{key}: unknown key(s) {', '.join(sorted(unknown))}; "
+                          "allowed: topic, tag, rate, burst, bytes_rate, bytes_burst, mode")
+    topic = raw.get("topic")
+    body = topic[:-1] if isinstance(topic, str) and topic.endswith("*") else topic
+    if not isinstance(topic, str) or not topic or not set(body) <= _TOPIC_CHARS or len(topic) > 255:
+        raise ConfigError(f"{key}.topic: {topic!r} is not allowed; expected a topic name, a prefix ending in '*' "
+                          "or '*' (letters, digits, - _ % |; at most 255)")
+    tag = raw.get("tag")
+    if tag is not None and (not isinstance(tag, str) or not tag or len(tag.encode()) > 255 or "|" in tag):
+        raise ConfigError(f"{key}.tag: {tag!r} is not allowed; expected one tag (no '||'), at most 255 bytes")
+    mode = raw.get("mode", "limit")
+    if mode not in MODES:
+        raise ConfigError(f"{key}.mode: {mode!r} is not allowed; expected one of {', '.join(MODES)}")
+    rule = LimitRule(
+        topic=topic, tag=tag,
+        rate=_num(f"{key}.rate", raw.get("rate", 0)), burst=_num(f"{key}.burst", raw.get("burst", 0)),
+        bytes_rate=_num(f"{key}.bytes_rate", raw.get("bytes_rate", 0)),
+        bytes_burst=_num(f"{key}.bytes_burst", raw.get("bytes_burst", 0)), mode=mode,
+    )
+    if mode == "limit" and not rule.rate and not rule.bytes_rate:
+        raise ConfigError(f"{key}: mode 'limit' needs rate and/or bytes_rate above 0 "
+                          "(or mode = 'reject' / 'open')")
+    return rule
+
+
+def parse_limits(raw: Any) -> LimitsSection:
+    """Validate ``[limits]`` (a TOML table) into a :class:`LimitsSection`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"limits: {raw!r} is not allowed; expected a table")
+    known = {"global_rate", "global_burst", "global_bytes_rate", "global_bytes_burst", "rule"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"limits: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(known))}")
+    sec = LimitsSection(**{k: _num(f"limits.{k}", raw[k]) for k in known - {"rule"} if k in raw})
+    rules = raw.get("rule", [])
+    if not isinstance(rules, list):
+        raise ConfigError(f"limits.rule: {rules!r} is not allowed; expected an array of tables ([[limits.rule]])")
+    seen: dict[tuple[str, str | None], int] = {}
+    for i, r in enumerate(rules):
+        rule = parse_rule(f"limits.rule[{i}]", r)
+        if rule.key in seen:
+            raise ConfigError(f"limits.rule[{i}]: topic {rule.topic!r} tag {rule.tag!r} is already limited by "
+                              f"limits.rule[{seen[rule.key]}]; merge the two")
+        seen[rule.key] = i
+        sec.rules.append(rule)
+    if len(sec.rules) > MAX_RULES:
+        raise ConfigError(f"limits.rule: {len(sec.rules)} rules; at most {MAX_RULES}")
+    return sec
+
+
+def upsert(sec: LimitsSection, rule: LimitRule) -> LimitsSection:
+    """A copy of ``sec`` with ``rule`` replacing the rule of the same topic and tag (or added)."""
+    rules = [r for r in sec.rules if r.key != rule.key]
+    if len(rules) >= MAX_RULES:
+        raise ConfigError(f"limits.rule: at most {MAX_RULES} rules")
+    return LimitsSection(sec.global_rate, sec.global_burst, sec.global_bytes_rate, sec.global_bytes_burst,
+                         [*rules, rule])
+
+
+def remove(sec: LimitsSection, topic: str, tag: str | None) -> LimitsSection:
+    rules = [r for r in sec.rules if r.key != (topic, tag)]
+    if len(rules) == len(sec.rules):
+        raise ConfigError(f"no limit rule for topic {topic!r} tag {tag!r}")
+    return LimitsSection(sec.global_rate, sec.global_burst, sec.global_bytes_rate, sec.global_bytes_burst, rules)

@@ -1,0 +1,234 @@
+"""Send limits: GCRA bucket math with an injected clock, rule matching, the scanner's decisions,
+and the two twins (compiled, pure Python) against each other."""
+
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+
+from rmqfast import codec
+from rmqfast.errors import ConfigError
+from rmqfast.limits import SHM_BYTES, LimiterC, LimiterPy
+from rmqfast.limits._limiter_py import find_tag
+from rmqfast.limits.rules import LimitRule, LimitsSection, parse_limits, remove, upsert
+from tests.test_scan import binary_frame, json_frame
+
+TWINS = [pytest.param(LimiterPy, id="py")]
+if LimiterC is not None:
+    TWINS.append(pytest.param(LimiterC, id="c"))
+
+S = 1_000_000_000  # one second in ns
+T0 = 1_000 * S
+
+
+@pytest.fixture(params=TWINS)
+def make(request):
+    def build(*rules):
+        lim = request.param(mmap.mmap(-1, SHM_BYTES))
+        lim.configure(list(rules))
+        return lim
+
+    return build
+
+
+def rule(topic, tag=None, rate=0.0, burst=1.0, brate=0.0, bburst=0.0, mode=0, slot=1):
+    return (topic, tag, rate, burst, brate, bburst, mode, slot)
+
+
+def test_burst_then_refill_at_the_rate(make):
+    lim = make(rule(b"T", rate=10, burst=5))
+    assert [lim.admit(b"T", now_ns=T0) for _ in range(6)] == [-1] * 5 + [0]
+    assert lim.admit(b"T", now_ns=T0 + S // 10 - 1) == 0  # not yet: one token per 100 ms
+    assert lim.admit(b"T", now_ns=T0 + S // 10) == -1
+    assert lim.counters() == [(0, 6, 2)]
+
+
+def test_fractional_rates(make):
+    lim = make(rule(b"T", rate=0.5, burst=1))  # one message every 2 s
+    assert lim.admit(b"T", now_ns=T0) == -1
+    assert lim.admit(b"T", now_ns=T0 + S) == 0
+    assert lim.admit(b"T", now_ns=T0 + 2 * S) == -1
+    lim = make(rule(b"T", rate=2.5, burst=1))
+    admitted = sum(lim.admit(b"T", now_ns=T0 + i * S // 100) == -1 for i in range(1000))  # 10 s at 100/s offered
+    assert admitted == 25
+
+
+def test_clock_going_backwards_never_admits_more(make):
+    lim = make(rule(b"T", rate=10, burst=2))
+    assert lim.admit(b"T", now_ns=T0) == -1 and lim.admit(b"T", now_ns=T0) == -1
+    # an earlier timestamp (another worker's clock read a moment before) finds the bucket empty
+    assert lim.admit(b"T", now_ns=T0 - 5 * S) == 0
+    assert lim.admit(b"T", now_ns=T0 + S // 10) == -1
+
+
+def test_huge_idle_gap_refills_only_to_the_burst(make):
+    lim = make(rule(b"T", rate=100, burst=3))
+    assert lim.admit(b"T", now_ns=T0) == -1
+    later = T0 + 10**6 * S  # ~11.6 days idle
+    assert [lim.admit(b"T", now_ns=later) for _ in range(4)] == [-1, -1, -1, 0]
+
+
+def test_steady_state_rate_is_exact(make):
+    lim = make(rule(b"T", rate=1000, burst=10))
+    admitted = sum(lim.admit(b"T", now_ns=T0 + i * 100_000) == -1 for i in range(100_000))  # 10 k/s for 10 s
+    assert admitted == 10_000 + 10 - 1  # rate * duration, plus the burst minus the first token
+
+
+def test_batches_count_every_message_and_big_batches_pass_only_on_a_full_bucket(make):
+    lim = make(rule(b"T", rate=10, burst=5))
+    assert lim.admit(b"T", msgs=4, now_ns=T0) == -1
+    assert lim.admit(b"T", msgs=2, now_ns=T0) == 0  # 1 token left
+    lim = make(rule(b"T", rate=10, burst=5))
+    assert lim.admit(b"T", msgs=30, now_ns=T0) == -1  # full bucket: admitted, charged 3 s
+    assert lim.admit(b"T", msgs=1, now_ns=T0 + 2 * S) == 0
+    # the bucket has room for one message again 0.4 s before the 3 s are paid (burst 5 = 0.5 s)
+    assert lim.admit(b"T", msgs=1, now_ns=T0 + 3 * S - 4 * S // 10 - 1) == 0
+    assert lim.admit(b"T", msgs=1, now_ns=T0 + 3 * S - 4 * S // 10) == -1
+
+
+def test_bytes_limit_and_refund_when_a_later_bucket_refuses(make):
+    lim = make(rule(b"T", rate=100, burst=100, brate=1000, bburst=2000))
+    assert lim.admit(b"T", nbytes=1500, now_ns=T0) == -1
+    assert lim.admit(b"T", nbytes=1500, now_ns=T0) == 0  # bytes bucket: 500 left
+    # the rejected send's message token was refunded: 99 more single messages fit the burst
+    assert sum(lim.admit(b"T", nbytes=1, now_ns=T0) == -1 for _ in range(200)) == 99
+
+
+def test_rule_matching_tag_topic_prefix_wildcard_global(make):
+    lim = make(
+        rule(b"orders", rate=1, burst=1, slot=1),
+        rule(b"orders", b"vip", mode=2, slot=2),  # open: vip orders are never limited by the tag rule
+        rule(b"ord*", rate=1, burst=2, slot=3),
+        rule(b"*", rate=1, burst=3, slot=4),
+        rule(b"", rate=1000, burst=4, slot=0),  # global
+    )
+    assert [lim.admit(b"orders", now_ns=T0) for _ in range(2)] == [-1, 0]  # exact rule beats the prefix
+    assert lim.admit(b"orders", b"vip", now_ns=T0) == 0  # the topic rule still applies to vip messages
+    assert [lim.admit(b"ordinal", now_ns=T0) for _ in range(3)] == [-1, -1, 2]  # prefix rule (index 2)
+    assert lim.admit(b"other", now_ns=T0) == -1  # '*' (third token of the global bucket of 4)
+    assert lim.admit(b"other2", now_ns=T0) == 4  # global burst of 4 spent
+
+
+def test_reject_mode_is_a_circuit_breaker(make):
+    lim = make(rule(b"T", b"A", mode=1, slot=1))
+    assert lim.admit(b"T", b"A", now_ns=T0) == 0
+    assert lim.admit(b"T", b"B", now_ns=T0) == -1 and lim.admit(b"T", now_ns=T0) == -1
+
+
+@pytest.mark.parametrize("props,esc,tag", [
+    (b"TAGS\x01TagA\x02KEYS\x01k\x02", False, b"TagA"),
+    (b"KEYS\x01k\x02TAGS\x01TagA", False, b"TagA"),
+    (b"KEYS\\u0001k\\u0002TAGS\\u0001TagB\\u0002WAIT\\u0001true\\u0002", True, b"TagB"),
+    (b"XTAGS\x01no\x02", False, None),
+    (b"KEYS\x01TAGS\x01not-a-key\x02", False, None),
+    (b"", False, None),
+])
+def test_find_tag(props, esc, tag):
+    assert find_tag(props, esc) == tag
+
+
+def send_json(topic: str, tag: str | None, opaque: int, body: bytes = b"x" * 50, code: int = 310) -> bytes:
+    props = "KEYS\u0001k\u0002" + (f"TAGS\u0001{tag}\u0002" if tag else "")
+    key = "b" if code in (310, 320) else "topic"
+    props_key = "i" if code in (310, 320) else "properties"
+    ext = {"a": "G", key: topic, props_key: props}
+    return json_frame({"code": code, "flag": 0, "opaque": opaque, "extFields": ext}, body)
+
+
+def batch_body(n: int) -> bytes:
+    import struct
+
+    rec = struct.pack(">iiiii", 20 + 4 + 2, 0, 0, 0, 4) + b"body" + struct.pack(">h", 0)
+    return rec * n
+
+
+SCANNERS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy, LimiterPy), id="py")]
+if LimiterC is not None:
+    SCANNERS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, LimiterC), id="c"))
+
+
+@pytest.mark.parametrize("impl", SCANNERS)
+def test_scanner_stops_sends_over_the_limit_and_forwards_the_rest(impl):
+    Scanner, Stats, Limiter = impl
+    lim = Limiter(mmap.mmap(-1, SHM_BYTES))
+    lim.configure([rule(b"T", rate=1, burst=2, slot=1), rule(b"T", b"slow", rate=1, burst=1, slot=2)])
+    sc = Scanner(Stats(), limiter=lim)
+    frames = [send_json("T", None, 1), send_json("U", None, 2), send_json("T", "slow", 3),
+              send_json("T", "slow", 4), send_json("T", None, 5, code=10),
+              binary_frame(310, 0, 6, {"b": "T", "i": "TAGS\x01other\x02"}),
+              json_frame({"code": 320, "flag": 0, "opaque": 7, "extFields": {"b": "T"}}, batch_body(3))]
+    data = b"".join(frames)
+    events, pos = [], 0
+    while True:
+        ev, a, b = sc.scan(data, pos, len(data), now_ns=T0)
+        if ev != codec.EV_POLICY:
+            assert ev == codec.EV_FORWARD and a == len(data)
+            break
+        events.append((sc.opaque, sc.limited))
+        pos = b
+    # 1 admitted (T: 1 of 2); 2 other topic; 3 admitted by both (T: 2 of 2, slow: 1 of 1);
+    # 4 over the tag rule; 5 (V1 header) over T; 6 over T; 7 a batch of 3 over T
+    assert events == [(4, 1), (5, 0), (6, 0), (7, 0)]
+    assert lim.counters() == [(0, 2, 5), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("impl", SCANNERS)
+def test_limited_sends_are_decided_whole(impl):
+    """A limited send split across reads is decided once, when it is complete."""
+    Scanner, Stats, Limiter = impl
+    lim = Limiter(mmap.mmap(-1, SHM_BYTES))
+    lim.configure([rule(b"T", rate=1, burst=1, slot=1)])
+    sc = Scanner(Stats(), limiter=lim)
+    f = send_json("T", None, 1, body=b"y" * 5000) + send_json("T", None, 2)
+    ev, a, b = sc.scan(f, 0, 100, now_ns=T0)
+    assert (ev, a) == (codec.EV_FORWARD, 0) and b > 100  # needs the whole frame
+    ev, a, b = sc.scan(f, 0, len(f), now_ns=T0)
+    assert ev == codec.EV_POLICY and sc.opaque == 2 and sc.limited == 0 and a == len(f) - len(send_json("T", None, 2))
+    assert lim.counters() == [(0, 1, 1)]
+
+
+def test_twins_agree_on_random_traffic():
+    if LimiterC is None:
+        pytest.skip("compiled extension not built")
+    rules = [rule(b"T", rate=10, burst=5, slot=1), rule(b"T", b"TagA", rate=2, burst=1, slot=2),
+             rule(b"P*", rate=1, burst=1, mode=1, slot=3), rule(b"", rate=50, burst=20, brate=1e5, bburst=2e4, slot=0)]
+    mp, mc = mmap.mmap(-1, SHM_BYTES), mmap.mmap(-1, SHM_BYTES)
+    p, c = LimiterPy(mp), LimiterC(mc)
+    p.configure(rules)
+    c.configure(rules)
+    rng = random.Random(1)
+    now = T0
+    for _ in range(20000):
+        now += rng.randrange(0, 50_000_000) - 1_000_000  # sometimes backwards
+        args = (rng.choice([b"T", b"P1", b"Q"]), rng.choice([None, b"TagA", b"B"]), rng.choice([1, 1, 4, 30]),
+                rng.randrange(100, 5000), now)
+        assert p.admit(*args) == c.admit(*args)
+    assert p.counters() == c.counters() and mp[:] == mc[:]
+
+
+def test_config_parsing_and_errors():
+    sec = parse_limits({"global_rate": 1000, "rule": [{"topic": "orders", "rate": 5, "tag": "vip"},
+                                                     {"topic": "logs-*", "mode": "reject"}]})
+    assert [r.key for r in sec.all_rules()] == [("orders", "vip"), ("logs-*", None), ("", None)]
+    assert sec.limiter_rules()[0][-1] == 1 and sec.limiter_rules()[-1][-1] == 0  # global in slot 0
+    assert LimitsSection.from_dict(sec.to_dict()) == sec
+    bad = [
+        ({"rule": [{"topic": "T"}]}, "mode 'limit' needs rate"),
+        ({"rule": [{"topic": "T", "rate": -1}]}, "limits.rule[0].rate: -1 is not allowed"),
+        ({"rule": [{"topic": "a b", "rate": 1}]}, "limits.rule[0].topic"),
+        ({"rule": [{"topic": "T", "rate": 1, "mode": "shape!"}]}, "limits.rule[0].mode"),
+        ({"rule": [{"topic": "T", "rate": 1}, {"topic": "T", "rate": 2}]}, "already limited by limits.rule[0]"),
+        ({"rule": [{"topic": "T", "rate": 1, "tag": "a||b"}]}, "limits.rule[0].tag"),
+        ({"rate": 1}, "unknown key(s) rate"),
+    ]
+    for raw, msg in bad:
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                           .replace("]", r"\]").replace("|", r"\|")):
+            parse_limits(raw)
+    sec2 = upsert(sec, LimitRule("orders", "vip", rate=9))
+    assert [r.rate for r in sec2.rules if r.key == ("orders", "vip")] == [9]
+    assert len(remove(sec2, "logs-*", None).rules) == 1
+    with pytest.raises(ConfigError, match="no limit rule"):
+        remove(sec2, "nope", None)
