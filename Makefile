@@ -9,7 +9,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: system-deps install demo test test-unit test-pure test-integration lint clean
+.PHONY: system-deps install demo test test-unit test-pure test-integration lint clean bench bench-short bench-real
 
 $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -28,11 +28,12 @@ install: $(PYTHON) system-deps
 demo: install
 	$(PYTHON) -m rmqfast demo
 
-# Unit tests with the compiled codec, again with the pure-Python reference, then the
-# integration tests against a real RocketMQ name server + broker and real Java clients.
+# Unit tests with the compiled codec, again with the pure-Python reference (minus the Spark
+# report tests, which do not touch the codec), then the integration tests against a real
+# RocketMQ name server + broker and real Java clients.
 test: install lint
 	$(PYTHON) -m pytest -q -m "not integration"
-	RMQFAST_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -m "not integration"
+	RMQFAST_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -m "not integration and not spark"
 	$(PYTHON) -m pytest -q -m integration
 
 test-unit: install
@@ -42,7 +43,7 @@ test-integration: install
 	$(PYTHON) -m pytest -q -m integration
 
 lint:
-	$(PYTHON) -m ruff check rmqfast tests bench
+	$(PYTHON) -m ruff check rmqfast tests bench spark
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info ext/*.c ext/*.html rmqfast/*.so java/*/target java/target
@@ -52,3 +53,6 @@ bench: install
 
 bench-short: install
 	$(PYTHON) -m rmqfast.bench --short
+
+bench-real: install
+	$(PYTHON) -m rmqfast.bench --real

@@ -23,6 +23,8 @@ from rmqfast.analytics import analyze  # noqa: E402
 from rmqfast.analytics.jobs import ACCURACY, HIST_REL_ERROR, LOG_BINS  # noqa: E402
 from rmqfast.analytics.synth import write_aggregates, write_samples  # noqa: E402
 
+pytestmark = pytest.mark.spark
+
 N = 30_000
 
 
