@@ -172,6 +172,19 @@ cdef struct TopicEntry:
     char name[MAX_TOPIC_LEN_C + 1]
 
 
+DEF SAMPLE_RING_C = 8192
+
+cdef struct SampleRec:
+    int64_t t_ns
+    int64_t lat_ns
+    int64_t req_bytes
+    int64_t resp_bytes
+    int32_t slot
+    int32_t resp_code
+    int32_t topic
+    int32_t conn
+
+
 cdef class ScanStats:
     """Counters shared by every scanner of one worker process (read by the metrics publisher)."""
 
@@ -186,6 +199,10 @@ cdef class ScanStats:
     cdef public uint64_t untracked
     cdef uint64_t* _lat      # CODE_SLOTS_C rows of LAT_BUCKETS_C counts + the sum of ns
     cdef uint64_t* _res      # CODE_SLOTS_C rows of NRESULTS_C counts
+    cdef SampleRec* _ring    # sampled requests, drained by the records writer once a second
+    cdef Py_ssize_t _ring_len
+    cdef uint32_t _sample_every, _sample_left
+    cdef public uint64_t samples_dropped
 
     def __cinit__(self):
         cdef int i
@@ -202,6 +219,50 @@ cdef class ScanStats:
         free(self._topics)
         free(self._lat)
         free(self._res)
+        free(self._ring)
+
+    def set_sampling(self, uint32_t every):
+        """Keep one completed request in ``every`` (0: none) for :meth:`take_samples`."""
+        if every and self._ring == NULL:
+            self._ring = <SampleRec*>malloc(SAMPLE_RING_C * sizeof(SampleRec))
+            if self._ring == NULL:
+                raise MemoryError()
+        self._sample_every = every
+        self._sample_left = every
+
+    cdef inline void sample_c(self, int64_t t, int64_t lat, int slot, int32_t resp_code, int32_t topic,
+                              int32_t conn, int64_t req_bytes, int64_t resp_bytes) noexcept:
+        cdef SampleRec* r
+        if self._sample_every == 0:
+            return
+        self._sample_left -= 1
+        if self._sample_left:
+            return
+        self._sample_left = self._sample_every
+        if self._ring_len >= SAMPLE_RING_C:
+            self.samples_dropped += 1
+            return
+        r = &self._ring[self._ring_len]
+        self._ring_len += 1
+        r.t_ns, r.lat_ns, r.slot, r.resp_code, r.topic = t, lat, slot, resp_code, topic
+        r.conn, r.req_bytes, r.resp_bytes = conn, req_bytes, resp_bytes
+
+    def take_samples(self):
+        """The sampled requests since the last call: ``(start ns, latency ns, request code slot,
+        response code, topic, connection id, request bytes, response bytes)``."""
+        cdef Py_ssize_t i
+        cdef SampleRec* r
+        cdef TopicEntry* e
+        out = []
+        for i in range(self._ring_len):
+            r = &self._ring[i]
+            topic = b""
+            if r.topic >= 0:
+                e = &self._topics[r.topic]
+                topic = e.name[:e.length]
+            out.append((r.t_ns, r.lat_ns, r.slot, r.resp_code, topic, r.conn, r.req_bytes, r.resp_bytes))
+        self._ring_len = 0
+        return out
 
     cdef inline void observe_c(self, int slot, int64_t ns, int result) noexcept nogil:
         cdef uint64_t* row = self._lat + slot * (LAT_BUCKETS_C + 1)
@@ -900,7 +961,9 @@ cdef class Limiter:
 cdef struct PendingEntry:
     int64_t key          # -1: empty; else direction << 32 | (uint32) opaque
     int32_t slot
+    int32_t topic        # index in the stats' topic table (-1: none), for sampled records
     int64_t t_ns
+    int64_t req_bytes
 
 
 cdef class InFlight:
@@ -954,7 +1017,8 @@ cdef class InFlight:
         free(old)
         return 0
 
-    cdef int track_c(self, int direction, int32_t opaque, int slot, int64_t now) except -1:
+    cdef int track_c(self, int direction, int32_t opaque, int slot, int64_t now, int64_t req_bytes=0,
+                     int32_t topic=-1) except -1:
         """1 when tracked, 0 when the connection already tracks ``capacity`` requests."""
         cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
         cdef Py_ssize_t j = self._home(key)
@@ -962,6 +1026,8 @@ cdef class InFlight:
             if self.tab[j].key == key:
                 self.tab[j].slot = slot
                 self.tab[j].t_ns = now
+                self.tab[j].req_bytes = req_bytes
+                self.tab[j].topic = topic
                 return 1
             j = (j + 1) & (self.size - 1)
         if self.count >= self.capacity:
@@ -974,10 +1040,13 @@ cdef class InFlight:
         self.tab[j].key = key
         self.tab[j].slot = slot
         self.tab[j].t_ns = now
+        self.tab[j].req_bytes = req_bytes
+        self.tab[j].topic = topic
         self.count += 1
         return 1
 
-    cdef bint take_c(self, int direction, int32_t opaque, int* slot, int64_t* t) noexcept:
+    cdef bint take_c(self, int direction, int32_t opaque, int* slot, int64_t* t, int64_t* req_bytes=NULL,
+                     int32_t* topic=NULL) noexcept:
         cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
         cdef Py_ssize_t mask = self.size - 1
         cdef Py_ssize_t j = self._home(key), k, h
@@ -985,6 +1054,10 @@ cdef class InFlight:
             if self.tab[j].key == key:
                 slot[0] = self.tab[j].slot
                 t[0] = self.tab[j].t_ns
+                if req_bytes != NULL:
+                    req_bytes[0] = self.tab[j].req_bytes
+                if topic != NULL:
+                    topic[0] = self.tab[j].topic
                 # backward-shift deletion keeps every probe chain unbroken
                 k = (j + 1) & mask
                 while self.tab[k].key >= 0:
@@ -1040,6 +1113,7 @@ cdef class FrameScanner:
     cdef readonly int direction
     cdef public Limiter limiter
     cdef public int limited      # rule index when the last EV_POLICY was a send over its limit, else -1
+    cdef public int conn_id      # the relay's connection id, carried into sampled records
 
     def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
                  Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
@@ -1095,7 +1169,7 @@ cdef class FrameScanner:
         cdef int stype, err, slot
         cdef Py_ssize_t hlen
         cdef bint policy, is_response, limit_check
-        cdef int limited
+        cdef int limited, topic_idx = -1
         cdef Py_ssize_t ts = -1, tl = 0
         cdef HeaderInfo info
         cdef ScanStats stats = self.stats
@@ -1173,7 +1247,7 @@ cdef class FrameScanner:
                 stats._req_bytes[slot] += total
                 if not info.flag & 2:
                     self.requests += 1
-                self._count_topic(p + pos, hlen, total, &info)
+                topic_idx = self._count_topic(p + pos, hlen, total, &info)
             limited = -1
             if limit_check:
                 if now < 0:
@@ -1186,7 +1260,7 @@ cdef class FrameScanner:
                 if limited >= 0:
                     policy = True
             if self.inflight is not None:
-                self._time(slot, info.code, info.flag, info.opaque, now, policy)
+                self._time(slot, info.code, info.flag, info.opaque, now, policy, total, topic_idx)
             if policy:
                 self.limited = limited
                 self.code = info.code
@@ -1199,20 +1273,25 @@ cdef class FrameScanner:
             pos += total
         return (0, pos, 0)
 
-    cdef void _time(self, int slot, int32_t code, int flag, int32_t opaque, int64_t now, bint policy) except *:
+    cdef void _time(self, int slot, int32_t code, int flag, int32_t opaque, int64_t now, bint policy,
+                    Py_ssize_t total, int topic_idx) except *:
         cdef int started_slot
-        cdef int64_t started
+        cdef int32_t topic
+        cdef int64_t started, req_bytes, lat
         if flag & 1:
-            if self.inflight.take_c(self.direction ^ 1, opaque, &started_slot, &started):
-                self.stats.observe_c(started_slot, now - started if now > started else 0, result_index(code))
+            if self.inflight.take_c(self.direction ^ 1, opaque, &started_slot, &started, &req_bytes, &topic):
+                lat = now - started if now > started else 0
+                self.stats.observe_c(started_slot, lat, result_index(code))
+                self.stats.sample_c(started, lat, started_slot, code, topic, self.conn_id, req_bytes, total)
         elif policy:
             return  # the relay tracks it if it forwards it
         elif flag & 2:
             self.stats._res[slot * NRESULTS_C + R_ONEWAY_C] += 1
-        elif not self.inflight.track_c(self.direction, opaque, slot, now):
+        elif not self.inflight.track_c(self.direction, opaque, slot, now, total, topic_idx):
             self.stats.untracked += 1
 
-    cdef void _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, HeaderInfo* info) noexcept:
+    cdef int _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, HeaderInfo* info) noexcept:
+        """Count a send or pull under its topic; the topic's index in the table (-1: none)."""
         cdef Py_ssize_t s, n
         cdef TopicEntry* e
         cdef int code = info.code
@@ -1223,19 +1302,20 @@ cdef class FrameScanner:
             s = info.t_start
             n = info.t_len
         else:
-            return
+            return -1
         if s < 0:
-            return
+            return -1
         e = self.stats.topic_slot(f + 8 + s, <int>n)
         e.nbytes += total
         if code == PULL or code == LITE_PULL:
             e.pulls += 1
-            return
-        e.sends += 1
-        if code == SEND_BATCH:
-            e.messages += count_batch(f + 8 + hlen, total - 8 - hlen)
         else:
-            e.messages += 1
+            e.sends += 1
+            if code == SEND_BATCH:
+                e.messages += count_batch(f + 8 + hlen, total - 8 - hlen)
+            else:
+                e.messages += 1
+        return <int>(e - self.stats._topics)
 
     cdef tuple _fail(self, Py_ssize_t pos, str message):
         self.error = message

@@ -158,3 +158,49 @@ def test_bad_arguments_are_refused(twin):
         Stats().observe(5000, 1, 0)
     with pytest.raises(ValueError, match="out of range"):
         Stats().count_result(1, len(codec.RESULTS))
+
+
+def test_sampled_requests_are_identical_in_both_twins():
+    if codec.FrameScannerC is None:
+        pytest.skip("compiled extension not built")
+    rng = random.Random(5)
+    sides = []
+    for Scanner, Stats, InFlight in ((codec.FrameScannerPy, codec.ScanStatsPy, codec.InFlightPy),
+                                     (codec.FrameScannerC, codec.ScanStatsC, codec.InFlightC)):
+        stats = Stats()
+        stats.set_sampling(3)
+        inflight = InFlight()
+        c2u, u2c = Scanner(stats, inflight=inflight, direction=0), Scanner(stats, inflight=inflight, direction=1)
+        c2u.conn_id = u2c.conn_id = 42
+        sides.append((stats, c2u, u2c))
+    pending: list[int] = []
+    now = 0
+    for step in range(2000):
+        now += rng.randrange(1, 2_000_000)
+        if pending and rng.random() < 0.5:
+            data, direction = response(pending.pop(rng.randrange(len(pending))), rng.choice([0, 2])), 1
+        else:
+            data, direction = send_v2(f"Topic{rng.randrange(4)}", opaque=step, body=b"b" * rng.randrange(50)), 0
+            pending.append(step)
+        for _stats, c2u, u2c in sides:
+            (c2u if direction == 0 else u2c).scan(data, 0, len(data), now_ns=now)
+    (ps, *_), (cs, *_) = sides
+    py, c = ps.take_samples(), cs.take_samples()
+    assert py == c and len(py) > 200
+    t, lat, slot, resp_code, topic, conn, req_bytes, resp_bytes = py[0]
+    assert slot == 310 and topic.startswith(b"Topic") and conn == 42 and req_bytes > 100 and resp_bytes > 20
+    assert ps.take_samples() == cs.take_samples() == []  # taken: the ring is empty again
+
+
+def test_sampling_ring_is_bounded(twin):
+    Scanner, Stats, InFlight = twin
+    stats = Stats()
+    stats.set_sampling(1)
+    inflight = InFlight()
+    c2u, u2c = Scanner(stats, inflight=inflight, direction=0), Scanner(stats, inflight=inflight, direction=1)
+    for i in range(8200):
+        r = send_v2("T", opaque=i)
+        c2u.scan(r, 0, len(r), now_ns=i)
+        a = response(i)
+        u2c.scan(a, 0, len(a), now_ns=i + 5)
+    assert len(stats.take_samples()) == 8192 and stats.samples_dropped == 8

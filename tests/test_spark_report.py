@@ -205,7 +205,7 @@ def test_real_records_from_proxy_run(tmp_path: Path, spark: Any) -> None:  # noq
     sent = 60
     try:
         with ProxyProcess([f"127.0.0.1:{srv.server_address[1]}"], workers=1,
-                          records={"dir": str(rec_dir), "rotate_seconds": 1}) as proxy:
+                          records={"dir": str(rec_dir), "rotate_seconds": 1, "sample_rate": 0.5}) as proxy:
             import socket
 
             with socket.create_connection(("127.0.0.1", proxy.namesrv_port), timeout=10) as c:
@@ -229,3 +229,12 @@ def test_real_records_from_proxy_run(tmp_path: Path, spark: Any) -> None:  # noq
     assert req[("namesrv", 101)] == sent
     resp = {(r["role"], r["code"]): r["count"] for r in t["agg_responses_by_code"]}
     assert resp[("namesrv", 0)] == sent
+    # the scanners timed every request (C counters -> per-second histogram rows) ...
+    hist = [r for r in t["agg_latency_hist"] if r["role"] == "namesrv" and r["code"] == 101]
+    assert sum(r["count"] for r in hist) == sent
+    # ... and picked one in two as a per-request record, with the client's address
+    assert s["counts"]["sample_records"] == sent // 2
+    (client,) = t["sample_top_clients"]
+    assert client["client"].startswith("127.0.0.1:")
+    (lat,) = [r for r in t["latency_by_code"] if r["code"] == 101]
+    assert 0 < lat["p50_us"] <= lat["p99_us"] < 1_000_000

@@ -83,6 +83,8 @@ _RESULT_OF_CODE = {0: 0, 1: 1, 2: 2, 3: 3, 10: 4, 12: 4, 11: 5, 16: 6, 17: 7, 19
 
 #: Requests awaiting their response that one connection tracks at most (more are not timed).
 MAX_TRACKED = 65536
+#: Sampled requests a ScanStats keeps between two take_samples() calls.
+SAMPLE_RING = 8192
 
 
 def result_index(response_code: int) -> int:
@@ -137,6 +139,36 @@ class ScanStats:
         self._results: dict[tuple[int, int], int] = {}
         #: Requests not timed because their connection already tracked MAX_TRACKED.
         self.untracked = 0
+        self._sample_every = 0
+        self._sample_left = 0
+        self._samples: list[tuple[int, int, int, int, bytes, int, int, int]] = []
+        #: Sampled requests lost because nobody took them (ring of SAMPLE_RING entries full).
+        self.samples_dropped = 0
+
+    def set_sampling(self, every: int) -> None:
+        """Keep one completed request in ``every`` (0: none) for :meth:`take_samples`."""
+        if every < 0:
+            raise OverflowError(f"sampling interval {every} is negative")
+        self._sample_every = self._sample_left = every
+
+    def sample(self, t: int, lat: int, slot: int, resp_code: int, topic: bytes, conn: int, req_bytes: int,
+               resp_bytes: int) -> None:
+        if not self._sample_every:
+            return
+        self._sample_left -= 1
+        if self._sample_left:
+            return
+        self._sample_left = self._sample_every
+        if len(self._samples) >= SAMPLE_RING:
+            self.samples_dropped += 1
+            return
+        self._samples.append((t, lat, slot, resp_code, topic, conn, req_bytes, resp_bytes))
+
+    def take_samples(self) -> list[tuple[int, int, int, int, bytes, int, int, int]]:
+        """The sampled requests since the last call: ``(start ns, latency ns, request code slot,
+        response code, topic, connection id, request bytes, response bytes)``."""
+        out, self._samples = self._samples, []
+        return out
 
     def observe(self, slot: int, ns: int, result: int) -> None:
         """A request of code slot ``slot`` ended with ``result`` after ``ns`` nanoseconds."""
@@ -440,25 +472,30 @@ class InFlight:
 
     def __init__(self, capacity: int = MAX_TRACKED) -> None:
         self.capacity = capacity
-        self._pending: dict[tuple[int, int], tuple[int, int]] = {}
+        self._pending: dict[tuple[int, int], tuple[int, int, int, bytes]] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def track(self, direction: int, opaque: int, slot: int, now_ns: int) -> bool:
+    def track(self, direction: int, opaque: int, slot: int, now_ns: int, req_bytes: int = 0,
+              topic: bytes = b"") -> bool:
         key = (direction, opaque)
         if len(self._pending) >= self.capacity and key not in self._pending:
             return False
-        self._pending[key] = (slot, now_ns)
+        self._pending[key] = (slot, now_ns, req_bytes, topic)
         return True
 
     def take(self, direction: int, opaque: int) -> tuple[int, int] | None:
+        e = self._pending.pop((direction, opaque), None)
+        return None if e is None else (e[0], e[1])
+
+    def take_full(self, direction: int, opaque: int) -> tuple[int, int, int, bytes] | None:
         return self._pending.pop((direction, opaque), None)
 
     def abandon(self, stats: ScanStats) -> int:
         """The connection closed: every request still waiting ends as ``unanswered``."""
         n = len(self._pending)
-        for slot, _ in self._pending.values():
+        for slot, *_ in self._pending.values():
             stats.count_result(slot, R_UNANSWERED)
         self._pending.clear()
         return n
@@ -498,6 +535,8 @@ class FrameScanner:
         #: send limits (rmqfast.limits); ``limited`` is the rejecting rule of the last EV_POLICY, else -1
         self.limiter = limiter
         self.limited = -1
+        #: the relay's connection id, carried into sampled records
+        self.conn_id = 0
         #: Non-oneway requests seen (for in-flight accounting by the peer direction).
         self.requests = 0
         #: Responses seen.
@@ -574,6 +613,7 @@ class FrameScanner:
             is_response = info.flag & 1
             limit_check = False
             topic = b""
+            topic_name = b""
             if is_response:
                 policy = self.response_policy
             else:
@@ -600,7 +640,7 @@ class FrameScanner:
                 stats.request_bytes[slot] += total
                 if not info.flag & 2:
                     self.requests += 1
-                self._count_topic(mv, pos, hlen, total, code, info)
+                topic_name = self._count_topic(mv, pos, hlen, total, code, info)
             limited = -1
             if limit_check:
                 if now_ns < 0:
@@ -611,7 +651,7 @@ class FrameScanner:
                 if limited >= 0:
                     policy = True
             if self.inflight is not None:
-                self._time(slot, code, info.flag, info.opaque, now_ns, policy)
+                self._time(slot, code, info.flag, info.opaque, now_ns, policy, total, topic_name)
             if policy:
                 self.limited = limited
                 self.code = code
@@ -624,42 +664,47 @@ class FrameScanner:
             pos += total
         return EV_FORWARD, pos, 0
 
-    def _time(self, slot: int, code: int, flag: int, opaque: int, now_ns: int, policy: bool) -> None:
+    def _time(self, slot: int, code: int, flag: int, opaque: int, now_ns: int, policy: bool, total: int,
+              topic: bytes) -> None:
         inflight = self.inflight
         assert inflight is not None
         if flag & 1:
-            started = inflight.take(self.direction ^ 1, opaque)
+            started = inflight.take_full(self.direction ^ 1, opaque)
             if started is not None:
-                self.stats.observe(started[0], max(0, now_ns - started[1]), result_index(code))
+                lat = max(0, now_ns - started[1])
+                self.stats.observe(started[0], lat, result_index(code))
+                self.stats.sample(started[1], lat, started[0], code, started[3], self.conn_id, started[2], total)
         elif policy:
             return  # the relay tracks it if it forwards it
         elif flag & 2:
             self.stats.count_result(slot, R_ONEWAY)
-        elif not inflight.track(self.direction, opaque, slot, now_ns):
+        elif not inflight.track(self.direction, opaque, slot, now_ns, total, topic):
             self.stats.untracked += 1
 
     def _count_topic(
         self, mv: memoryview, pos: int, hlen: int, total: int, code: int, info: _HeaderInfo
-    ) -> None:
+    ) -> bytes:
+        """Count a send or pull under its topic; the name it is counted under (b"": none)."""
         if code == _SEND_V2 or code == _SEND_BATCH:
             span = info.b
         elif code == _SEND_V1 or code == _PULL or code == _LITE_PULL:
             span = info.topic
         else:
-            return
+            return b""
         if span is None:
-            return
+            return b""
         topic = bytes(mv[pos + 8 + span[0] : pos + 8 + span[0] + span[1]])
         entry = self.stats._topic_slot(topic)
         entry[3] += total
         if code == _PULL or code == _LITE_PULL:
             entry[2] += 1
-            return
-        entry[0] += 1
-        if code == _SEND_BATCH:
-            entry[1] += _count_batch(bytes(mv[pos + 8 + hlen : pos + total]))
         else:
-            entry[1] += 1
+            entry[0] += 1
+            if code == _SEND_BATCH:
+                entry[1] += _count_batch(bytes(mv[pos + 8 + hlen : pos + total]))
+            else:
+                entry[1] += 1
+        return topic if topic in self.stats._topics else OTHER_TOPIC
 
     def _fail(self, pos: int, message: str) -> tuple[int, int, int]:
         self.error = message

@@ -109,6 +109,7 @@ class Session:
         self.c2u: FrameScanner | None = None
         self.u2c: FrameScanner | None = None
         self.inflight: Any = None  # requests awaiting answers, shared by c2u and u2c (timing, results)
+        self.conn_id = 0  # set by the worker; carried into sampled request records
         self.hub = gevent.get_hub()
         # socket -> (read watcher, write watcher), on the raw file descriptors
         self._watchers: dict[socket.socket, tuple[Any, Any]] = {}
@@ -133,6 +134,7 @@ class Session:
             direction=0,
             limiter=self.limits.limiter_for(compiled) if self.limits is not None else None,
         )
+        self.c2u.conn_id = self.conn_id
         # Requests from the broker to the client (39, 40, 307, 309...) are always relayed.
         self.u2c = FrameScanner(
             self.stats,
@@ -142,6 +144,7 @@ class Session:
             inflight=self.inflight,
             direction=1,
         )
+        self.u2c.conn_id = self.conn_id
         loop = self.hub.loop
         for sock in (self.client, upstream):
             fd = sock.fileno()

@@ -29,7 +29,7 @@ from gevent.server import StreamServer
 
 from rmqfast import config as config_mod
 from rmqfast import log as log_mod
-from rmqfast.codec import IMPLEMENTATION, ScanStats
+from rmqfast.codec import IMPLEMENTATION, ScanStats, slot_code
 from rmqfast.codec import codes as C
 from rmqfast.config import Config, HostPort
 from rmqfast.log import ctx
@@ -89,9 +89,17 @@ class Worker:
             self.limits_publisher = LimitsPublisher(self.metrics, self.limits)
             self.limits_publisher.reconfigure(cfg.limits)
         self.records: TrafficRecorder | None = None  # [records]: traffic records for the Spark jobs
+        # connection id -> client address, for sampled request records (ids kept one publish
+        # period after their connection closed, so its last samples still find the address)
+        self.clients: dict[int, str] = {}
+        self._closed_ids: list[int] = []
+        self._next_conn = 0
         if cfg.records.enabled:
             self.records = TrafficRecorder(cfg.records, index)
             self.record_deltas = [StatsDelta(role, st) for role, st in self.stats.items()]
+            if cfg.records.sample_rate > 0:  # the scanners pick one request in N, in C
+                for st in self.stats.values():
+                    st.set_sampling(max(1, round(1 / cfg.records.sample_rate)))
         self.listeners: dict[HostPort, Listener] = {}
         self.sessions: set[Session] = set()
         self.ns_preferred = 0
@@ -184,6 +192,9 @@ class Worker:
                 ups = lst[k:] + lst[:k]
             session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self,
                               limits=self.limits if role == "broker" else None)
+            self._next_conn += 1
+            session.conn_id = self._next_conn
+            self.clients[session.conn_id] = client
             self.metrics.connections.labels(role).inc()
             gauge = self.metrics.connections_active.labels(role)
             gauge.inc()
@@ -192,6 +203,7 @@ class Worker:
                 session.run()
             finally:
                 self.sessions.discard(session)
+                self._closed_ids.append(session.conn_id)
                 gauge.dec()
 
         return handle
@@ -235,7 +247,25 @@ class Worker:
         if self.limits_publisher is not None:
             self.limits_publisher.publish()
         if self.records is not None:
+            self._record_samples()
             self.records.add_aggregates([row for d in self.record_deltas for row in d.take()])
+        gone, self._closed_ids = self._closed_ids, []
+        for cid in gone:
+            self.clients.pop(cid, None)
+
+    def _record_samples(self) -> None:
+        """Sampled requests (picked and timed by the scanners in C) into per-request records."""
+        assert self.records is not None
+        wall, mono = time.time(), time.monotonic_ns()
+        for role, st in self.stats.items():
+            for t_ns, lat_ns, slot, resp_code, topic, conn, req_bytes, resp_bytes in st.take_samples():
+                code = slot_code(slot)
+                self.records.sample(
+                    role=role, client=self.clients.get(conn, ""), code=-2 if code is None else code,
+                    topic=topic.decode("utf-8", "replace"), req_size=req_bytes, resp_size=resp_bytes,
+                    latency_us=lat_ns // 1000, resp_code=resp_code, result="ok" if resp_code == 0 else "error",
+                    ts=wall - (mono - t_ns) / 1e9,
+                )
 
     # Signals -----------------------------------------------------------------------------------
 
