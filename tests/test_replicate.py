@@ -240,8 +240,8 @@ def test_restart_resumes_spilled_copies(tmp: Path) -> None:
     flt = ReplicateFilter(cfg, rep, None)
     sess = FakeSession()
     for i in range(7):
-        flt.on_request(sess, send_frame(i, idx=i))  # no answer yet: the worker "crashes"
-    rep.close()
+        flt.on_request(sess, send_frame(i, idx=i))  # no answer yet: the worker stops
+    rep.close()  # a graceful stop still syncs the queued commits
     fake = FakeDeliverer(P.socket_path(tmp, 0))
     rep2 = Replicator(cfg, 0)
     rep2.start()
@@ -263,6 +263,7 @@ def test_disk_cap_policy(tmp: Path, policy: str) -> None:
     try:
         sess = FakeSession()
         verdicts = [flt.on_request(sess, send_frame(i, idx=i)) for i in range(10)]
+        gevent.sleep(0.1)  # the queued group commit
         stored = rep.store.messages
         assert 0 < stored < 10
         if policy == "reject":
@@ -304,3 +305,52 @@ def test_config_errors_name_the_key() -> None:
         config_mod.from_dict({**base, "replicate": {"topic": [{"name": "T", "replicate": "maybe"}]}})
     with pytest.raises(ConfigError, match=r"clouds.remote\[0\].name: 'local' is the local cloud"):
         config_mod.from_dict({**base, "clouds": {"remote": [{"name": "local", "namesrv": "1.2.3.4:9876"}]}})
+
+
+def test_durable_answers_wait_for_the_fsync_and_pipelined_sends_share_it(tmp: Path) -> None:
+    """One connection pipelining 32 sends (the Java client multiplexes its threads): the sends are
+    forwarded at once, the first answer waits for the synced commit, which covers all 32."""
+    cfg = make_cfg(tmp, durability="durable")
+    rep = Replicator(cfg, 0)
+    flt = ReplicateFilter(cfg, rep, None)
+    try:
+        sess = FakeSession()
+        for i in range(32):
+            assert flt.on_request(sess, send_frame(i, idx=i)) is None  # forwarded without waiting
+        assert rep.store.messages == 0  # nothing synced yet: the answers must wait
+        assert flt.on_response(sess, response(0)) is None  # blocks this greenlet until synced
+        assert rep.store.messages == 32, "the answer was released before its copy was on disk"
+        for i in range(1, 32):
+            flt.on_response(sess, response(i))
+        assert rep.store.fsyncs == 1 and rep.store.synced_messages == 32
+        assert not rep.commits and not rep.awaiting
+    finally:
+        rep.close()
+
+
+def test_quick_topic_reads_json_headers_only() -> None:
+    from rmqfast.replicate.filter import _quick_topic
+
+    assert _quick_topic(send_frame(1, topic="T9")) == "T9"
+    assert _quick_topic(send_frame(1, topic="Tx", code=C.SEND_MESSAGE)) == "Tx"
+    binary = RemotingCommand(code=C.SEND_MESSAGE_V2, ext_fields={"b": "T9"}, serialize_type=C.SERIALIZE_ROCKETMQ)
+    assert _quick_topic(Frame(encode(binary), C.SEND_MESSAGE_V2, 0, 0)) is None  # decoded the slow way
+
+
+def test_a_restarted_worker_starts_from_the_last_online_answers(tmp: Path) -> None:
+    """A producer's retry after a worker crash lands on the restarted worker: it must copy at
+    once, not skip the send until its first detection round."""
+    from rmqfast.replicate import ReplicationService
+
+    cfg = make_cfg(tmp, topics=[{"name": "T1", "replicate": "online"}])
+    svc = ReplicationService(cfg, 0, metrics=False)
+    assert svc.detector.online("cloud-b", "T1") is None
+    svc.detector.cache[("cloud-b", "T1")] = True  # what a detection round does: cache, then report
+    svc._online("cloud-b", "T1", True)
+    svc.close()
+    svc2 = ReplicationService(cfg, 0, metrics=False)
+    try:
+        assert svc2.detector.online("cloud-b", "T1") is True
+        assert svc2.filter.targets("T1", None) == ["cloud-b"]
+    finally:
+        svc2.close()

@@ -22,7 +22,10 @@ names groups.
 Results are cached and refreshed by one background greenlet every ``interval`` seconds; the
 send path only reads the cache (:meth:`OnlineDetector.online`).  A topic the detector has not
 been told about is unknown (``None``) until the next refresh; topics named in the
-``[[replicate.topic]]`` rules are known from the start.  When a remote cannot be asked (its
+``[[replicate.topic]]`` rules are known from the start: a worker waits (up to ``detect_timeout``)
+for its first round before it serves, and starts from the answers its previous run kept in its
+spill, so that a restarted worker does not skip the copies of sends it takes over (a producer's
+retry after a worker crash).  When a remote cannot be asked (its
 name server or brokers are down, or its name server has no route for the topic), the last
 answer is kept: copies keep flowing into the spill while the remote is away, and drain when it
 is back.
@@ -36,6 +39,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import gevent
+import gevent.event
 
 from rmqfast.clouds.remoting import ConnectionPool, RemoteError, fetch_route
 from rmqfast.log import ctx
@@ -68,6 +72,7 @@ class OnlineDetector:
         self.errors: dict[str, str] = {}
         self.pools = {name: ConnectionPool(timeout) for name in remotes}
         self._greenlet: gevent.Greenlet | None = None
+        self.first_round = gevent.event.Event()
 
     def online(self, remote: str, topic: str) -> bool | None:
         """The cached answer (None: not known yet; the topic is queued for the next refresh)."""
@@ -94,6 +99,7 @@ class OnlineDetector:
                 self.refresh_once()
             except Exception:
                 log.exception("online-consumer refresh failed")
+            self.first_round.set()
             gevent.sleep(max(0.05, self.interval - (time.monotonic() - started)))
 
     def refresh_once(self) -> None:

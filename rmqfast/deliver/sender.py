@@ -18,11 +18,12 @@ too) are the producer's; the property ``RMQFAST_ORIGIN=<local cloud>`` is added 
 message of a batch) so that no rmqfast copies it back.
 
 Answers SUCCESS, FLUSH_DISK_TIMEOUT (10), FLUSH_SLAVE_TIMEOUT (12) and SLAVE_NOT_AVAILABLE
-(11) mean the message is stored (as for the Java client).  MESSAGE_ILLEGAL (13) can never
-succeed: the copy is given up and counted.  Everything else (connection errors, SYSTEM_BUSY,
-TOPIC_NOT_EXIST while the topic is created...) is retried with exponential backoff from
-``retry_initial`` to ``retry_max``, forever: a remote that is away makes the backlog grow,
-it does not lose copies.
+(11) mean the message is stored (as for the Java client).  MESSAGE_ILLEGAL (13) and a batch
+body that cannot be re-encoded can never succeed: the copy is given up and counted
+(``rmqfast_deliver_failures_total``).  Everything else (connection errors, SYSTEM_BUSY,
+TOPIC_NOT_EXIST while the topic is created, unexpected errors...) is retried with exponential
+backoff from ``retry_initial`` to ``retry_max``, forever: a remote that is away makes the backlog
+grow, it does not lose copies.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from gevent.event import Event
 
 from rmqfast.clouds.remoting import ConnectionPool, RemoteError, fetch_route
 from rmqfast.codec.batch import decode_batch, encode_batch
+from rmqfast.errors import BodyError
 from rmqfast.log import ctx
 from rmqfast.spill.record import ORIGIN_PROPERTY, CopyRecord
 
@@ -180,7 +182,7 @@ class RemoteSender:
     def submit(self, item: Item) -> None:
         try:
             bname, qid = self.target(item.record)
-        except RemoteError as exc:
+        except Exception as exc:
             # No route yet (remote away): park in a lane of its own; it re-routes when sending.
             self._set_up(False, str(exc))
             bname, qid = "", -1
@@ -247,12 +249,18 @@ class RemoteSender:
                 err = str(exc)
                 self.routes.pop(rec.topic, None)
                 self._set_up(False, err)
-            except Exception as exc:  # a copy we cannot encode: never blocks the lane forever
+            except BodyError as exc:  # a batch body we cannot re-encode: it can never be sent
                 self.failures += 1
-                log.exception("cannot send a copy; giving it up", extra=ctx(remote=self.name, topic=rec.topic))
+                log.error("cannot encode a copy; giving it up", extra=ctx(remote=self.name, topic=rec.topic,
+                                                                          error=str(exc)))
                 if self.metrics is not None:
-                    self.metrics.failed(self.name, type(exc).__name__)
+                    self.metrics.failed(self.name, "unencodable")
                 return 1
+            except Exception as exc:  # anything else (a route that changed under us...): retry, never lose
+                err = f"{type(exc).__name__}: {exc}"
+                self.routes.pop(rec.topic, None)
+                log.exception("unexpected error sending a copy; retrying", extra=ctx(remote=self.name,
+                                                                                    topic=rec.topic))
             item.attempts += 1
             self.retries += 1
             if self.metrics is not None:

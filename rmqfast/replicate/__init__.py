@@ -7,6 +7,7 @@ see :mod:`rmqfast.replicate.filter` (which sends are copied), :mod:`rmqfast.repl
 
 from __future__ import annotations
 
+import json
 import logging
 
 import gevent
@@ -83,6 +84,9 @@ class ReplicationService:
             on_update=self._online,
         )
         self.filter = ReplicateFilter(cfg, self.replicator, self.detector)
+        self._detect_timeout = cfg.clouds.detect_timeout
+        self._saved: dict[tuple[str, str], bool] = {}
+        self._restore_online()
         self._published: set[tuple[str, str]] = set()
         self._last = (0, 0, 0, 0)
         if self.metrics is not None:
@@ -95,13 +99,33 @@ class ReplicationService:
             if t.replicate == "online":
                 self.detector.interest.setdefault(t.name, 0.0)
 
+    def _restore_online(self) -> None:
+        """Start from the last answers this worker's previous run saw (kept in its spill)."""
+        raw = self.replicator.store.get_meta("online")
+        if not raw:
+            return
+        try:
+            known = json.loads(raw)
+        except ValueError:
+            return
+        remotes = set(self.detector.remotes)
+        for remote, topic, online in known:
+            if remote in remotes:
+                self.detector.cache[(remote, topic)] = bool(online)
+
     def _online(self, remote: str, topic: str, online: bool) -> None:
         if self.metrics is not None:
             self.metrics.online.labels(remote, topic).set(1 if online else 0)
+        if self._saved.get((remote, topic)) != online:
+            self._saved[(remote, topic)] = online
+            data = [[r, t, v] for (r, t), v in self.detector.cache.items()]
+            self.replicator.store.put_meta("online", json.dumps(data).encode())
 
     def start(self) -> None:
+        """Start delivering and detecting; returns after the first detection round (bounded)."""
         self.replicator.start()
         self.detector.start()
+        self.detector.first_round.wait(timeout=self._detect_timeout + 0.5)
         gevent.spawn(self._loop)
 
     def _loop(self) -> None:

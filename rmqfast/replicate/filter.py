@@ -15,9 +15,13 @@ remote cloud that the topic's rule selects:
   not copied: transactional messages are not delivered across clouds yet).
 
 The copy is taken *before* the request is forwarded (``on_request`` runs in the client-to-broker
-pump), so in durable mode the synced group commit completes before the producer can see its
-answer.  The local broker's answer decides the copy's fate (``on_response``): SUCCESS releases
-it to the deliverer; any other code cancels it.
+pump).  In durable mode its synced group commit is queued there and the broker's *answer* is
+held in ``on_response`` (the broker-to-client pump) until the commit is done, so the producer
+never sees SUCCESS for a send whose copy is not on disk, while the sends that one connection
+pipelines (the Java client multiplexes every thread over one connection) share an fsync.
+A failed commit turns the answer into SYSTEM_ERROR (the producer retries; the message may then
+be twice in the local cluster, never missing in the remote one).  The local broker's answer
+decides the copy's fate: SUCCESS releases it to the deliverer; any other code cancels it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,19 @@ from rmqfast.codec import codes as C
 from rmqfast.codec.properties import TAGS, parse_properties
 from rmqfast.config import Config, TopicRule
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, error_response, reply, slots_of
+from rmqfast.proxy.policy import (
+    Filter,
+    Frame,
+    Session,
+    Verdict,
+    divert,
+    error_response,
+    reply,
+    rewrite,
+    slots_of,
+)
 from rmqfast.replicate.replicator import Replicator, SpillFull
+from rmqfast.spill.commit import CommitFailed
 from rmqfast.spill.record import KIND_BATCH, KIND_SINGLE, ORIGIN_PROPERTY, CopyRecord
 
 log = logging.getLogger("rmqfast.replicate")
@@ -97,6 +112,10 @@ class ReplicateFilter(Filter):
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         if frame.code not in SEND_CODES:
             return None
+        if self.default == "never":
+            topic = _quick_topic(frame)
+            if topic is not None and topic not in self.rules:
+                return None  # no rule can copy it: skip the header decode
         try:
             cmd = frame.command()
         except ValueError:
@@ -140,7 +159,11 @@ class ReplicateFilter(Filter):
             created_ms=int(time.time() * 1000),
         )
         try:
-            seqs = self.replicator.take(remotes, topic, rec.encode(), awaiting=not frame.is_oneway)
+            # Durable: a oneway send has no answer to hold, so it waits for its fsync here; any
+            # other send is forwarded at once and its answer waits (on_response), which lets the
+            # sends a connection pipelines share one fsync.
+            seqs = self.replicator.take(remotes, topic, rec.encode(), awaiting=not frame.is_oneway,
+                                        defer=not frame.is_oneway)
         except SpillFull as exc:
             log.warning("send refused: cross-cloud spill full", extra=ctx(topic=topic, client=session.client_addr))
             if frame.is_oneway:
@@ -159,10 +182,17 @@ class ReplicateFilter(Filter):
         seqs = pending.pop(frame.opaque, None)
         if seqs is None:
             return None
-        if frame.code == C.SUCCESS:
-            self.replicator.confirm(seqs)
-        else:
+        if frame.code != C.SUCCESS:
             self.replicator.cancel(seqs)
+            return None
+        try:
+            self.replicator.synced(seqs)  # durable: the copy is on disk before the producer hears SUCCESS
+        except CommitFailed as exc:
+            log.error("copy not synced; the producer is told its send failed",
+                      extra=ctx(client=session.client_addr, error=str(exc)))
+            return rewrite(error_response(frame, C.SYSTEM_ERROR,
+                                          f"rmqfast: the cross-cloud copy could not be stored ({exc}); retry"))
+        self.replicator.confirm(seqs)
         return None
 
     def sweep(self) -> int:
@@ -176,6 +206,23 @@ class ReplicateFilter(Filter):
                     n += len(seqs)
                 self._sessions.discard(s)
         return n
+
+
+def _quick_topic(frame: Frame) -> str | None:
+    """The topic of a send with a JSON header, found without decoding the header (None: unsure)."""
+    data = frame.data
+    if data[4] != 0:  # ROCKETMQ binary header
+        return None
+    end = 8 + frame.header_length
+    key = b'"topic":"' if frame.code == C.SEND_MESSAGE else b'"b":"'
+    i = data.find(key, 8, end)
+    if i < 0 or data.find(key, i + 1, end) >= 0:
+        return None
+    i += len(key)
+    j = data.find(b'"', i, end)
+    if j < 0 or b"\\" in data[i:j]:
+        return None
+    return data[i:j].decode("utf-8", "replace")
 
 
 def _first_batch_tag(body: bytes) -> str | None:

@@ -79,6 +79,7 @@ class Lane:
     spilled: bool = False
     cursor: int = -1  # highest sequence taken from mem or read from RocksDB
     inflight: int = 0
+    unsynced: int = 0  # deferred durable copies only in RocksDB whose commit is not done yet
 
     def append_mem(self, c: _Copy) -> None:
         if self.mem and self.mem[-1].seq > c.seq:  # woken out of order after a group commit
@@ -120,6 +121,7 @@ class Replicator:
         self.mem_count = 0  # copies in memory only (fast mode), in-flight included
         self.awaiting: dict[int, float] = {}  # seq -> deadline (monotonic)
         self.cancelled: set[int] = set()
+        self.commits: dict[int, Any] = {}  # seq -> its pending group-commit batch (deferred durable takes)
         self.inflight: dict[int, _InFlight] = {}
         self.remote_up: dict[str, bool] = {r.name: True for r in cfg.clouds.remotes}
         self.deletes: list[tuple[str, str, int, int]] = []
@@ -152,12 +154,15 @@ class Replicator:
         if self.metrics is not None:
             self.metrics.not_copied.labels(reason).inc(n)
 
-    def take(self, remotes: list[str], topic: str, value: bytes, *, awaiting: bool = True) -> list[int]:
+    def take(self, remotes: list[str], topic: str, value: bytes, *, awaiting: bool = True,
+             defer: bool = False) -> list[int]:
         """Take one copy per remote; returns the sequence numbers (the filter's tokens).
 
-        Durable mode blocks this greenlet until the synced group commit is done.  Raises
-        :class:`SpillFull` when the disk cap is hit with policy ``reject``; with ``drop`` the copy
-        is counted as not copied and ``[]`` is returned.
+        Durable mode blocks this greenlet until the synced group commit is done, unless
+        ``defer``: then the commit is only queued and :meth:`synced` must be called (and
+        succeed) before the producer may see its answer.  Raises :class:`SpillFull` when the
+        disk cap is hit with policy ``reject``; with ``drop`` the copy is counted as not copied
+        and ``[]`` is returned.
         """
         lanes = [self.lane(r, topic) for r in remotes]
         to_db = [
@@ -184,7 +189,10 @@ class Replicator:
                 self.awaiting[s] = deadline
         db_items = [(ln.remote, topic, s, value) for ln, s in zip(lanes, seqs, strict=True) if ln in to_db]
         try:
-            if self.durable:
+            if self.durable and defer:
+                assert self.committer is not None
+                batch = self.committer.enqueue(db_items)
+            elif self.durable:
                 assert self.committer is not None
                 self.committer.commit_seqs(db_items)
             elif db_items:
@@ -203,8 +211,14 @@ class Replicator:
                 if self.durable and not ln.spilled and self.mem_count < self.channel_size:
                     ln.append_mem(_Copy(s, value, True, True))  # cached; in RocksDB too
                     self.mem_count += 1
+                    if self.durable and defer:
+                        self.commits[s] = (batch, None)
                 else:
                     ln.spilled = True
+                    if self.durable and defer:
+                        # not readable until synced: the lane must not look drained meanwhile
+                        ln.unsynced += 1
+                        self.commits[s] = (batch, ln)
             else:
                 ln.append_mem(_Copy(s, value, False, True))
                 self.mem_count += 1
@@ -214,14 +228,44 @@ class Replicator:
         self.wake.set()
         return seqs
 
+    def synced(self, seqs: list[int]) -> None:
+        """Wait until the deferred commit of these copies is done (durable mode, ``take(defer=True)``).
+
+        Raises :class:`CommitFailed` if it failed: the copies are cancelled and the caller must
+        not let the producer believe its send was taken care of.
+        """
+        batch = None
+        for s in seqs:
+            entry = self.commits.get(s)
+            if entry is not None:
+                batch = entry[0]
+        if batch is None or self.committer is None:
+            return
+        try:
+            self.committer.wait(batch)
+        except CommitFailed:
+            self.cancel(seqs)
+            self.count_not_copied("spill_error", len(seqs))
+            raise
+        finally:
+            self._release(seqs)
+
+    def _release(self, seqs: list[int]) -> None:
+        for s in seqs:
+            entry = self.commits.pop(s, None)
+            if entry is not None and entry[1] is not None:
+                entry[1].unsynced -= 1
+
     def confirm(self, seqs: list[int]) -> None:
         """The local broker stored the message: its copies may go."""
+        self._release(seqs)
         for s in seqs:
             self.awaiting.pop(s, None)
         self.wake.set()
 
     def cancel(self, seqs: list[int]) -> None:
         """The local broker refused the message: its copies are dropped."""
+        self._release(seqs)
         for s in seqs:
             if self.awaiting.pop(s, None) is not None:
                 self.cancelled.add(s)
@@ -279,6 +323,11 @@ class Replicator:
         for key, ln in self.lanes.items():
             ln.dbbuf.clear()
             if self.durable:  # everything is in RocksDB: read the lane again from its start
+                for c in ln.mem:  # a cached copy whose commit is still running is not readable yet
+                    entry = self.commits.get(c.seq)
+                    if entry is not None and entry[1] is None:
+                        self.commits[c.seq] = (entry[0], ln)
+                        ln.unsynced += 1
                 self.mem_count -= sum(1 for c in ln.mem if c.counted)
                 self.mem_count -= sum(1 for c in back.get(key, []) if c.counted)
                 ln.mem.clear()
@@ -340,7 +389,9 @@ class Replicator:
                     continue
             try:
                 self.pump()
-            except OSError as exc:
+            except Exception as exc:  # the feeder must never die: log, drop the link, start over
+                if not isinstance(exc, OSError):
+                    log.exception("feeder failed; resetting the deliver link", extra=ctx(worker=self.index))
                 log.warning("cannot hand copies to the deliver process", extra=ctx(worker=self.index, error=str(exc)))
                 link, self.link = self.link, None
                 if link is not None:
@@ -360,7 +411,7 @@ class Replicator:
                         ln.cursor = s
                     if not got:
                         # everything stored was read; in fast mode stay spilled until it is acknowledged
-                        if self.durable or (ln.remote, ln.topic) not in self.store.lanes:
+                        if ln.unsynced == 0 and (self.durable or (ln.remote, ln.topic) not in self.store.lanes):
                             ln.spilled = False
                 q, from_mem = ln.dbbuf, False
             if not q:

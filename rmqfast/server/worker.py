@@ -150,12 +150,12 @@ class Worker:
     # Listeners -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if getattr(self, "replication", None) is not None:
+            self.replication.start()  # before serving: knows which remotes have consumers online
         ns = self.cfg.namesrv.listen
         assert ns is not None
         self._listen("namesrv", ns, None)
         self.registry.refresh()
-        if getattr(self, "replication", None) is not None:
-            self.replication.start()
         gevent.spawn(self._refresh_loop)
         gevent.spawn(self._publish_loop)
         gevent.spawn(self._idle_loop)

@@ -1,6 +1,7 @@
 """Group commit: concurrent producers' copies become one synced RocksDB write.
 
-A producer's greenlet calls :meth:`GroupCommitter.commit`; the copies get their sequence
+A producer's greenlet calls :meth:`GroupCommitter.commit` (or :meth:`~GroupCommitter.enqueue` now
+and :meth:`~GroupCommitter.wait` later); the copies get their sequence
 numbers at once (so keys follow arrival order) and join the pending batch; the greenlet then
 waits.  One committer greenlet takes everything pending, writes it as one ``WriteBatch`` with
 ``sync=True`` in a native thread (the gevent hub keeps serving other connections meanwhile,
@@ -57,11 +58,24 @@ class GroupCommitter:
     def commit_seqs(self, items: list[tuple[str, str, int, bytes]]) -> None:
         """Like :meth:`commit` for copies whose sequence numbers the caller took already
         (:meth:`SpillStore.next_seq`), so it can register them before waiting."""
+        self.wait(self.enqueue(items))
+
+    def enqueue(self, items: list[tuple[str, str, int, bytes]]) -> _Batch:
+        """Add copies to the next synced batch without waiting; :meth:`wait` on the result later.
+
+        This lets the proxy forward a send at once and hold only its *answer* until the copy is
+        synced, so the sends one connection pipelines share an fsync too.
+        """
         if self._closed:
             raise CommitFailed("the spill committer is closed (the worker is stopping)")
         batch = self._pending
         batch.items.extend(items)
+        self.store.reserved += self.store.size_of(items)
         self._wake.set()
+        return batch
+
+    def wait(self, batch: _Batch) -> None:
+        """Block this greenlet until ``batch`` is synced; :class:`CommitFailed` if it was not."""
         batch.done.wait()
         if batch.error is not None:
             raise CommitFailed(f"synced spill write to {self.store.path} failed: {batch.error}") from batch.error
@@ -77,9 +91,11 @@ class GroupCommitter:
             self._pending = _Batch()
             try:
                 pool.apply(self.store.write_unaccounted, (batch.items,), {"sync": True})
+                self.store.reserved -= self.store.size_of(batch.items)
                 self.store.account(batch.items, sync=True)
                 self.batches += 1
             except Exception as exc:  # disk full, I/O error: every waiter hears it
+                self.store.reserved -= self.store.size_of(batch.items)
                 log.error("synced spill write failed", extra=ctx(error=str(exc), path=str(self.store.path)))
                 batch.error = exc
             batch.done.set()
@@ -92,6 +108,11 @@ class GroupCommitter:
         self._closed = True
         self._wake.set()
         self._greenlet.join(timeout=5)
-        if self._pending.items:
-            self._pending.error = CommitFailed("closed")
-            self._pending.done.set()
+        batch = self._pending
+        if batch.items:  # a graceful stop still stores what was queued
+            self.store.reserved -= self.store.size_of(batch.items)
+            try:
+                self.store.write(batch.items, sync=True)
+            except Exception as exc:
+                batch.error = exc
+            batch.done.set()

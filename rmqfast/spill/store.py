@@ -138,6 +138,7 @@ class SpillStore:
         self.bytes = 0
         self.fsyncs = 0
         self.synced_messages = 0
+        self.reserved = 0  # bytes queued for a group commit, not written yet
         self._next_seq = 0
         self._recover()
 
@@ -175,7 +176,12 @@ class SpillStore:
         return s
 
     def would_exceed(self, nbytes: int) -> bool:
-        return self.bytes + nbytes > self.disk_cap_bytes
+        return self.bytes + self.reserved + nbytes > self.disk_cap_bytes
+
+    @staticmethod
+    def size_of(items: list[tuple[str, str, int, bytes]]) -> int:
+        """Bytes (key + value) these copies take, as the accounting counts them."""
+        return sum(len(lane_prefix(r, t)) + 8 + len(v) for r, t, _s, v in items)
 
     def write(self, items: list[tuple[str, str, int, bytes]], *, sync: bool) -> None:
         """Write copies ``(remote, topic, seq, value)`` in one batch, synced or not."""
@@ -230,6 +236,14 @@ class SpillStore:
         if st is not None:
             self.messages -= st.messages
             self.bytes -= st.bytes
+
+    # Small state beside the copies (b"m" keys sort after every copy key) ----------------------
+
+    def get_meta(self, name: str) -> bytes | None:
+        return self.db.get(b"m" + name.encode())
+
+    def put_meta(self, name: str, value: bytes) -> None:
+        self.db.put(b"m" + name.encode(), value, self._nosync)
 
     # Reading --------------------------------------------------------------------------------
 
