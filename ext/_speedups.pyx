@@ -962,6 +962,7 @@ cdef struct PendingEntry:
     int64_t key          # -1: empty; else direction << 32 | (uint32) opaque
     int32_t slot
     int32_t topic        # index in the stats' topic table (-1: none), for sampled records
+    int32_t want         # a filter wants the answer (the scanner stops at it for policy)
     int64_t t_ns
     int64_t req_bytes
 
@@ -976,6 +977,7 @@ cdef class InFlight:
     cdef PendingEntry* tab
     cdef Py_ssize_t size, count
     cdef readonly Py_ssize_t capacity
+    cdef readonly Py_ssize_t nwant   # entries whose answer a filter wants
 
     def __cinit__(self, Py_ssize_t capacity=MAX_TRACKED_C):
         if capacity < 1:
@@ -1018,16 +1020,18 @@ cdef class InFlight:
         return 0
 
     cdef int track_c(self, int direction, int32_t opaque, int slot, int64_t now, int64_t req_bytes=0,
-                     int32_t topic=-1) except -1:
+                     int32_t topic=-1, bint want=False) except -1:
         """1 when tracked, 0 when the connection already tracks ``capacity`` requests."""
         cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
         cdef Py_ssize_t j = self._home(key)
         while self.tab[j].key >= 0:
             if self.tab[j].key == key:
+                self.nwant += (1 if want else 0) - (1 if self.tab[j].want else 0)
                 self.tab[j].slot = slot
                 self.tab[j].t_ns = now
                 self.tab[j].req_bytes = req_bytes
                 self.tab[j].topic = topic
+                self.tab[j].want = want
                 return 1
             j = (j + 1) & (self.size - 1)
         if self.count >= self.capacity:
@@ -1042,8 +1046,21 @@ cdef class InFlight:
         self.tab[j].t_ns = now
         self.tab[j].req_bytes = req_bytes
         self.tab[j].topic = topic
+        self.tab[j].want = want
         self.count += 1
+        if want:
+            self.nwant += 1
         return 1
+
+    cdef bint wants_c(self, int direction, int32_t opaque) noexcept:
+        """Whether a filter wants the answer to this request (the entry stays)."""
+        cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
+        cdef Py_ssize_t j = self._home(key)
+        while self.tab[j].key >= 0:
+            if self.tab[j].key == key:
+                return self.tab[j].want != 0
+            j = (j + 1) & (self.size - 1)
+        return False
 
     cdef bint take_c(self, int direction, int32_t opaque, int* slot, int64_t* t, int64_t* req_bytes=NULL,
                      int32_t* topic=NULL) noexcept:
@@ -1058,6 +1075,8 @@ cdef class InFlight:
                     req_bytes[0] = self.tab[j].req_bytes
                 if topic != NULL:
                     topic[0] = self.tab[j].topic
+                if self.tab[j].want:
+                    self.nwant -= 1
                 # backward-shift deletion keeps every probe chain unbroken
                 k = (j + 1) & mask
                 while self.tab[k].key >= 0:
@@ -1072,8 +1091,9 @@ cdef class InFlight:
             j = (j + 1) & mask
         return False
 
-    def track(self, int direction, int32_t opaque, int slot, int64_t now_ns):
-        return self.track_c(direction, opaque, slot, now_ns) == 1
+    def track(self, int direction, int32_t opaque, int slot, int64_t now_ns, int64_t req_bytes=0,
+              int32_t topic=-1, bint want=False):
+        return self.track_c(direction, opaque, slot, now_ns, req_bytes, topic, want) == 1
 
     def take(self, int direction, int32_t opaque):
         cdef int slot
@@ -1090,6 +1110,7 @@ cdef class InFlight:
                 stats._res[self.tab[i].slot * NRESULTS_C + R_UNANSWERED_C] += 1
                 self.tab[i].key = -1
         self.count = 0
+        self.nwant = 0
         return n
 
 
@@ -1224,7 +1245,9 @@ cdef class FrameScanner:
             is_response = info.flag & 1
             limit_check = False
             if is_response:
-                policy = self.response_policy
+                policy = self.response_policy or (
+                    self.inflight is not None and self.inflight.nwant > 0
+                    and self.inflight.wants_c(self.direction ^ 1, info.opaque))
             else:
                 policy = self._actions[slot] == 1
                 if self.limiter is not None and self.limiter.active and \

@@ -327,3 +327,51 @@ def test_requests_are_timed_and_their_results_counted(proxy):
     wait_until(lambda: not sessions)
     results = {(codec.slot_code(slot), codec.RESULTS[r]): n for slot, r, n in stats.results()}
     assert results[(C.PULL_MESSAGE, "unanswered")] == 1 and results[(C.HEART_BEAT, "success")] == 1
+
+
+def test_only_marked_responses_reach_the_filter(proxy, monkeypatch):
+    """A filter marks the sends it wants answers to; the scanner stops at those answers only,
+    and on_close tells the filter about the connection going away."""
+    from rmqfast.proxy.policy import Filter, slots_of
+
+    class Marker(Filter):
+        wants_marked_responses = True
+
+        def __init__(self) -> None:
+            self.answers: list[int] = []
+            self.closed = 0
+
+        def request_slots(self) -> set[int]:
+            return slots_of([C.SEND_MESSAGE_V2])
+
+        def on_request(self, session, frame):
+            frame.want_response = frame.opaque % 2 == 0
+            return None
+
+        def on_response(self, session, frame):
+            self.answers.append(frame.opaque)
+            return None
+
+        def on_close(self, session) -> None:
+            self.closed += 1
+
+    port, broker, _, _, _, sessions = proxy
+    marker = Marker()
+    chain = FilterChain([marker])
+    assert not chain.response_policy
+    monkeypatch.setattr(Session, "__init__", _with_chain(Session.__init__, chain))
+    s = connect(port)
+    s.sendall(b"".join(send_frame(i) for i in range(1, 11)))
+    with gevent.Timeout(5):
+        got = sorted(decode_frame(read_frame(s)).opaque for _ in range(10))
+    assert got == list(range(1, 11))
+    assert sorted(marker.answers) == [2, 4, 6, 8, 10]
+    s.close()
+    wait_until(lambda: marker.closed == 1)
+
+
+def _with_chain(init, chain):
+    def patched(self, role, client, client_addr, upstreams, _chain, *args, **kwargs):
+        init(self, role, client, client_addr, upstreams, chain, *args, **kwargs)
+
+    return patched

@@ -473,23 +473,37 @@ class InFlight:
     def __init__(self, capacity: int = MAX_TRACKED) -> None:
         self.capacity = capacity
         self._pending: dict[tuple[int, int], tuple[int, int, int, bytes]] = {}
+        self._want: set[tuple[int, int]] = set()  # requests whose answer a filter wants
 
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def nwant(self) -> int:
+        return len(self._want)
+
     def track(self, direction: int, opaque: int, slot: int, now_ns: int, req_bytes: int = 0,
-              topic: bytes = b"") -> bool:
+              topic: bytes = b"", want: bool = False) -> bool:
         key = (direction, opaque)
         if len(self._pending) >= self.capacity and key not in self._pending:
             return False
         self._pending[key] = (slot, now_ns, req_bytes, topic)
+        if want:
+            self._want.add(key)
+        else:
+            self._want.discard(key)
         return True
 
+    def wants(self, direction: int, opaque: int) -> bool:
+        """Whether a filter wants the answer to this request (the entry stays)."""
+        return (direction, opaque) in self._want
+
     def take(self, direction: int, opaque: int) -> tuple[int, int] | None:
-        e = self._pending.pop((direction, opaque), None)
+        e = self.take_full(direction, opaque)
         return None if e is None else (e[0], e[1])
 
     def take_full(self, direction: int, opaque: int) -> tuple[int, int, int, bytes] | None:
+        self._want.discard((direction, opaque))
         return self._pending.pop((direction, opaque), None)
 
     def abandon(self, stats: ScanStats) -> int:
@@ -498,6 +512,7 @@ class InFlight:
         for slot, *_ in self._pending.values():
             stats.count_result(slot, R_UNANSWERED)
         self._pending.clear()
+        self._want.clear()
         return n
 
 
@@ -615,7 +630,10 @@ class FrameScanner:
             topic = b""
             topic_name = b""
             if is_response:
-                policy = self.response_policy
+                inflight = self.inflight
+                policy = self.response_policy or (
+                    inflight is not None and inflight.nwant > 0 and inflight.wants(self.direction ^ 1, info.opaque)
+                )
             else:
                 policy = self._actions[slot] == ACTION_POLICY
                 limiter = self.limiter

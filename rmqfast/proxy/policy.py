@@ -65,7 +65,7 @@ def close(reason: str) -> Verdict:
 class Frame:
     """A whole frame handed to the policy, with the fields the scanner already read."""
 
-    __slots__ = ("data", "code", "flag", "opaque", "_cmd")
+    __slots__ = ("data", "code", "flag", "opaque", "_cmd", "want_response")
 
     def __init__(self, data: bytes, code: int, flag: int, opaque: int) -> None:
         self.data = data
@@ -73,6 +73,10 @@ class Frame:
         self.flag = flag
         self.opaque = opaque
         self._cmd: RemotingCommand | None = None
+        #: Set by a filter's ``on_request``: hand the answer to this request (and only it) to the
+        #: filters' ``on_response``.  The scanner finds it by opaque, in C; every other response
+        #: is forwarded without Python.
+        self.want_response = False
 
     @property
     def is_oneway(self) -> bool:
@@ -116,13 +120,20 @@ class Filter:
         """Scanner slots (see :func:`rmqfast.codec.code_slot`) whose requests this filter sees."""
         return set()
 
+    #: True: every response of the role goes to ``on_response`` (route rewrites need that).
     wants_responses = False
+    #: True: ``on_response`` sees the answers to the requests whose frame it marked
+    #: (``frame.want_response = True`` in ``on_request``), and only those.
+    wants_marked_responses = False
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         return None
 
     def on_response(self, session: Session, frame: Frame) -> Verdict | None:
         return None
+
+    def on_close(self, session: Session) -> None:
+        """The connection closed (answers still awaited will never come)."""
 
 
 def slots_of(codes: Iterable[int]) -> set[int]:
@@ -141,7 +152,8 @@ class FilterChain:
         self.request_actions = bytes(table)
         self.response_policy = any(f.wants_responses for f in filters)
         self._req_filters = [f for f in filters if f.request_slots()]
-        self._resp_filters = [f for f in filters if f.wants_responses]
+        self._resp_filters = [f for f in filters if f.wants_responses or f.wants_marked_responses]
+        self._close_filters = [f for f in filters if type(f).on_close is not Filter.on_close]
 
     def on_request(self, session: Session, frame: Frame) -> Verdict:
         slot = code_slot(frame.code)
@@ -158,6 +170,13 @@ class FilterChain:
             if v is not None:
                 return v
         return PASS
+
+    def on_close(self, session: Session) -> None:
+        for f in self._close_filters:
+            try:
+                f.on_close(session)
+            except Exception:  # a filter's bookkeeping must never break the close
+                log.exception("filter on_close failed", extra={"filter": f.name})
 
 
 def error_response(frame: Frame, code: int, remark: str) -> bytes:

@@ -163,6 +163,7 @@ class Session:
         self.closed = True
         if self.inflight is not None:
             self.inflight.abandon(self.stats)  # what was not answered by now never will be
+        self.chain.on_close(self)
         watchers = [w for pair in self._watchers.values() for w in pair]
         self._watchers.clear()
         # Thrown into a pump waiting on one of these watchers (a fresh one: it carries a traceback).
@@ -458,8 +459,8 @@ class Session:
     def _over_limit(self, frame: Frame, scanner: Any) -> Verdict:
         """A send over its limit (or to a topic switched to reject): SYSTEM_BUSY, never relayed.
 
-        The answer carries the ext fields a Java client reads from a send response; Java
-        clients >= 5.3.0 (and 4.9.x) retry SYSTEM_BUSY on another queue, see the README.
+        The answer carries the ext fields a Java client reads from a send response. Measured:
+        the Java client 5.3.3 retries SYSTEM_BUSY, 4.9.4 throws at once (see the README).
         """
         rule = self.limits.rule_description(scanner.limited) if self.limits is not None else "a send limit"
         remark = f"rmqfast: {rule}; retry later"
@@ -472,7 +473,9 @@ class Session:
         slot = code_slot(frame.code)
         if frame.is_oneway:
             self.stats.count_result(slot, R_ONEWAY)
-        elif self.inflight is not None and not self.inflight.track(direction, frame.opaque, slot, time.monotonic_ns()):
+        elif self.inflight is not None and not self.inflight.track(
+            direction, frame.opaque, slot, time.monotonic_ns(), len(frame.data), want=frame.want_response
+        ):
             self.stats.untracked += 1
 
     def _on_c2u(self, frame: Frame) -> Verdict:

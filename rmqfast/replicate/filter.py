@@ -76,7 +76,9 @@ def _int(v: str | None, default: int = 0) -> int:
 
 class ReplicateFilter(Filter):
     name = "replicate"
-    wants_responses = True
+    # Only the answers to sends it took a copy of (marked in on_request; the scanner finds them
+    # by opaque in C): every other response on the broker role is forwarded without Python.
+    wants_marked_responses = True
 
     def __init__(self, cfg: Config, replicator: Replicator, detector: OnlineDetector | None) -> None:
         self.replicator = replicator
@@ -172,6 +174,7 @@ class ReplicateFilter(Filter):
         if seqs and not frame.is_oneway:
             pending: dict[int, list[int]] = session.state.setdefault(_PENDING, {})
             pending[frame.opaque] = seqs
+            frame.want_response = True
             self._sessions.add(session)
         return None
 
@@ -195,8 +198,18 @@ class ReplicateFilter(Filter):
         self.replicator.confirm(seqs)
         return None
 
+    def on_close(self, session: Session) -> None:
+        """The connection closed before some answers came: release those copies for delivery
+        (the producer may have been answered SUCCESS by the broker; a duplicate in the remote
+        cloud is acceptable, a loss is not)."""
+        pending = session.state.pop(_PENDING, {})
+        for seqs in pending.values():
+            self.replicator.confirm(seqs)
+        self._sessions.discard(session)
+
     def sweep(self) -> int:
-        """Release the copies of requests whose connection closed before the answer came."""
+        """Release the copies of requests whose connection closed before the answer came
+        (a safety net behind on_close)."""
         n = 0
         for s in list(self._sessions):
             if getattr(s, "closed", False):
