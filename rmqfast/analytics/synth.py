@@ -119,7 +119,8 @@ def write_aggregates(out: str | os.PathLike[str], *, span_s: int = 3600, t0: int
                 add(ts, "response", code=0, count=sends)
                 add(ts, "response", code=2, count=int(rng.poisson(1)), errors=int(rng.poisson(1)))
                 add(ts, "worker", count=2 * sends, bytes=sends * 1400)
-                hist = rng.multinomial(sends, [0.05, 0.2, 0.4, 0.2, 0.1, 0.03, 0.01, 0.005, 0.005] + [0] * 7)
+                hist = rng.multinomial(sends, [0.05, 0.2, 0.4, 0.2, 0.1, 0.03, 0.01, 0.005, 0.005]
+                                       + [0] * (len(LAT_COLUMNS) - 9))
                 lat = dict(zip(LAT_COLUMNS, hist.tolist(), strict=True))
                 add(ts, "latency", code=310, topic="", count=sends, **lat)
                 add(ts, "spill", spill_written=int(rng.poisson(5)), spill_delivered=int(rng.poisson(5)),
