@@ -90,6 +90,7 @@ class Supervisor:
         self.runtime = Path(tempfile.mkdtemp(prefix="rmqfast-run-"))
         self.prom_dir = self.runtime / "prometheus"
         self.prom_dir.mkdir()
+        self.prom_lock = threading.Lock()  # admin threads read the files the main loop retires
         self.sel = selectors.DefaultSelector()
         self.stopping = False
         self.reload_requested = False
@@ -173,7 +174,8 @@ class Supervisor:
         try:
             from prometheus_client import multiprocess
 
-            multiprocess.mark_process_dead(pid, str(self.prom_dir))
+            with self.prom_lock:  # never while an admin thread is reading the files
+                multiprocess.mark_process_dead(pid, str(self.prom_dir))
         except Exception:  # metrics must never stop the supervisor
             log.exception("could not retire a dead worker's metrics")
 
@@ -321,15 +323,38 @@ class Supervisor:
         self._ready_cache = (now, False, why)
         return False, why
 
+    def metrics_text(self) -> bytes:
+        """The workers' metrics, summed (prometheus-client multiprocess files).
+
+        A file can vanish or still be growing while a worker dies or starts: such a read is
+        retried a few times before the error goes to the caller.
+        """
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        for attempt in range(3):
+            try:
+                with self.prom_lock:
+                    reg = CollectorRegistry()
+                    MultiProcessCollector(reg, path=str(self.prom_dir))
+                    return generate_latest(reg)
+            except (OSError, ValueError, KeyError):
+                if attempt == 2:
+                    raise
+                time.sleep(0.05)
+        raise AssertionError("unreachable")
+
     def limits_view(self) -> dict[str, object]:
         """The rules in force and what they admitted and rejected so far (summed over workers)."""
         from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        reg = CollectorRegistry()
-        MultiProcessCollector(reg, path=str(self.prom_dir))
+        with self.prom_lock:
+            reg = CollectorRegistry()
+            MultiProcessCollector(reg, path=str(self.prom_dir))
+            families = list(reg.collect())
         counts: dict[tuple[str, str], dict[str, float]] = {}
-        for fam in reg.collect():
+        for fam in families:
             if fam.name in ("rmqfast_limit_admitted", "rmqfast_limit_rejected"):
                 kind = fam.name.rsplit("_", 1)[1]
                 for smp in fam.samples:
@@ -369,12 +394,15 @@ class Supervisor:
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-                    from prometheus_client.multiprocess import MultiProcessCollector
+                    from prometheus_client import CONTENT_TYPE_LATEST
 
-                    reg = CollectorRegistry()
-                    MultiProcessCollector(reg, path=str(sup.prom_dir))
-                    self._send(200, generate_latest(reg), CONTENT_TYPE_LATEST)
+                    try:
+                        body = sup.metrics_text()
+                    except Exception as exc:  # a scrape must get an answer, not a dropped connection
+                        log.exception("cannot collect metrics")
+                        self._send(500, f"cannot collect metrics: {exc}\n".encode(), "text/plain")
+                        return
+                    self._send(200, body, CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
                     # Snapshot first: the main loop replaces entries while restarting workers,
                     # and list() copies the dict in one step under the GIL.
