@@ -61,10 +61,13 @@ def with_origin(properties: str, origin: str) -> str:
     return properties + f"{ORIGIN_PROPERTY}\x01{origin}\x02"
 
 
-def build_request(rec: CopyRecord, broker_name: str, queue_id: int, origin: str) -> tuple[int, dict[str, str], bytes]:
-    """(code, V2 header fields, body) of the remote send of ``rec``."""
+def build_request(rec: CopyRecord, broker_name: str, queue_id: int,
+                  origin: str | None) -> tuple[int, dict[str, str], bytes]:
+    """(code, V2 header fields, body) of the remote send of ``rec``.
+
+    ``origin`` None sends the message unmarked (peak shaving releases to the local cluster)."""
     body = rec.body
-    if rec.is_batch:
+    if rec.is_batch and origin is not None:
         entries = decode_batch(body)
         for e in entries:
             e.properties[ORIGIN_PROPERTY] = origin
@@ -78,7 +81,7 @@ def build_request(rec: CopyRecord, broker_name: str, queue_id: int, origin: str)
         "f": str(rec.sys_flag),
         "g": str(rec.born_timestamp),
         "h": str(rec.flag),
-        "i": with_origin(rec.properties, origin),
+        "i": with_origin(rec.properties, origin) if origin is not None else rec.properties,
         "j": str(rec.reconsume_times),
         "k": "false",
         "l": str(rec.max_reconsume_times),

@@ -27,8 +27,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--burst", type=float, default=0, help="messages (default rate/10, at least 1)")
     s.add_argument("--bytes-rate", type=float, default=0, help="bytes per second")
     s.add_argument("--bytes-burst", type=float, default=0, help="bytes (default bytes-rate/10, at least 64 KiB)")
-    s.add_argument("--mode", choices=("limit", "reject", "open"), default="limit",
-                   help="limit: apply the rates; reject: answer every send SYSTEM_BUSY; open: no limit")
+    s.add_argument("--mode", choices=("limit", "reject", "open", "shape"), default="limit",
+                   help="limit: apply the rates; reject: answer every send SYSTEM_BUSY; open: no limit; "
+                        "shape: accept over-limit sends into the spill and release them at the rate")
     d = act.add_parser("delete", help="remove the rule of a topic (and tag)")
     d.add_argument("--topic", required=True)
     d.add_argument("--tag")
@@ -73,9 +74,10 @@ def render(view: dict[str, Any]) -> str:
     if not rows:
         return "no send limits"
     head = (f"{'topic':<24} {'tag':<12} {'mode':<7} {'msg/s':>9} {'burst':>7} {'B/s':>11} "
-            f"{'admitted':>10} {'rejected':>10}")
+            f"{'admitted':>10} {'rejected':>10} {'shaped':>10}")
     out = [head, "-" * len(head)]
     for r in rows:
         out.append(f"{r['topic']:<24} {r['tag'] or '':<12} {r['mode']:<7} {r['rate']:>9g} {r['burst']:>7g} "
-                   f"{r['bytes_rate']:>11g} {r['admitted']:>10.0f} {r['rejected']:>10.0f}")
+                   f"{r['bytes_rate']:>11g} {r['admitted']:>10.0f} {r['rejected']:>10.0f} "
+                   f"{r.get('shaped', 0):>10.0f}")
     return "\n".join(out)

@@ -3,7 +3,9 @@
 A rule names a topic (``orders``), a topic prefix (``orders-*``) or every topic (``*``),
 optionally one tag, and limits it in messages per second and/or bytes per second with a burst.
 ``mode`` switches a rule at runtime: ``limit`` applies the rates, ``reject`` answers every send
-with SYSTEM_BUSY (a circuit breaker), ``open`` lets everything through.  A send must conform to
+with SYSTEM_BUSY (a circuit breaker), ``open`` lets everything through, ``shape`` applies the rates
+but commits over-limit sends to the worker's spill and releases them later at the rule's rate
+(:mod:`rmqfast.limits.shaper`).  A send must conform to
 its topic+tag rule (if one matches its tag), its best topic rule (exact name, else the longest
 prefix, else ``*``) and the global limit.
 
@@ -18,8 +20,10 @@ from typing import Any
 
 from rmqfast.errors import ConfigError
 
-MODES = ("limit", "reject", "open")
-MODE_CODES = {"limit": 0, "reject": 1, "open": 2}
+MODES = ("limit", "reject", "open", "shape")
+# The limiter sees a shape rule as a limit; the relay shapes what it refuses (rmqfast.limits.shaper).
+MODE_CODES = {"limit": 0, "reject": 1, "open": 2, "shape": 0}
+MODE_REJECT_CODE = MODE_CODES["reject"]
 MAX_RULES = 1023
 _TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_%|")
 
@@ -37,6 +41,12 @@ class LimitRule:
     @property
     def key(self) -> tuple[str, str | None]:
         return (self.topic, self.tag)
+
+    def covers_topic(self, topic: str) -> bool:
+        """Whether this rule's topic pattern names ``topic`` (the tag aside)."""
+        if self.topic.endswith("*"):
+            return topic.startswith(self.topic[:-1])
+        return topic == self.topic
 
     def effective_burst(self) -> float:
         return self.burst or max(1.0, self.rate / 10)
@@ -128,8 +138,8 @@ def parse_rule(key: str, raw: Any) -> LimitRule:
         bytes_rate=_num(f"{key}.bytes_rate", raw.get("bytes_rate", 0)),
         bytes_burst=_num(f"{key}.bytes_burst", raw.get("bytes_burst", 0)), mode=mode,
     )
-    if mode == "limit" and not rule.rate and not rule.bytes_rate:
-        raise ConfigError(f"{key}: mode 'limit' needs rate and/or bytes_rate above 0 "
+    if mode in ("limit", "shape") and not rule.rate and not rule.bytes_rate:
+        raise ConfigError(f"{key}: mode {mode!r} needs rate and/or bytes_rate above 0 "
                           "(or mode = 'reject' / 'open')")
     return rule
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rmqfast.limits import open_limiter
-from rmqfast.limits.rules import LimitsSection
+from rmqfast.limits import LimiterC, open_limiter
+from rmqfast.limits.rules import MODE_REJECT_CODE, LimitsSection
 
 
 class WorkerLimits:
@@ -14,6 +14,12 @@ class WorkerLimits:
 
     Sessions built with the compiled scanner need the compiled limiter; the pure-Python scanner
     takes the twin.  Normally one of the two exists; tests may use both.
+
+    ``shape`` rules: while this worker holds a shaped backlog for a topic a shape rule covers,
+    that rule is *held*: the scanners' limiters see it in ``reject`` mode, so every later send it
+    covers is handed to the relay (and shaped behind the backlog, which keeps the order) instead
+    of being admitted past it.  A held rule charges no tokens; the releaser takes them with a
+    limiter of its own that never holds (:meth:`release_limiter`).
     """
 
     def __init__(self, shm_path: Path, section: LimitsSection) -> None:
@@ -21,20 +27,71 @@ class WorkerLimits:
         self.section = section
         self._limiters: dict[bool, Any] = {}
         self._rules = section.all_rules()
+        self.held: frozenset[tuple[str, str | None]] = frozenset()  # keys of held shape rules
+        self._carry: dict[int, list[int]] = {}  # counts of limiters reconfigured by a hold change
+        self._release: Any = None
+        #: the worker's :class:`rmqfast.limits.shaper.Shaper` (None: no shaping in this worker)
+        self.shaper: Any = None
+
+    def _scanner_rules(self) -> list[tuple[Any, ...]]:
+        rules = self.section.limiter_rules()
+        if not self.held:
+            return rules
+        out = []
+        for i, t in enumerate(rules):
+            r = self.section.rules[i] if i < len(self.section.rules) else None
+            if r is not None and r.mode == "shape" and r.key in self.held:
+                t = (*t[:6], MODE_REJECT_CODE, t[7])
+            out.append(t)
+        return out
 
     def limiter_for(self, compiled: bool) -> Any:
         lim = self._limiters.get(compiled)
         if lim is None:
             lim = open_limiter(self.shm_path, compiled)
-            lim.configure(self.section.limiter_rules())
+            lim.configure(self._scanner_rules())
             self._limiters[compiled] = lim
         return lim
+
+    def release_limiter(self) -> Any:
+        """The releaser's limiter: the same shared buckets and rules, never held."""
+        if self._release is None:
+            self._release = open_limiter(self.shm_path, LimiterC is not None)
+            self._release.configure(self.section.limiter_rules())
+        return self._release
 
     def configure(self, section: LimitsSection) -> None:
         self.section = section
         self._rules = section.all_rules()
+        self._carry.clear()
+        shaping = {r.key for r in section.rules if r.mode == "shape"}
+        self.held = frozenset(k for k in self.held if k in shaping)
         for lim in self._limiters.values():
-            lim.configure(section.limiter_rules())
+            lim.configure(self._scanner_rules())
+        if self._release is not None:
+            self._release.configure(section.limiter_rules())
+
+    def set_held(self, keys: set[tuple[str, str | None]] | frozenset[tuple[str, str | None]]) -> bool:
+        """Hold exactly these shape rules (by key); True when that changed the limiters."""
+        keys = frozenset(keys)
+        if keys == self.held:
+            return False
+        # the limiters' counts restart on configure: carry them so the published totals only grow
+        for lim in self._limiters.values():
+            for i, adm, rej in lim.counters():
+                acc = self._carry.setdefault(i, [0, 0])
+                acc[0] += adm
+                acc[1] += rej
+        self.held = keys
+        for lim in self._limiters.values():
+            lim.configure(self._scanner_rules())
+        return True
+
+    def is_shape(self, index: int) -> bool:
+        return 0 <= index < len(self._rules) and self._rules[index].mode == "shape"
+
+    def rule(self, index: int) -> Any:
+        return self._rules[index] if 0 <= index < len(self._rules) else None
 
     def rule_description(self, index: int) -> str:
         if 0 <= index < len(self._rules):
@@ -42,8 +99,12 @@ class WorkerLimits:
         return "a send limit"
 
     def counters(self) -> list[tuple[str, str, int, int]]:
-        """``(topic, tag, admitted, rejected)`` per rule, summed over this worker's limiters."""
-        out: dict[int, list[int]] = {}
+        """``(topic, tag, admitted, rejected)`` per rule, summed over this worker's limiters.
+
+        A shape rule's refusals are not rejections (the shaper counts what it shaped and what
+        it had to answer SYSTEM_BUSY): its ``rejected`` is 0 here.
+        """
+        out: dict[int, list[int]] = {i: list(v) for i, v in self._carry.items()}
         for lim in self._limiters.values():
             for i, adm, rej in lim.counters():
                 acc = out.setdefault(i, [0, 0])
@@ -53,7 +114,7 @@ class WorkerLimits:
         for i, (adm, rej) in sorted(out.items()):
             if i < len(self._rules):
                 r = self._rules[i]
-                rows.append((r.topic or "(global)", r.tag or "", adm, rej))
+                rows.append((r.topic or "(global)", r.tag or "", adm, 0 if r.mode == "shape" else rej))
         return rows
 
 

@@ -461,12 +461,26 @@ class Session:
 
         The answer carries the ext fields a Java client reads from a send response. Measured:
         the Java client 5.3.3 retries SYSTEM_BUSY, 4.9.4 throws at once (see the README).
+        A ``shape`` rule's refusals are shaped instead (:meth:`_shape`).
         """
+        if self.limits is not None and self.limits.is_shape(scanner.limited):
+            return self._shape(frame, scanner.limited)
         rule = self.limits.rule_description(scanner.limited) if self.limits is not None else "a send limit"
         remark = f"rmqfast: {rule}; retry later"
         data = encode(make_response(frame.command(), C.SYSTEM_BUSY, remark,
                                     ext_fields={"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}))
         return Verdict("reply", data=data)
+
+    def _shape(self, frame: Frame, index: int) -> Verdict:
+        """Peak shaving: the send is committed (synced) to the worker's spill and released to the
+        broker later at the rule's rate (rmqfast.limits.shaper); the answer is SUCCESS, made here.
+        This pump waits for the group commit; other connections go on meanwhile."""
+        from rmqfast.limits.shaper import shape_send
+
+        verdict = shape_send(self.limits, frame, index, self.upstream_addr)
+        if verdict.kind == "divert" and frame.is_oneway:
+            self.stats.count_result(code_slot(frame.code), R_ONEWAY)
+        return verdict
 
     def _track(self, frame: Frame, direction: int) -> None:
         """A policy request is forwarded: time it like the scanner times the others."""

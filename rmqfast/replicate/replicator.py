@@ -48,7 +48,7 @@ from rmqfast.deliver import protocol as P
 from rmqfast.log import ctx
 from rmqfast.spill.commit import CommitFailed, GroupCommitter
 from rmqfast.spill.record import created_ms_of
-from rmqfast.spill.store import SpillStore, lane_prefix, worker_dir
+from rmqfast.spill.store import SHAPE_REMOTE_PREFIX, SpillStore, lane_prefix, worker_dir
 
 log = logging.getLogger("rmqfast.replicate")
 
@@ -117,6 +117,8 @@ class Replicator:
         self.committer = GroupCommitter(self.store) if self.durable else None
         self.lanes: dict[tuple[str, str], Lane] = {}
         for remote, topic in list(self.store.lanes):  # resume after a restart: all of it is in RocksDB
+            if remote.startswith(SHAPE_REMOTE_PREFIX):
+                continue  # peak shaving's backlog in the same spill (rmqfast.limits.shaper)
             self.lanes[(remote, topic)] = Lane(remote, topic, spilled=True)
         self.mem_count = 0  # copies in memory only (fast mode), in-flight included
         self.awaiting: dict[int, float] = {}  # seq -> deadline (monotonic)
@@ -479,6 +481,8 @@ class Replicator:
                 a[2] = created
 
         for key, st in self.store.lanes.items():
+            if key[0].startswith(SHAPE_REMOTE_PREFIX):
+                continue
             add(key, st.messages, st.bytes, self.store.oldest_ms(*key))
         for key, ln in self.lanes.items():
             for c in ln.mem:

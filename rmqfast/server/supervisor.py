@@ -355,7 +355,7 @@ class Supervisor:
             families = list(reg.collect())
         counts: dict[tuple[str, str], dict[str, float]] = {}
         for fam in families:
-            if fam.name in ("rmqfast_limit_admitted", "rmqfast_limit_rejected"):
+            if fam.name in ("rmqfast_limit_admitted", "rmqfast_limit_rejected", "rmqfast_limit_shaped"):
                 kind = fam.name.rsplit("_", 1)[1]
                 for smp in fam.samples:
                     if smp.name.endswith("_total"):
@@ -369,7 +369,8 @@ class Supervisor:
                           "burst": r.effective_burst(), "bytes_rate": r.bytes_rate,
                           "bytes_burst": r.effective_bytes_burst(),
                           "admitted": counts.get(key, {}).get("admitted", 0),
-                          "rejected": counts.get(key, {}).get("rejected", 0)})
+                          "rejected": counts.get(key, {}).get("rejected", 0),
+                          "shaped": counts.get(key, {}).get("shaped", 0)})
         return {"rules": rules}
 
     def limits_write_refusal(self, authorization: str) -> tuple[int, str] | None:

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gevent
 import gevent.event
@@ -107,6 +108,8 @@ class Worker:
         self.settings = self._settings(cfg)
         self.registry = EndpointRegistry(cfg, self._bind_endpoint)
         self._build_chains()
+        self.shaper: Any = None  # [limits] mode "shape": peak shaving (rmqfast.limits.shaper)
+        self._setup_shaper()
 
     # Configuration ---------------------------------------------------------------------------
 
@@ -141,6 +144,34 @@ class Worker:
             ),
         }
 
+    def _setup_shaper(self) -> None:
+        """Start peak shaving when a shape rule exists or the spill may hold a shaped backlog.
+
+        It shares the cross-cloud replicator's spill when there is one (one writer per RocksDB).
+        """
+        if self.limits is None or self.shaper is not None:
+            return
+        from rmqfast.limits.shaper import Shaper, shaping_wanted
+
+        repl = getattr(self, "replication", None)
+        if not shaping_wanted(self.cfg, self.index, repl.replicator.store if repl is not None else None):
+            return
+        try:
+            shaper = Shaper(self.cfg, self.index, self.limits, metrics=self.metrics,
+                            store=repl.replicator.store if repl is not None else None,
+                            committer=repl.replicator.committer if repl is not None else None)
+        except Exception as exc:  # an unusable spill: shape rules answer SYSTEM_BUSY instead
+            log.error("peak shaving unavailable: cannot open the spill; sends over a shape rule get SYSTEM_BUSY",
+                      extra=ctx(worker=self.index, error=str(exc)))
+            return
+        if not shaper.needed:
+            shaper.close()
+            return
+        self.shaper = shaper
+        self.limits.shaper = shaper
+        if getattr(self, "_started", False):
+            shaper.start()
+
     def _denied(self, session: PolicySession, code: int) -> None:
         self.metrics.denied.labels(session.role, str(code)).inc()
 
@@ -152,6 +183,9 @@ class Worker:
     def start(self) -> None:
         if getattr(self, "replication", None) is not None:
             self.replication.start()  # before serving: knows which remotes have consumers online
+        self._started = True
+        if self.shaper is not None:
+            self.shaper.start()  # releases a shaped backlog left by the previous run
         ns = self.cfg.namesrv.listen
         assert ns is not None
         self._listen("namesrv", ns, None)
@@ -246,6 +280,8 @@ class Worker:
             p.publish()
         if self.limits_publisher is not None:
             self.limits_publisher.publish()
+        if self.shaper is not None:
+            self.shaper.publish()
         if self.records is not None:
             self._record_samples()
             self.records.add_aggregates([row for d in self.record_deltas for row in d.take()])
@@ -289,6 +325,8 @@ class Worker:
         self.publish()
         if self.records is not None:
             self.records.close()
+        if self.shaper is not None:
+            self.shaper.close()  # before the replicator: they may share its spill
         if getattr(self, "replication", None) is not None:
             self.replication.close()
         log.info("worker stopped", extra=ctx(worker=self.index, cut_sessions=left))
@@ -302,6 +340,9 @@ class Worker:
         if self.limits_publisher is not None:
             self.limits_publisher.reconfigure(cfg.limits)  # live sessions see it at once
         self._build_chains()
+        self._setup_shaper()
+        if self.shaper is not None:
+            self.shaper.reconfigure()  # holds follow the new shape rules
         for s in list(self.sessions):
             if s.c2u is not None:
                 s.c2u.set_actions(self.chains[s.role].request_actions)

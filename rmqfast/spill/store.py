@@ -38,6 +38,10 @@ from rmqfast.spill.record import created_ms_of
 
 _SEQ = struct.Struct(">Q")
 LANE_PREFIX = b"c"
+#: Lanes whose "remote" starts with this hold peak shaving's backlog (``[[limits.rule]] mode =
+#: "shape"``, :mod:`rmqfast.limits.shaper`): ``@shape:<local broker host:port>``.  Configured
+#: remote names cannot contain '@', so the cross-cloud replicator never mistakes them for its own.
+SHAPE_REMOTE_PREFIX = "@shape:"
 
 
 class SpillError(RuntimeError):
