@@ -818,6 +818,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--real", action="store_true",
                     help="real-broker mode instead: the Java producer against a real RocketMQ, direct vs rmqfast "
                          "(see rmqfast bench --real --help)")
+    ap.add_argument("--clouds", action="store_true",
+                    help="cross-cloud mode instead: durable vs fast copies between two real RocketMQ clusters "
+                         "(see rmqfast bench --clouds --help)")
     ap.add_argument("--report", type=Path, metavar="FILE",
                     help="run nothing: print the summary of an earlier results file (.jsonl)")
     args = ap.parse_args(argv)
@@ -882,6 +885,10 @@ def main(argv: list[str] | None = None) -> int:
         from rmqfast.bench_real import main as real_main
 
         return real_main(argv)
+    if "--clouds" in argv:
+        from rmqfast.bench_clouds import main as clouds_main
+
+        return clouds_main(argv)
     args = _parse(argv)
     try:
         if args.report:
