@@ -9,7 +9,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: system-deps install demo test test-unit test-pure test-integration lint clean bench bench-short bench-real
+.PHONY: system-deps install demo test test-unit test-pure test-integration lint clean bench bench-short bench-real bench-clouds
 
 $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -56,3 +56,6 @@ bench-short: install
 
 bench-real: install
 	$(PYTHON) -m rmqfast.bench --real
+
+bench-clouds: install
+	$(PYTHON) -m rmqfast.bench --clouds
