@@ -159,7 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     for t in TARGETS:
         rs = [r for r in runs if r["target"] == t and r["loadgen"]["responses"]]
         if rs:
-            rows.append({"target": t, "rps": statistics.median(r["loadgen"]["rps"] for r in rs),
+            rows.append({"scenario": rs[0]["scenario"], "target": t,
+                         "rps": statistics.median(r["loadgen"]["rps"] for r in rs),
                          "p50_us": statistics.median(r["loadgen"]["lat_us"].get("p50", 0) for r in rs),
                          "p99_us": statistics.median(r["loadgen"]["lat_us"].get("p99", 0) for r in rs),
                          "rounds_rps": [r["loadgen"]["rps"] for r in rs],

@@ -189,3 +189,17 @@ def test_records_config() -> None:
                      ({"colour": 1}, "records.colour: unknown key")):
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             config_mod.from_dict({**base, "records": bad})
+
+
+def test_benchmark_charts_skip_records_without_a_scenario(tmp_path: Path) -> None:
+    """Summary rows of other bench modes may lack a scenario: the charts skip them, not crash."""
+    pytest.importorskip("matplotlib")
+    from rmqfast.analytics.jobs import Result
+    from rmqfast.analytics.report import charts
+
+    res = Result(tables={"bench_side_by_side": [
+        {"run_id": "r1", "scenario": "send-16x32", "target": "rmqfast", "rps": 1000.0},
+        {"run_id": "r1", "scenario": None, "target": "durable", "rps": 900.0},
+    ]})
+    made = charts(res, tmp_path)
+    assert "bench_send_16x32" in made and (tmp_path / "bench_send_16x32.png").exists()

@@ -184,7 +184,7 @@ def charts(res: Result, out: Path) -> dict[str, str]:
                                     "p99.9": [r["p999_us"] for r in lc]}, "µs", log=True))
     side = t.get("bench_side_by_side", [])
     runs = sorted({r["run_id"] for r in side})
-    for sc in sorted({r["scenario"] for r in side}):
+    for sc in sorted({r["scenario"] for r in side if r["scenario"] is not None}):
         targets = sorted({r["target"] for r in side if r["scenario"] == sc})
         groups = {tg: [next((r["rps"] for r in side if r["run_id"] == ru and r["scenario"] == sc
                              and r["target"] == tg), None) for ru in runs] for tg in targets}
