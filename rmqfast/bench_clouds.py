@@ -22,10 +22,10 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
-from rmqfast.bench import DEFAULT_RESULTS_DIR, SCHEMA, BenchError
+from rmqfast.bench import SCHEMA, BenchError
+from rmqfast.bench_real import add_java_run_args, check_java_run_args
 from rmqfast.testing import RocketMQCluster, ensure_jars
 from rmqfast.testing.javaclient import run_driver
 from rmqfast.testing.proxy import ProxyProcess
@@ -60,19 +60,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         description="Durable vs fast cross-cloud copies (and no copies), two real RocketMQ clusters, Java producer.",
     )
     ap.add_argument("--clouds", action="store_true", help=argparse.SUPPRESS)  # how `rmqfast bench` got here
-    ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
-    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
-    ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per run (default 3)")
-    ap.add_argument("--threads", type=int, default=16, help="sending threads (default 16)")
-    ap.add_argument("--body-size", type=int, default=1024, help="message body bytes (default 1024)")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes per proxy (default 2)")
-    ap.add_argument("--short", action="store_true", help="1 round of 4 s runs")
-    ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS_DIR, help="results folder (default results/bench)")
+    add_java_run_args(ap, short_s=4.0)
     args = ap.parse_args(argv)
-    if args.short:
-        args.rounds, args.duration, args.warmup = 1, 4.0, 2.0
-    if args.rounds < 1 or args.duration <= 0 or args.warmup < 0 or args.threads < 1 or args.workers < 1:
-        ap.error("--rounds, --threads and --workers must be >= 1, --duration > 0, --warmup >= 0")
+    check_java_run_args(ap, args, short_s=4.0)
     return args
 
 

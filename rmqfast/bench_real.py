@@ -31,6 +31,26 @@ TOPIC = "RmqfastBenchReal"
 TARGETS = ("direct", "rmqfast")
 
 
+def add_java_run_args(ap: argparse.ArgumentParser, short_s: float) -> None:
+    """The options every Java-producer bench mode shares (real broker, cross-cloud)."""
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per run (default 3)")
+    ap.add_argument("--threads", type=int, default=16, help="sending threads in the producer (default 16)")
+    ap.add_argument("--body-size", type=int, default=1024, help="message body bytes (default 1024)")
+    ap.add_argument("--workers", type=int, default=2, help="rmqfast worker processes per proxy (default 2)")
+    ap.add_argument("--short", action="store_true", help=f"1 round of {short_s:g} s runs")
+    ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS_DIR, help="results folder (default results/bench)")
+
+
+def check_java_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace, short_s: float) -> None:
+    if args.short:
+        args.rounds, args.duration, args.warmup = 1, short_s, 2.0
+    if args.rounds < 1 or args.duration <= 0 or args.warmup < 0 or args.threads < 1 or args.body_size < 1 \
+            or args.workers < 1:
+        ap.error("--rounds, --threads, --body-size and --workers must be >= 1, --duration > 0, --warmup >= 0")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="rmqfast bench --real",
@@ -38,19 +58,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "direct vs through rmqfast, alternating, side by side.",
     )
     ap.add_argument("--real", action="store_true", help=argparse.SUPPRESS)  # how `rmqfast bench` got here
-    ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
-    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
-    ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per run (default 3)")
-    ap.add_argument("--threads", type=int, default=16, help="sending threads in the producer (default 16)")
-    ap.add_argument("--body-size", type=int, default=1024, help="message body bytes (default 1024)")
-    ap.add_argument("--workers", type=int, default=2, help="rmqfast worker processes (default 2)")
-    ap.add_argument("--short", action="store_true", help="1 round of 3 s runs")
-    ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS_DIR, help="results folder (default results/bench)")
+    add_java_run_args(ap, short_s=3.0)
     args = ap.parse_args(argv)
-    if args.short:
-        args.rounds, args.duration, args.warmup = 1, 3.0, 2.0
-    if args.rounds < 1 or args.duration <= 0 or args.warmup < 0 or args.threads < 1 or args.body_size < 1:
-        ap.error("--rounds, --threads and --body-size must be >= 1, --duration > 0, --warmup >= 0")
+    check_java_run_args(ap, args, short_s=3.0)
     return args
 
 

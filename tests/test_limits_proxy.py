@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import socket
 import socketserver
-import struct
 import subprocess
 import sys
 import threading
@@ -26,23 +25,7 @@ import pytest
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.testing.proxy import ProxyProcess, free_port_block
-
-
-def read_frame(sock: socket.socket) -> bytes | None:
-    head = b""
-    while len(head) < 4:
-        chunk = sock.recv(4 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    (n,) = struct.unpack(">i", head)
-    body = b""
-    while len(body) < n:
-        chunk = sock.recv(n - len(body))
-        if not chunk:
-            return None
-        body += chunk
-    return head + body
+from rmqfast.testing.wire import read_frame
 
 
 class FakeBroker(socketserver.ThreadingTCPServer):

@@ -18,6 +18,7 @@ from rmqfast.config import HostPort
 from rmqfast.proxy import relay
 from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
+from rmqfast.testing.wire import read_frame
 
 # (scanner, stats, compiled pump?): the Python pump runs with both scanners, the C pump with its own.
 IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy, False), id="py-scan")]
@@ -27,21 +28,6 @@ if codec.Pump is not None:
     IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, True), id="c-pump"))
 
 
-def read_frame(sock: socket.socket) -> bytes | None:
-    head = b""
-    while len(head) < 4:
-        chunk = sock.recv(4 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    (length,) = struct.unpack(">i", head)
-    rest = b""
-    while len(rest) < length:
-        chunk = sock.recv(length - len(rest))
-        if not chunk:
-            return None
-        rest += chunk
-    return head + rest
 
 
 class FakeBroker:
@@ -320,7 +306,9 @@ def test_requests_are_timed_and_their_results_counted(proxy):
     assert codec.slot_code(slot) == C.SEND_MESSAGE_V2 and sum(buckets) == 1 and 0 < total_ns < 5e9
     # a request still waiting when the connection closes ends as "unanswered"
     s.sendall(send_frame(4, code=C.HEART_BEAT, body=b"{}"))
-    gevent.sleep(0.2)  # heartbeat answered (plus the check-back request the fake broker sends)
+    with gevent.Timeout(5):  # the heartbeat's answer, then the check-back request the fake broker sends
+        assert decode_frame(read_frame(s)).opaque == 4
+        assert decode_frame(read_frame(s)).code == C.CHECK_TRANSACTION_STATE
     (session,) = sessions
     session.inflight.track(0, 999, codec.code_slot(C.PULL_MESSAGE), 0)  # as if a long poll were pending
     s.close()
