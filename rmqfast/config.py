@@ -575,13 +575,27 @@ def load_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML config file; errors name the file and the TOML problem."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = p.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"config file {str(p)!r}: cannot read it ({exc.strerror})") from None
+        raise ConfigError(f"config file {str(p)!r}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # TOML files are UTF-8, comments included
+        line = data.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(
+            f"config file {str(p)!r}: byte 0x{data[exc.start]:02x} at line {line}, column {col} is not valid "
+            "UTF-8 (TOML files must be UTF-8, comments included); re-save the file as UTF-8"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(p)!r}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(
+            f"config file {str(p)!r}: arrays or tables nested too deeply to read; no rmqfast setting needs "
+            "more than a few levels"
+        ) from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -597,7 +611,12 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
 
 def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
     raw = load_file(path) if path else {}
-    return from_dict(apply_overrides(raw, overrides or {}))
+    try:
+        return from_dict(apply_overrides(raw, overrides or {}))
+    except RecursionError:  # a document tomllib could read but that is still absurdly deep
+        raise ConfigError(
+            f"config file {str(path)!r}: values nested too deeply; no rmqfast setting needs more than a few levels"
+        ) from None
 
 
 def from_json(text: str) -> Config:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +32,11 @@ class DeliverPool:
             self._spawn(k)
 
     def _spawn(self, k: int) -> None:
-        cmd = [sys.executable, "-m", "rmqfast.deliver.process", "--runtime", str(self.runtime), "--index", str(k)]
-        self.procs[k] = subprocess.Popen(cmd, env=self.env)
+        from rmqfast.server.spawn import child_command, child_cwd, child_env
+
+        # isolated path and fixed cwd: the child imports exactly the supervisor's rmqfast
+        cmd = child_command("rmqfast.deliver.process", "--runtime", str(self.runtime), "--index", str(k))
+        self.procs[k] = subprocess.Popen(cmd, env=child_env(self.env), cwd=child_cwd(self.runtime))
         log.info("deliver process started", extra=ctx(deliver=k, deliver_pid=self.procs[k].pid))
 
     def reap(self) -> None:

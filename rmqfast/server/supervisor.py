@@ -3,15 +3,22 @@
 Theory of operation
 -------------------
 * ``run()`` validates the configuration, writes it to ``<runtime>/config.json`` and starts
-  ``workers`` processes (``python -m rmqfast.server.worker``).  Each worker binds every
-  listening port itself with SO_REUSEPORT, so there is no accept hand-off between processes.
+  ``workers`` processes (``python -P -m rmqfast.server.worker`` in the private runtime
+  directory, importing exactly the supervisor's ``rmqfast``: see :mod:`rmqfast.server.spawn`).
+  Each worker binds every listening port itself with SO_REUSEPORT, so there is no accept
+  hand-off between processes.
 * Each worker has a status pipe: it writes ``ready`` once its listeners are bound (or
-  ``fatal`` if it cannot start, which stops the whole proxy: a restart would not help).
+  ``fatal`` if it cannot start, which stops the whole proxy: a restart would not help).  The
+  ready message carries the worker's rmqfast version, codec twin and package directory; a
+  worker that differs from the supervisor is refused (killed, logged, the proxy stops).
 * A worker that exits is restarted at once (the loop polls every 0.1 s); the others keep
   serving.  Its Prometheus files are kept (counters stay correct), its live gauges dropped.
 * SIGTERM/SIGINT: forward SIGTERM, wait for workers to drain (``proxy.drain_timeout`` + 5 s),
-  kill what is left, exit 0.  SIGHUP: re-read and validate the config file (an invalid file
-  is logged and ignored), rewrite ``config.json`` and forward SIGHUP.
+  kill what is left, exit 0.  SIGHUP: re-read and validate the config file, rewrite
+  ``config.json`` and forward SIGHUP.  A reload that fails for any reason (unreadable file,
+  invalid UTF-8 or TOML, nesting too deep, an invalid value, a full disk) is logged and the
+  running configuration kept: no input takes the supervisor down.
+* The admin HTTP endpoint lives in :mod:`rmqfast.server.admin`; this class is its backend.
 * When ``NOTIFY_SOCKET`` is set (systemd ``Type=notify``) it sends ``READY=1`` once every
   worker is ready, ``RELOADING=1``/``READY=1`` around reloads and ``STOPPING=1``.
 """
@@ -26,22 +33,24 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 from rmqfast.config import Config
 from rmqfast.deliver.pool import DeliverPool
 from rmqfast.errors import ConfigError
 from rmqfast.limits import create_shared, reset_slots
-from rmqfast.limits import rules as limits_rules
 from rmqfast.limits.rules import LimitsSection
 from rmqfast.log import ctx
+from rmqfast.server.admin import AdminServer
+from rmqfast.server.probe import ProbeResult, probe_remoting
+from rmqfast.server.spawn import child_command, child_cwd, child_env, identity_mismatch
 
 log = logging.getLogger("rmqfast.supervisor")
 
@@ -55,6 +64,7 @@ class WorkerProc:
     ready: bool = False
     buf: bytes = b""
     fatal: str = ""
+    refused: str = ""  # why the supervisor refused it (version or codec differs)
 
 
 @dataclass
@@ -82,9 +92,20 @@ def sd_notify(message: str) -> bool:
     return True
 
 
+READY_PROBE_TIMEOUT = 1.0  # one Remoting round trip per upstream name server
+READY_CACHE_SECONDS = 2.0
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """Make the config's relative paths absolute (children run in another working directory)."""
+    cfg.proxy.state_dir = os.path.abspath(cfg.proxy.state_dir)
+    cfg.records.dir = os.path.abspath(cfg.records.dir)
+    return cfg
+
+
 class Supervisor:
     def __init__(self, cfg: Config, load_config: Callable[[], Config]) -> None:
-        self.cfg = cfg
+        self.cfg = absolute_paths(cfg)
         self.load_config = load_config
         self.state = SupervisorState()
         self.runtime = Path(tempfile.mkdtemp(prefix="rmqfast-run-"))
@@ -95,14 +116,16 @@ class Supervisor:
         self.stopping = False
         self.reload_requested = False
         self.all_ready_notified = False
-        self.admin: ThreadingHTTPServer | None = None
+        self.admin: AdminServer | None = None
         self.exit_code = 0
-        self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
+        self._ready_cache: tuple[float, bool, str, dict[str, str]] = (0.0, False, "", {})
+        self._ready_lock = threading.Lock()  # one probe round at a time; the others read its result
         self.deliver: DeliverPool | None = None  # cross-cloud deliver processes (rmqfast.deliver)
         # send-limit buckets shared by the workers; live rule changes from the admin endpoint
         self.limits_shm = create_shared(self.runtime)
         self._limits_lock = threading.Lock()
         self._limits_update: tuple[LimitsSection, threading.Event] | None = None
+        self._change_lock = threading.Lock()  # admin limit changes: read-modify-apply one at a time
 
     # Workers ----------------------------------------------------------------------------------
 
@@ -113,10 +136,15 @@ class Supervisor:
 
     def _spawn(self, index: int) -> None:
         r, w = os.pipe()
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(self.prom_dir))
-        cmd = [sys.executable, "-m", "rmqfast.server.worker", "--runtime", str(self.runtime),
-               "--index", str(index), "--status-fd", str(w)]
-        proc = subprocess.Popen(cmd, pass_fds=(w,), env=env)
+        env = child_env(dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(self.prom_dir)))
+        cmd = child_command("rmqfast.server.worker", "--runtime", str(self.runtime),
+                            "--index", str(index), "--status-fd", str(w))
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(w,), env=env, cwd=child_cwd(self.runtime))
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
         os.close(w)
         os.set_blocking(r, False)
         wp = WorkerProc(index, proc, r, time.monotonic())
@@ -141,7 +169,17 @@ class Supervisor:
                 msg = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(msg, dict):
+                continue
             if msg.get("event") == "ready":
+                why = identity_mismatch(msg)
+                if why:
+                    wp.refused = why
+                    log.error("worker refused: it does not run the supervisor's rmqfast; stopping the proxy "
+                              "(reinstall rmqfast so that one version and one codec build are installed)",
+                              extra=ctx(worker=wp.index, worker_pid=wp.proc.pid, mismatch=why))
+                    wp.proc.kill()
+                    continue
                 wp.ready = True
             elif msg.get("event") == "fatal":
                 wp.fatal = str(msg.get("error", ""))
@@ -160,6 +198,10 @@ class Supervisor:
             self._mark_dead(wp.proc.pid)
             del self.state.workers[index]
             if self.stopping:
+                continue
+            if wp.refused:
+                self.exit_code = 1
+                self.stop()
                 continue
             if wp.fatal and not wp.ready:
                 log.error("worker cannot start; stopping the proxy", extra=ctx(worker=index, error=wp.fatal))
@@ -206,38 +248,86 @@ class Supervisor:
             self._limits_update = (new, done)
         return done.wait(timeout)
 
+    def change_limits(self, change: Callable[[LimitsSection], LimitsSection], timeout: float = 5.0) -> bool:
+        """``change(current limits)`` applied in every worker; concurrent changes never lose one another.
+
+        The change is computed from the limits in force, or from a change still waiting for the
+        main loop, under one lock, so two PUTs at once both end up in force.
+        """
+        with self._change_lock:
+            with self._limits_lock:
+                base = self._limits_update[0] if self._limits_update is not None else self.cfg.limits
+            return self.set_limits(change(base), timeout)
+
     def _apply_limits_update(self) -> None:
         with self._limits_lock:
             update, self._limits_update = self._limits_update, None
         if update is None:
             return
         new, done = update
-        self._reset_changed_buckets(self.cfg.limits, new)
-        self.cfg.limits = new
-        self._write_config()
-        for wp in self.state.workers.values():
-            wp.proc.send_signal(signal.SIGHUP)
+        old = self.cfg.limits
+        try:
+            self.cfg.limits = new
+            self._write_config()
+        except Exception as exc:  # e.g. a full disk: keep the limits in force
+            self.cfg.limits = old
+            log.error("limit change not applied: cannot write the workers' configuration",
+                      extra=ctx(error=f"{type(exc).__name__}: {exc}"))
+            return  # the admin request answers 503 after its timeout
+        self._reset_changed_buckets(old, new)
+        self._signal_workers(signal.SIGHUP)
         log.info("limits changed over the admin endpoint", extra=ctx(rules=len(new.rules)))
         done.set()
+
+    def _signal_workers(self, sig: int) -> None:
+        for wp in list(self.state.workers.values()):
+            try:
+                wp.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
 
     def _reload(self) -> None:
         self.reload_requested = False
         sd_notify("RELOADING=1")
+        old = self.cfg
         try:
-            new = self.load_config()
-        except ConfigError as exc:
-            log.error("reload refused: invalid configuration; keeping the running one", extra=ctx(error=str(exc)))
+            new = absolute_paths(self.load_config())
+            self.cfg = new
+            self._write_config()
+        except Exception as exc:  # whatever is wrong with the file (or the disk), the proxy keeps running
+            self.cfg = old
+            try:
+                self._write_config()  # the workers keep (or get back) the running configuration
+            except Exception:
+                pass
+            reason = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+            log.error("reload refused; keeping the running configuration", extra=ctx(error=reason))
             sd_notify("READY=1")
             return
-        if new.worker_count != self.cfg.worker_count:
+        if new.worker_count != old.worker_count:
             log.warning("proxy.workers changes need a restart; keeping the current worker count")
-        self._reset_changed_buckets(self.cfg.limits, new.limits)
-        self.cfg = new
-        self._write_config()
-        for wp in self.state.workers.values():
-            wp.proc.send_signal(signal.SIGHUP)
+        self._reset_changed_buckets(old.limits, new.limits)
+        self._signal_workers(signal.SIGHUP)
         log.info("configuration reloaded")
         sd_notify("READY=1")
+
+    def _step(self) -> None:
+        for key, _ in self.sel.select(timeout=0.1):
+            self._read_status(key.data)
+        self._reap()
+        if self.deliver is not None:
+            self.deliver.reap()
+        if self.reload_requested and not self.stopping:
+            self._reload()
+        if self._limits_update is not None and not self.stopping:
+            self._apply_limits_update()
+        if not self.all_ready_notified and self.state.workers and all(
+            w.ready for w in self.state.workers.values()
+        ):
+            self.all_ready_notified = True
+            sd_notify("READY=1")
+            log.info("proxy ready", extra=ctx(workers=len(self.state.workers),
+                                             namesrv=str(self.cfg.namesrv.listen)))
 
     def run(self) -> int:
         self._write_config()
@@ -258,22 +348,11 @@ class Supervisor:
                 self._spawn(i)
             deadline: float | None = None
             while True:
-                for key, _ in self.sel.select(timeout=0.1):
-                    self._read_status(key.data)
-                self._reap()
-                if self.deliver is not None:
-                    self.deliver.reap()
-                if self.reload_requested and not self.stopping:
-                    self._reload()
-                if self._limits_update is not None and not self.stopping:
-                    self._apply_limits_update()
-                if not self.all_ready_notified and self.state.workers and all(
-                    w.ready for w in self.state.workers.values()
-                ):
-                    self.all_ready_notified = True
-                    sd_notify("READY=1")
-                    log.info("proxy ready", extra=ctx(workers=len(self.state.workers),
-                                                     namesrv=str(self.cfg.namesrv.listen)))
+                try:
+                    self._step()
+                except Exception:  # a bug in one step must not leave the workers unsupervised
+                    log.exception("supervisor step failed; continuing")
+                    time.sleep(0.1)
                 if self.stopping:
                     if deadline is None:
                         deadline = time.monotonic() + self.cfg.proxy.drain_timeout + 5
@@ -298,30 +377,60 @@ class Supervisor:
         log.info("proxy stopped", extra=ctx(exit_code=self.exit_code))
         return self.exit_code
 
-    # Admin HTTP ---------------------------------------------------------------------------------
+
+    # Admin HTTP backend (rmqfast.server.admin.AdminBackend) ------------------------------------
+
+    def _start_admin(self) -> None:
+        if self.cfg.admin.listen is None:
+            return
+        self.admin = AdminServer(self.cfg.admin.listen, self)
+        self.admin.start()
+
+    def admin_token(self) -> str:
+        return self.cfg.admin.token
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        # Snapshot first: the main loop replaces entries while restarting workers,
+        # and list() copies the dict in one step under the GIL.
+        workers = list(self.state.workers.values())
+        alive = sum(1 for w in workers if w.proc.poll() is None)
+        return bool(alive), {"status": "ok" if alive else "down", "workers_alive": alive,
+                             "worker_pids": [w.proc.pid for w in workers],
+                             "restarts": self.state.restarts,
+                             "deliver_pids": self.deliver.pids() if self.deliver is not None else []}
 
     def ready(self) -> tuple[bool, str]:
-        """Ready when every worker has bound its listeners and a name server is reachable."""
+        """Ready when every worker has bound its listeners and a name server answers Remoting.
+
+        Each upstream name server gets one Remoting round trip (:mod:`rmqfast.server.probe`),
+        all at once, at most every ``READY_CACHE_SECONDS`` whatever the number of callers: the
+        probes run in the admin thread, never in a worker.
+        """
         if self.stopping:
             return False, "stopping"
         workers = list(self.state.workers.values())
         if not workers or not all(w.ready for w in workers):
             return False, f"{sum(w.ready for w in workers)}/{self.cfg.worker_count} workers ready"
-        now = time.monotonic()
-        t, ok, why = self._ready_cache
-        if now - t < 2.0:
+        with self._ready_lock:
+            t, ok, why, _ = self._ready_cache
+            if time.monotonic() - t < READY_CACHE_SECONDS:
+                return ok, why
+            ups = list(self.cfg.namesrv.upstreams)
+            with ThreadPoolExecutor(max_workers=min(8, len(ups))) as pool:
+                results: list[ProbeResult] = list(
+                    pool.map(lambda hp: probe_remoting(hp.host, hp.port, READY_PROBE_TIMEOUT), ups))
+            detail = {str(hp): ("ok: " if r.ok else "failed: ") + r.detail for hp, r in zip(ups, results, strict=True)}
+            if any(r.ok for r in results):
+                ok, why = True, "ok"
+            else:
+                ok, why = False, "no name server answers Remoting: " + "; ".join(
+                    f"{hp}: {r.detail}" for hp, r in zip(ups, results, strict=True))
+            self._ready_cache = (time.monotonic(), ok, why, detail)
             return ok, why
-        errors = []
-        for hp in self.cfg.namesrv.upstreams:
-            try:
-                socket.create_connection((hp.host, hp.port), timeout=1.0).close()
-                self._ready_cache = (now, True, "ok")
-                return True, "ok"
-            except OSError as exc:
-                errors.append(f"{hp}: {exc.strerror or exc}")
-        why = "no name server reachable: " + "; ".join(errors)
-        self._ready_cache = (now, False, why)
-        return False, why
+
+    def ready_detail(self) -> dict[str, Any]:
+        """The last probe of each upstream name server (for /readyz's body)."""
+        return {"upstreams": dict(self._ready_cache[3])}
 
     def metrics_text(self) -> bytes:
         """The workers' metrics, summed (prometheus-client multiprocess files).
@@ -344,7 +453,7 @@ class Supervisor:
                 time.sleep(0.05)
         raise AssertionError("unreachable")
 
-    def limits_view(self) -> dict[str, object]:
+    def limits_view(self) -> dict[str, Any]:
         """The rules in force and what they admitted and rejected so far (summed over workers)."""
         from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
@@ -372,112 +481,3 @@ class Supervisor:
                           "rejected": counts.get(key, {}).get("rejected", 0),
                           "shaped": counts.get(key, {}).get("shaped", 0)})
         return {"rules": rules}
-
-    def limits_write_refusal(self, authorization: str) -> tuple[int, str] | None:
-        """Why a limit change over HTTP is refused (status, reason), or None when allowed."""
-        token = self.cfg.admin.token
-        if token:
-            if authorization != f"Bearer {token}":
-                return 401, "limit changes need 'Authorization: Bearer <admin.token>'"
-            return None
-        hp = self.cfg.admin.listen
-        if hp is None or not (hp.host.startswith("127.") or hp.host in ("::1", "localhost")):
-            return 403, ("the admin endpoint listens beyond loopback and admin.token is not set: limit changes "
-                         "over HTTP are refused; set admin.token (then send it as a Bearer token)")
-        return None
-
-    def _start_admin(self) -> None:
-        if self.cfg.admin.listen is None:
-            return
-        sup = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    from prometheus_client import CONTENT_TYPE_LATEST
-
-                    try:
-                        body = sup.metrics_text()
-                    except Exception as exc:  # a scrape must get an answer, not a dropped connection
-                        log.exception("cannot collect metrics")
-                        self._send(500, f"cannot collect metrics: {exc}\n".encode(), "text/plain")
-                        return
-                    self._send(200, body, CONTENT_TYPE_LATEST)
-                elif path == "/healthz":
-                    # Snapshot first: the main loop replaces entries while restarting workers,
-                    # and list() copies the dict in one step under the GIL.
-                    workers = list(sup.state.workers.values())
-                    alive = sum(1 for w in workers if w.proc.poll() is None)
-                    body = {"status": "ok" if alive else "down", "workers_alive": alive,
-                            "worker_pids": [w.proc.pid for w in workers],
-                            "restarts": sup.state.restarts,
-                            "deliver_pids": sup.deliver.pids() if sup.deliver is not None else []}
-                    self._send(200 if alive else 503, json.dumps(body).encode(), "application/json")
-                elif path == "/readyz":
-                    ok, why = sup.ready()
-                    self._send(200 if ok else 503, json.dumps({"ready": ok, "reason": why}).encode(),
-                               "application/json")
-                elif path == "/limits":
-                    self._json(200, sup.limits_view())
-                else:
-                    self._send(404, b'{"error": "unknown path; try /metrics, /healthz, /readyz, /limits"}',
-                               "application/json")
-
-            def do_PUT(self) -> None:  # noqa: N802
-                self._change("PUT")
-
-            def do_DELETE(self) -> None:  # noqa: N802
-                self._change("DELETE")
-
-            def _change(self, method: str) -> None:
-                path, _, query = self.path.partition("?")
-                if path != "/limits/rule":
-                    self._json(404, {"error": f"{method} {path}: unknown path; use {method} /limits/rule"})
-                    return
-                refusal = sup.limits_write_refusal(self.headers.get("Authorization", ""))
-                if refusal is not None:
-                    self._json(refusal[0], {"error": refusal[1]})
-                    return
-                try:
-                    if method == "PUT":
-                        length = int(self.headers.get("Content-Length") or 0)
-                        body = json.loads(self.rfile.read(length) or b"null")
-                        new = limits_rules.upsert(sup.cfg.limits, limits_rules.parse_rule("rule", body))
-                    else:
-                        from urllib.parse import parse_qs
-
-                        q = parse_qs(query)
-                        topic = q.get("topic", [""])[0]
-                        if not topic:
-                            raise ConfigError("DELETE /limits/rule needs ?topic=NAME[&tag=TAG]")
-                        new = limits_rules.remove(sup.cfg.limits, topic, q.get("tag", [None])[0])
-                except (ConfigError, ValueError) as exc:
-                    self._json(400, {"error": str(exc)})
-                    return
-                if not sup.set_limits(new):
-                    self._json(503, {"error": "the supervisor did not apply the change within 5 s; retry"})
-                    return
-                self._json(200, sup.limits_view())
-
-            def _json(self, code: int, body: object) -> None:
-                self._send(code, json.dumps(body, indent=1).encode(), "application/json")
-
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-                pass
-
-        hp = self.cfg.admin.listen
-        try:
-            self.admin = ThreadingHTTPServer((hp.host, hp.port), Handler)
-        except OSError as exc:
-            raise ConfigError(f"admin.listen: cannot bind {hp} ({exc.strerror or exc})") from None
-        self.admin.daemon_threads = True
-        threading.Thread(target=self.admin.serve_forever, name="admin-http", daemon=True).start()
-        log.info("admin endpoint listening", extra=ctx(admin=str(hp)))

@@ -53,9 +53,10 @@ def bind_reuseport(hp: HostPort, backlog: int = 1024) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((hp.host, hp.port))
         sock.listen(backlog)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        # name the address: "[Errno 98] Address already in use" alone does not say which one
+        raise OSError(exc.errno, f"cannot listen on {hp}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
 
@@ -406,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     gevent.signal_handler(signal.SIGTERM, on_term)
     gevent.signal_handler(signal.SIGINT, on_term)
     gevent.signal_handler(signal.SIGHUP, on_hup)
-    status({"event": "ready", "worker_pid": os.getpid(), "codec": IMPLEMENTATION})
+    from rmqfast.server.spawn import identity
+
+    # version, codec twin and package directory: the supervisor refuses a worker that differs
+    status({"event": "ready", "worker_pid": os.getpid(), **identity()})
     done.wait()
     return 0
 

@@ -56,7 +56,9 @@ class ProxyProcess:
         log_format: str = "json",
         env: dict[str, str] | None = None,
         records: dict[str, Any] | None = None,
+        cwd: str | Path | None = None,
     ) -> None:
+        self.cwd = cwd  # the directory `rmqfast serve` is started from (default: the caller's)
         self.workdir = Path(tempfile.mkdtemp(prefix="rmqfast-proxy-"))
         base = free_port_block(range_size + 2)
         self.namesrv_port = base
@@ -109,9 +111,10 @@ level = "info"
     def start(self, timeout: float = 30.0) -> ProxyProcess:
         self._log = open(self.log_path, "ab")
         env = dict(os.environ, **(self.env or {}))
+        # -P: like the installed `rmqfast` script, the start directory is not on sys.path
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rmqfast", "serve", "--config", str(self.config_path)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(self.config_path)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
         )
         self.wait_ready(timeout)
         return self

@@ -1,0 +1,339 @@
+"""The admin HTTP endpoint: /metrics, /healthz, /readyz, /limits and live limit changes.
+
+It runs in the supervisor's process (threads), so nothing a client sends may take it down or
+make it grow: every request is bounded.
+
+* One request per connection (HTTP/1.0), at most ``MAX_CONNECTIONS`` at once (more get a 503
+  and are closed); each socket read waits at most ``READ_TIMEOUT`` and a whole connection lives
+  at most ``CONNECTION_DEADLINE`` (slowloris: a client dribbling bytes is cut off).
+* Request bodies (PUT) need a ``Content-Length`` of at most ``MAX_BODY`` bytes (else 411/413,
+  read before anything is allocated); JSON nested too deeply is a 400, not a crash.
+* Limit changes need ``Authorization: Bearer <admin.token>`` (compared in constant time).
+  Without a token they are accepted only when the endpoint's bound address *and* the client's
+  address are loopback addresses, both parsed with :mod:`ipaddress` (a host name such as
+  ``127.attacker.example`` is not an address, so it is not loopback).
+* Every answer is JSON (or the Prometheus text) with a status that says who must act:
+  4xx with an ``error`` explaining what to change, 5xx when the proxy could not do it.
+
+The server knows the supervisor only through :class:`AdminBackend`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+from urllib.parse import parse_qs
+
+from rmqfast.config import HostPort
+from rmqfast.errors import ConfigError
+from rmqfast.limits import rules as limits_rules
+from rmqfast.limits.rules import LimitsSection
+from rmqfast.log import ctx
+
+log = logging.getLogger("rmqfast.admin")
+
+MAX_BODY = 64 * 1024
+READ_TIMEOUT = 5.0
+CONNECTION_DEADLINE = 15.0
+MAX_CONNECTIONS = 32
+GET_PATHS = ("/metrics", "/healthz", "/readyz", "/limits")
+
+
+class AdminBackend(Protocol):
+    """What the endpoint asks the supervisor."""
+
+    def health(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def ready(self) -> tuple[bool, str]: ...
+
+    def ready_detail(self) -> dict[str, Any]: ...
+
+    def metrics_text(self) -> bytes: ...
+
+    def limits_view(self) -> dict[str, Any]: ...
+
+    def admin_token(self) -> str: ...
+
+    def change_limits(self, change: Callable[[LimitsSection], LimitsSection]) -> bool:
+        """Apply ``change(current limits)`` in every worker, one change at a time; True once applied."""
+        ...
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback IP address (IPv4-mapped IPv6 included); names never are."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    backend: AdminBackend
+
+    def __init__(self, addr: tuple[str, int], backend: AdminBackend) -> None:
+        self.backend = backend
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(addr, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:  # too many open admin connections: answer at once, hold nothing
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\n\r\n"
+                                b'{"error": "too many admin connections open; retry shortly"}\n')
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client that vanished or timed out is not the proxy's error: one debug line
+        log.debug("admin connection ended with an error", exc_info=True, extra=ctx(client=str(client_address)))
+
+    @property
+    def bound_host(self) -> str:
+        return str(self.server_address[0])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = READ_TIMEOUT  # every socket read (request line, headers, body)
+    protocol_version = "HTTP/1.0"  # one request per connection
+
+    def setup(self) -> None:
+        super().setup()
+        # the whole connection is bounded too: a client sending one byte per READ_TIMEOUT is cut off
+        self._watchdog = threading.Timer(CONNECTION_DEADLINE, self._cut)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def finish(self) -> None:
+        self._watchdog.cancel()
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+    def _cut(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    @property
+    def backend(self) -> AdminBackend:
+        return self.server.backend
+
+    # GET --------------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        b = self.backend
+        if path == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            try:
+                body = b.metrics_text()
+            except Exception as exc:  # a scrape must get an answer, not a dropped connection
+                log.exception("cannot collect metrics")
+                self._send(500, f"cannot collect metrics: {exc}\n".encode(), "text/plain")
+                return
+            self._send(200, body, CONTENT_TYPE_LATEST)
+        elif path == "/healthz":
+            alive, body = b.health()
+            self._json(200 if alive else 503, body)
+        elif path == "/readyz":
+            ok, why = b.ready()
+            self._json(200 if ok else 503, {"ready": ok, "reason": why, **b.ready_detail()})
+        elif path == "/limits":
+            self._json(200, b.limits_view())
+        else:
+            self._json(404, {"error": f"GET {path}: unknown path; try {', '.join(GET_PATHS)}"})
+
+    # Changes ----------------------------------------------------------------------------------
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._change("PUT")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._change("DELETE")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._not_allowed("POST")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._not_allowed("PATCH")
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._not_allowed("HEAD")
+
+    def _not_allowed(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        allow = "PUT, DELETE" if path == "/limits/rule" else "GET"
+        self._json(405, {"error": f"{method} is not supported on {path}; use {allow}"}, {"Allow": allow})
+
+    def _change(self, method: str) -> None:
+        path, _, query = self.path.partition("?")
+        if path != "/limits/rule":
+            self._json(404, {"error": f"{method} {path}: unknown path; use {method} /limits/rule"})
+            return
+        refusal = self.write_refusal()
+        if refusal is not None:
+            self._json(*refusal)
+            return
+        if method == "PUT":
+            body = self._read_json()
+            if body is _NO_BODY:
+                return
+
+            def change(cur: LimitsSection) -> LimitsSection:
+                return limits_rules.upsert(cur, limits_rules.parse_rule("rule", body))
+        else:
+            q = parse_qs(query)
+            topic, tag = q.get("topic", [""])[0], q.get("tag", [None])[0]
+            if not topic:
+                self._json(400, {"error": "DELETE /limits/rule needs ?topic=NAME[&tag=TAG]"})
+                return
+
+            def change(cur: LimitsSection) -> LimitsSection:
+                return limits_rules.remove(cur, topic, tag)
+        try:
+            applied = self.backend.change_limits(change)
+        except (ConfigError, ValueError, TypeError) as exc:
+            self._json(400, {"error": str(exc)})
+            return
+        except RecursionError:
+            self._json(400, {"error": "the rule is nested too deeply; send a flat JSON object"})
+            return
+        if not applied:
+            self._json(503, {"error": "the supervisor did not apply the change within 5 s; retry"})
+            return
+        self._json(200, self.backend.limits_view())
+
+    def write_refusal(self) -> tuple[int, dict[str, str]] | None:
+        """Why a limit change is refused (status, body), or None when allowed."""
+        token = self.backend.admin_token()
+        if token:
+            given = self.headers.get("Authorization", "")
+            expected = f"Bearer {token}"
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                       expected.encode("utf-8", "surrogateescape")):
+                return 401, {"error": "limit changes need the header 'Authorization: Bearer <admin.token>'"}
+            return None
+        if not is_loopback(self.server.bound_host):
+            return 403, {"error": "the admin endpoint listens beyond loopback and admin.token is not set: limit "
+                                  "changes over HTTP are refused; set admin.token (then send it as a Bearer token)"}
+        if not is_loopback(str(self.client_address[0])):
+            return 403, {"error": f"limit changes without admin.token are accepted from loopback clients only, "
+                                  f"not from {self.client_address[0]}"}
+        return None
+
+    def _read_json(self) -> Any:
+        if self.headers.get("Transfer-Encoding"):
+            self._json(411, {"error": "send the body with a Content-Length (chunked bodies are not accepted)"})
+            return _NO_BODY
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            self._json(411, {"error": "PUT /limits/rule needs a Content-Length and a JSON object body"})
+            return _NO_BODY
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self._json(400, {"error": f"Content-Length: {raw!r} is not a byte count"})
+            return _NO_BODY
+        if length > MAX_BODY:
+            self._json(413, {"error": f"body of {length} bytes is over the limit of {MAX_BODY} bytes; "
+                                      "a limit rule is a small JSON object"})
+            return _NO_BODY
+        data = self.rfile.read(length)
+        if len(data) != length:
+            self._json(400, {"error": f"body ended after {len(data)} of {length} bytes"})
+            return _NO_BODY
+        try:
+            return json.loads(data or b"null")
+        except RecursionError:
+            self._json(400, {"error": "JSON nested too deeply; a limit rule is a flat JSON object"})
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            self._json(400, {"error": f"the body is not valid JSON: {exc}"})
+        return _NO_BODY
+
+    # Output -----------------------------------------------------------------------------------
+
+    def _json(self, code: int, body: object, headers: dict[str, str] | None = None) -> None:
+        self._send(code, json.dumps(body, indent=1).encode() + b"\n", "application/json", headers)
+
+    def _send(self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own errors (bad request line, 431 headers too long...): JSON like the rest
+        try:
+            self._json(code, {"error": message or self.responses.get(code, ("error",))[0]})
+        except OSError:
+            pass
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+_NO_BODY = object()
+
+
+class AdminServer:
+    """The endpoint on ``listen``; ``start()`` serves it from a daemon thread."""
+
+    def __init__(self, listen: HostPort, backend: AdminBackend) -> None:
+        try:
+            self.httpd = _Server((listen.host, listen.port), backend)
+        except OSError as exc:
+            raise ConfigError(f"admin.listen: cannot listen on {listen} ({exc.strerror or exc})") from None
+        self.listen = listen
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    def start(self) -> None:
+        threading.Thread(target=self.httpd.serve_forever, name="admin-http", daemon=True).start()
+        log.info("admin endpoint listening", extra=ctx(admin=str(self.listen)))
+
+    def shutdown(self) -> None:
+        """Stop serving and close the listening socket."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def server_close(self) -> None:
+        self.httpd.server_close()
