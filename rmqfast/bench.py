@@ -627,7 +627,7 @@ def machine_info(tools: Tools, haproxy_exe: str | None) -> dict[str, Any]:
         "rmqfast": __version__,
         "gevent": _version("gevent"),
         "cython": _version("Cython"),
-        "compiled_scanner": codec.FrameScannerC is not None,
+        "compiled_scanner": codec.extension_built(),
         "haproxy": haproxy_version(haproxy_exe) if haproxy_exe else "",
         "cc": f"{os.environ.get('CC', 'gcc')} {tools.cc_version}",
         "git_commit": commit,

@@ -122,8 +122,8 @@ class Session:
             return
         self.upstream = upstream
         s = self.settings
-        compiled = codec.FrameScannerC is not None and FrameScanner is codec.FrameScannerC
-        self.inflight = codec.InFlightC() if compiled else codec.InFlightPy()
+        compiled = codec.is_compiled(FrameScanner)  # the limiter and in-flight table of the same twin
+        self.inflight = codec.twin_of(FrameScanner, "InFlight")()
         self.c2u = FrameScanner(
             self.stats,
             actions=self.chain.request_actions,
@@ -258,7 +258,7 @@ class Session:
         on_policy: Any,
     ) -> None:
         try:
-            if Pump is not None and isinstance(scanner, codec.FrameScannerC):
+            if Pump is not None and codec.is_compiled(scanner):
                 self._pump_c(src, dst, scanner, side, dst_lock, on_policy)
             else:
                 self._pump_py(src, dst, scanner, side, dst_lock, on_policy)
