@@ -26,6 +26,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -132,11 +133,27 @@ class _Handler(BaseHTTPRequestHandler):
         self._watchdog.start()
 
     def finish(self) -> None:
-        self._watchdog.cancel()
         try:
             super().finish()
+            if getattr(self, "_linger", False):
+                self._drain_unread()
         except OSError:
             pass
+        finally:
+            self._watchdog.cancel()
+
+    def _drain_unread(self) -> None:
+        """Close gently after refusing a body: closing with unread data would send a reset that
+        can destroy the 413 before the client reads it.  Bounded (1 MiB, 1 s), then closed."""
+        self.connection.shutdown(socket.SHUT_WR)
+        self.connection.settimeout(1.0)
+        deadline = time.monotonic() + 1.0
+        left = 1 << 20
+        while left > 0 and time.monotonic() < deadline:
+            chunk = self.connection.recv(min(left, 65536))
+            if not chunk:
+                break
+            left -= len(chunk)
 
     def _cut(self) -> None:
         try:
@@ -270,6 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY:
             self._json(413, {"error": f"body of {length} bytes is over the limit of {MAX_BODY} bytes; "
                                       "a limit rule is a small JSON object"})
+            self._linger = True
             return _NO_BODY
         data = self.rfile.read(length)
         if len(data) != length:

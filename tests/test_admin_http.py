@@ -1,0 +1,357 @@
+"""The admin HTTP endpoint over real HTTP: bounded input, real loopback check, token, serialized changes.
+
+Most tests run :class:`rmqfast.server.admin.AdminServer` in-process over a small backend (so
+limits and addresses can be chosen); the concurrency and readiness tests use a real
+supervisor (``rmqfast serve`` or :class:`Supervisor` with a stand-in worker).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from fake_remoting import FakeNameServer, NotRemotingServer
+
+from rmqfast import config as config_mod
+from rmqfast.config import HostPort
+from rmqfast.limits.rules import LimitsSection
+from rmqfast.server import admin as admin_mod
+from rmqfast.server.admin import AdminServer, is_loopback
+from rmqfast.server.probe import probe_remoting
+from rmqfast.testing.proxy import ProxyProcess
+
+
+class Backend:
+    """A stand-in supervisor: limits held in memory, changes applied at once."""
+
+    def __init__(self, token: str = "") -> None:
+        self.token = token
+        self.limits = LimitsSection()
+        self.changes = 0
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {"status": "ok"}
+
+    def ready(self) -> tuple[bool, str]:
+        return True, "ok"
+
+    def ready_detail(self) -> dict[str, Any]:
+        return {}
+
+    def metrics_text(self) -> bytes:
+        return b"# nothing\n"
+
+    def limits_view(self) -> dict[str, Any]:
+        return {"rules": [{"topic": r.topic, "rate": r.rate} for r in self.limits.rules]}
+
+    def admin_token(self) -> str:
+        return self.token
+
+    def change_limits(self, change: Callable[[LimitsSection], LimitsSection]) -> bool:
+        self.limits = change(self.limits)
+        self.changes += 1
+        return True
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., tuple[AdminServer, Backend]]]:
+    servers: list[AdminServer] = []
+
+    def start(host: str = "127.0.0.1", token: str = "") -> tuple[AdminServer, Backend]:
+        backend = Backend(token)
+        srv = AdminServer(HostPort(host, 0), backend)
+        srv.start()
+        servers.append(srv)
+        return srv, backend
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        data = r.read()
+    finally:
+        conn.close()
+    return r.status, (json.loads(data) if data.startswith((b"{", b"[")) else {"text": data.decode()})
+
+
+RULE = json.dumps({"topic": "T", "rate": 10}).encode()
+
+
+def test_put_rule_and_clear_errors(serve) -> None:
+    srv, backend = serve()
+    code, body = request(srv.port, "PUT", "/limits/rule", RULE)
+    assert code == 200 and body["rules"] == [{"topic": "T", "rate": 10}]
+    code, body = request(srv.port, "PUT", "/limits/rule", b'{"topic": "T", "rate": "fast"}')
+    assert code == 400 and "rate" in body["error"]
+    code, body = request(srv.port, "PUT", "/limits/rule", b"{nope")
+    assert code == 400 and body["error"].startswith("the body is not valid JSON")
+    code, body = request(srv.port, "PUT", "/limits/rule", b'\xff\xfe{"x": 1}')
+    assert code == 400 and "not valid JSON" in body["error"]
+    code, body = request(srv.port, "DELETE", "/limits/rule")
+    assert code == 400 and "?topic=NAME" in body["error"]
+    code, body = request(srv.port, "POST", "/limits/rule", RULE)
+    assert code == 405 and "use PUT, DELETE" in body["error"]
+    code, body = request(srv.port, "GET", "/nope")
+    assert code == 404 and "/metrics, /healthz, /readyz, /limits" in body["error"]
+    code, body = request(srv.port, "PUT", "/limits", RULE)
+    assert code == 404 and "use PUT /limits/rule" in body["error"]
+    assert backend.changes == 1
+
+
+def test_body_over_the_limit_is_refused_before_it_is_read(serve) -> None:
+    srv, backend = serve()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        # announces 200 MB and sends none of it: the answer comes at once, nothing is allocated
+        s.sendall(b"PUT /limits/rule HTTP/1.1\r\nHost: x\r\nContent-Length: 200000000\r\n\r\n")
+        head = b""
+        while chunk := s.recv(65536):
+            head += chunk
+    assert head.startswith(b"HTTP/1.0 413 "), head
+    assert b"over the limit of 65536 bytes" in head
+    code, body = request(srv.port, "PUT", "/limits/rule", b" " * (admin_mod.MAX_BODY + 1))
+    assert code == 413
+    # just under the limit is read (and is valid JSON padded with spaces)
+    padded = RULE + b" " * (admin_mod.MAX_BODY - len(RULE))
+    assert request(srv.port, "PUT", "/limits/rule", padded)[0] == 200
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"PUT /limits/rule HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.0 411 ") and b"needs a Content-Length" in answer, answer
+    code, body = request(srv.port, "PUT", "/limits/rule", None, {"Content-Length": "-5"})
+    assert code == 400
+    assert backend.changes == 1
+
+
+def test_deeply_nested_json_is_a_400_not_a_crash(serve) -> None:
+    srv, backend = serve()
+    deep = b"[" * 30000 + b"]" * 30000
+    code, body = request(srv.port, "PUT", "/limits/rule", deep)
+    assert code == 400 and "nested too deeply" in body["error"]
+    deep_obj = b'{"a":' * 10000 + b"1" + b"}" * 10000
+    assert request(srv.port, "PUT", "/limits/rule", deep_obj)[0] == 400
+    assert request(srv.port, "GET", "/healthz")[0] == 200
+    assert backend.changes == 0
+
+
+def test_slow_clients_are_cut_off(serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admin_mod._Handler, "timeout", 0.5)
+    monkeypatch.setattr(admin_mod, "CONNECTION_DEADLINE", 2.0)
+    srv, _ = serve()
+    # silent after a partial request line: cut at the read timeout
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"GET /hea")
+        t0 = time.monotonic()
+        assert s.recv(1024) == b""
+        assert time.monotonic() - t0 < 10
+    # one byte at a time, each within the read timeout: cut at the connection deadline
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        t0 = time.monotonic()
+        closed = False
+        for byte in (b"PUT /limits/rule HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 1000):
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            s.settimeout(0.2)
+            try:
+                if s.recv(1024) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                pass
+        assert closed, "a dribbling client kept its connection past the deadline"
+        assert 1.5 < time.monotonic() - t0 < 15
+    assert request(srv.port, "GET", "/healthz")[0] == 200
+
+
+def test_connection_count_is_bounded(serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admin_mod, "MAX_CONNECTIONS", 4)
+    srv, _ = serve()
+    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # the four are accepted (each holds a slot) before the fifth arrives
+            code, body = request(srv.port, "GET", "/healthz")
+            if code == 503 or time.monotonic() > deadline:
+                break
+        assert code == 503 and "too many admin connections" in body["error"]
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while request(srv.port, "GET", "/healthz")[0] != 200:  # slots come back as the idle ones close
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("127.attacker.example", False), ("localhost", False), ("127.0.0.1.nip.io", False),
+    ("10.0.0.1", False), ("0.0.0.0", False), ("::", False), ("", False), ("::ffff:10.0.0.1", False),
+])
+def test_is_loopback_parses_addresses(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_changes_without_token_need_a_loopback_bind(serve) -> None:
+    srv, backend = serve(host="0.0.0.0")
+    code, body = request(srv.port, "PUT", "/limits/rule", RULE)
+    assert code == 403 and "set admin.token" in body["error"]
+    assert request(srv.port, "GET", "/limits")[0] == 200  # reading stays open
+    assert backend.changes == 0
+
+
+def test_token_is_required_when_set(serve) -> None:
+    srv, backend = serve(host="0.0.0.0", token="s3cret")
+    for auth in ({}, {"Authorization": "Bearer s3cre"}, {"Authorization": "Bearer s3cret!"},
+                 {"Authorization": "bearer s3cret"}, {"Authorization": "Bearer s3crét"}):
+        code, body = request(srv.port, "PUT", "/limits/rule", RULE, auth)
+        assert code == 401 and "Authorization: Bearer" in body["error"], auth
+    assert request(srv.port, "PUT", "/limits/rule", RULE, {"Authorization": "Bearer s3cret"})[0] == 200
+    assert backend.changes == 1
+
+
+# A real supervisor --------------------------------------------------------------------------
+
+
+def test_concurrent_limit_changes_are_all_applied() -> None:
+    """Twelve PUTs at once on a real ``rmqfast serve``: every rule ends up in force."""
+    ns = FakeNameServer()
+    try:
+        with ProxyProcess([ns.addr], workers=2) as proxy:
+            def put(i: int) -> int:
+                return request(proxy.admin_port, "PUT", "/limits/rule",
+                               json.dumps({"topic": f"T{i}", "rate": 100 + i}).encode())[0]
+
+            with ThreadPoolExecutor(12) as pool:
+                assert list(pool.map(put, range(12))) == [200] * 12
+            code, body = request(proxy.admin_port, "GET", "/limits")
+            assert sorted(r["topic"] for r in body["rules"]) == sorted(f"T{i}" for i in range(12))
+            # and the supervisor is unharmed by the hostile bodies above
+            deep = b"[" * 60000 + b"]" * 5000
+            assert request(proxy.admin_port, "PUT", "/limits/rule", deep)[0] == 400
+            assert proxy.proc is not None and proxy.proc.poll() is None
+            assert request(proxy.admin_port, "GET", "/readyz")[0] == 200
+    finally:
+        ns.close()
+
+
+class _ReadyProc:
+    pid = 4242
+
+    def poll(self) -> int | None:
+        return None
+
+
+@pytest.fixture
+def supervisor_for() -> Iterator[Callable[[str], Any]]:
+    """A real Supervisor (admin endpoint on a free port, one stand-in worker that said ready)."""
+    from rmqfast.server.supervisor import Supervisor, WorkerProc
+
+    made: list[Any] = []
+
+    def make(upstream: str) -> Any:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = config_mod.from_dict({"namesrv": {"upstreams": [upstream]}, "admin": {"listen": f"127.0.0.1:{port}"}})
+        sup = Supervisor(cfg, lambda: cfg)
+        sup._start_admin()
+        sup.state.workers[0] = WorkerProc(0, _ReadyProc(), -1, 0.0, ready=True)  # type: ignore[arg-type]
+        sup.admin_port = port
+        made.append(sup)
+        return sup
+
+    yield make
+    for sup in made:
+        sup.admin.shutdown()
+        shutil.rmtree(sup.runtime, ignore_errors=True)
+
+
+def test_readyz_needs_an_upstream_that_speaks_remoting(supervisor_for) -> None:
+    bad = NotRemotingServer()
+    good = FakeNameServer()
+    try:
+        # TCP connects fine, but the answer is HTTP: not ready
+        sup = supervisor_for(bad.addr)
+        code, body = request(sup.admin_port, "GET", "/readyz")
+        assert code == 503 and body["ready"] is False
+        assert "no name server answers Remoting" in body["reason"] and "not a Remoting frame" in body["reason"]
+        assert bad.requests >= 1
+        assert body["upstreams"][bad.addr].startswith("failed: not a Remoting frame")
+        # a Remoting server: ready, one round trip
+        sup = supervisor_for(good.addr)
+        code, body = request(sup.admin_port, "GET", "/readyz")
+        assert code == 200 and body["ready"] is True, body
+        assert body["upstreams"][good.addr].startswith("ok: Remoting response code 22")
+        # answers are cached: many probes of /readyz, at most one round trip per cache period
+        before = good.requests
+        for _ in range(10):
+            assert request(sup.admin_port, "GET", "/readyz")[0] == 200
+        assert good.requests - before <= 1
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_probe_of_silent_refusing_and_remoting_servers() -> None:
+    with socket.socket() as silent:  # accepts (backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        t0 = time.monotonic()
+        r = probe_remoting("127.0.0.1", silent.getsockname()[1], timeout=0.5)
+        assert not r.ok and ("timed out" in r.detail or "within the probe timeout" in r.detail), r
+        assert time.monotonic() - t0 < 3
+        port = silent.getsockname()[1]
+    r = probe_remoting("127.0.0.1", port, timeout=0.5)
+    assert not r.ok and "refused" in r.detail.lower(), r
+    good = FakeNameServer()
+    try:
+        host, _, p = good.addr.rpartition(":")
+        r = probe_remoting(host, int(p))
+        assert r.ok and "code 22" in r.detail
+    finally:
+        good.close()
+
+
+def test_probe_refuses_a_request_frame_and_a_wrong_opaque() -> None:
+    from rmqfast.codec.command import RemotingCommand, encode
+
+    def one(answer: Callable[[bytes], bytes]) -> str:
+        with socket.socket() as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen()
+
+            def serve() -> None:
+                c, _ = srv.accept()
+                with c:
+                    c.sendall(answer(c.recv(65536)))
+                    c.recv(1)
+
+            t = threading.Thread(target=serve, daemon=True)
+            t.start()
+            r = probe_remoting("127.0.0.1", srv.getsockname()[1], timeout=5)
+            t.join(10)
+        assert not r.ok
+        return r.detail
+
+    assert "is a request" in one(lambda _: encode(RemotingCommand(code=10, opaque=1)))
+    assert "opaque" in one(lambda _: encode(RemotingCommand(code=0, opaque=0, flag=1)))
