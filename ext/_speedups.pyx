@@ -86,51 +86,6 @@ cdef enum:
     PULL = 11
     LITE_PULL = 361
 
-# Error codes of the header walk; messages live in _ERRORS (same text as the Python twin).
-cdef enum:
-    E_OK = 0
-    E_UNTERMINATED_STRING
-    E_VALUE_EXPECTED
-    E_UNTERMINATED_NESTED
-    E_UNEXPECTED_CHAR
-    E_INT_RANGE
-    E_INT_EXPECTED
-    E_NOT_OBJECT
-    E_NO_CODE
-    E_KEY_EXPECTED
-    E_COLON_EXPECTED
-    E_COMMA_EXPECTED
-    E_TRAILING
-    E_BIN_SHORT
-    E_BIN_REMARK
-    E_BIN_EXT
-    E_BIN_KEY_TRUNC
-    E_BIN_KEY
-    E_BIN_VALUE
-
-_ERRORS = (
-    "",
-    "unterminated string",
-    "value expected",
-    "unterminated object or array",
-    "unexpected character",
-    "integer out of range",
-    "integer expected",
-    "header is not a JSON object",
-    "no code field",
-    "key expected",
-    "':' expected",
-    "',' or '}' expected",
-    "trailing data after the header object",
-    "binary header shorter than 21 bytes",
-    "remark length out of bounds",
-    "extFields length out of bounds",
-    "extFields key length truncated",
-    "extFields key out of bounds",
-    "extFields value out of bounds",
-)
-
-
 cpdef int code_slot(long code):
     """Index of ``code`` in the action and counter tables."""
     if 0 <= code < 1024:
@@ -382,267 +337,7 @@ cdef class ScanStats:
             idx = (idx + 1) & (TOPIC_SLOTS_C - 1)
 
 
-cdef struct HeaderInfo:
-    int32_t code
-    int32_t flag
-    int32_t opaque
-    Py_ssize_t b_start       # -1: absent (or escaped)
-    Py_ssize_t b_len
-    Py_ssize_t t_start
-    Py_ssize_t t_len
-    Py_ssize_t p_start       # message properties ("i" in V2 headers, "properties" in V1); -1: absent
-    Py_ssize_t p_len
-    bint p_esc               # JSON-escaped (separators appear as \u0001 / \u0002)
-
-
-cdef inline bint is_ws(uint8_t c) noexcept nogil:
-    return c == 32 or c == 9 or c == 13 or c == 10
-
-
-cdef inline bint is_num(uint8_t c) noexcept nogil:
-    return (48 <= c <= 57) or c == 43 or c == 45 or c == 46 or c == 101 or c == 69
-
-
-cdef inline Py_ssize_t skip_ws(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-    while i < n and is_ws(h[i]):
-        i += 1
-    return i
-
-
-# Return convention of the walkers: new index >= 0, or -(error code).
-cdef Py_ssize_t skip_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, bint* esc) noexcept nogil:
-    i += 1
-    esc[0] = False
-    while i < n:
-        if h[i] == 92:
-            esc[0] = True
-            i += 2
-            continue
-        if h[i] == 34:
-            return i + 1
-        i += 1
-    return -E_UNTERMINATED_STRING
-
-
-cdef Py_ssize_t skip_value(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-    cdef uint8_t c
-    cdef Py_ssize_t depth = 0
-    cdef bint esc
-    if i >= n:
-        return -E_VALUE_EXPECTED
-    c = h[i]
-    if c == 34:
-        return skip_string(h, i, n, &esc)
-    if c == 123 or c == 91:
-        while i < n:
-            c = h[i]
-            if c == 34:
-                i = skip_string(h, i, n, &esc)
-                if i < 0:
-                    return i
-                continue
-            if c == 123 or c == 91:
-                depth += 1
-            elif c == 125 or c == 93:
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        return -E_UNTERMINATED_NESTED
-    if is_num(c):
-        while i < n and is_num(h[i]):
-            i += 1
-        return i
-    if 97 <= c <= 122:
-        while i < n and 97 <= h[i] <= 122:
-            i += 1
-        return i
-    return -E_UNEXPECTED_CHAR
-
-
-cdef Py_ssize_t parse_int(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int32_t* out) noexcept nogil:
-    cdef bint neg = False
-    cdef Py_ssize_t start
-    cdef int64_t v = 0
-    if i < n and h[i] == 45:
-        neg = True
-        i += 1
-    start = i
-    while i < n and 48 <= h[i] <= 57:
-        v = v * 10 + (h[i] - 48)
-        if v > 2147483648LL:
-            return -E_INT_RANGE
-        i += 1
-    if i == start or (i < n and (h[i] == 46 or h[i] == 101 or h[i] == 69)):
-        return -E_INT_EXPECTED
-    if neg:
-        v = -v
-    if v > 0x7FFFFFFF:
-        return -E_INT_RANGE
-    out[0] = <int32_t>v
-    return i
-
-
-cdef inline bint key_is(const uint8_t* h, Py_ssize_t ks, Py_ssize_t klen, const char* lit, Py_ssize_t litlen) noexcept nogil:
-    return klen == litlen and memcmp(h + ks, lit, litlen) == 0
-
-
-cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
-    cdef Py_ssize_t ks, klen, vs
-    cdef bint esc
-    i = skip_ws(h, i + 1, n)
-    if i < n and h[i] == 125:
-        return i + 1
-    while True:
-        if i >= n or h[i] != 34:
-            return -E_KEY_EXPECTED
-        ks = i + 1
-        i = skip_string(h, i, n, &esc)
-        if i < 0:
-            return i
-        klen = i - 1 - ks
-        i = skip_ws(h, i, n)
-        if i >= n or h[i] != 58:
-            return -E_COLON_EXPECTED
-        i = skip_ws(h, i + 1, n)
-        if (key_is(h, ks, klen, b"i", 1) or key_is(h, ks, klen, b"properties", 10)) and i < n and h[i] == 34:
-            vs = i + 1
-            i = skip_string(h, i, n, &esc)
-            if i < 0:
-                return i
-            info.p_start = vs
-            info.p_len = i - 1 - vs
-            info.p_esc = esc
-        elif (key_is(h, ks, klen, b"b", 1) or key_is(h, ks, klen, b"topic", 5)) and i < n and h[i] == 34:
-            vs = i + 1
-            i = skip_string(h, i, n, &esc)
-            if i < 0:
-                return i
-            if key_is(h, ks, klen, b"b", 1):
-                info.b_start = -1 if esc else vs
-                info.b_len = i - 1 - vs
-            else:
-                info.t_start = -1 if esc else vs
-                info.t_len = i - 1 - vs
-        else:
-            i = skip_value(h, i, n)
-            if i < 0:
-                return i
-        i = skip_ws(h, i, n)
-        if i < n and h[i] == 44:
-            i = skip_ws(h, i + 1, n)
-            continue
-        if i < n and h[i] == 125:
-            return i + 1
-        return -E_COMMA_EXPECTED
-
-
-cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
-    cdef Py_ssize_t i, ks, klen
-    cdef bint has_code = False
-    cdef bint esc
-    i = skip_ws(h, 0, n)
-    if i >= n or h[i] != 123:
-        return E_NOT_OBJECT
-    i = skip_ws(h, i + 1, n)
-    if i < n and h[i] == 125:
-        return E_NO_CODE
-    while True:
-        if i >= n or h[i] != 34:
-            return E_KEY_EXPECTED
-        ks = i + 1
-        i = skip_string(h, i, n, &esc)
-        if i < 0:
-            return <int>(-i)
-        klen = i - 1 - ks
-        i = skip_ws(h, i, n)
-        if i >= n or h[i] != 58:
-            return E_COLON_EXPECTED
-        i = skip_ws(h, i + 1, n)
-        if key_is(h, ks, klen, b"code", 4):
-            i = parse_int(h, i, n, &info.code)
-            has_code = True
-        elif key_is(h, ks, klen, b"flag", 4):
-            i = parse_int(h, i, n, &info.flag)
-        elif key_is(h, ks, klen, b"opaque", 6):
-            i = parse_int(h, i, n, &info.opaque)
-        elif key_is(h, ks, klen, b"extFields", 9) and i < n and h[i] == 123:
-            i = walk_ext_fields(h, i, n, info)
-        else:
-            i = skip_value(h, i, n)
-        if i < 0:
-            return <int>(-i)
-        i = skip_ws(h, i, n)
-        if i < n and h[i] == 44:
-            i = skip_ws(h, i + 1, n)
-            continue
-        if i < n and h[i] == 125:
-            i += 1
-            break
-        return E_COMMA_EXPECTED
-    if skip_ws(h, i, n) != n:
-        return E_TRAILING
-    if not has_code:
-        return E_NO_CODE
-    return E_OK
-
-
-cdef int parse_binary_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
-    cdef Py_ssize_t i, end, klen, ks
-    cdef int32_t rlen, elen, vlen
-    if n < 21:
-        return E_BIN_SHORT
-    info.code = rd_i16(h)
-    info.opaque = rd_i32(h + 5)
-    info.flag = rd_i32(h + 9)
-    rlen = rd_i32(h + 13)
-    i = 17
-    if rlen < 0 or rlen > n - i - 4:
-        return E_BIN_REMARK
-    i += rlen
-    elen = rd_i32(h + i)
-    i += 4
-    if elen < 0 or elen > n - i:
-        return E_BIN_EXT
-    end = i + elen
-    while i < end:
-        if end - i < 2:
-            return E_BIN_KEY_TRUNC
-        klen = rd_u16(h + i)
-        i += 2
-        if klen > end - i - 4:
-            return E_BIN_KEY
-        ks = i
-        i += klen
-        vlen = rd_i32(h + i)
-        i += 4
-        if vlen < 0 or vlen > end - i:
-            return E_BIN_VALUE
-        if key_is(h, ks, klen, b"b", 1):
-            info.b_start = i
-            info.b_len = vlen
-        elif key_is(h, ks, klen, b"topic", 5):
-            info.t_start = i
-            info.t_len = vlen
-        elif key_is(h, ks, klen, b"i", 1) or key_is(h, ks, klen, b"properties", 10):
-            info.p_start = i
-            info.p_len = vlen
-            info.p_esc = False
-        i += vlen
-    return E_OK
-
-
-cdef uint64_t count_batch(const uint8_t* p, Py_ssize_t n) noexcept nogil:
-    cdef uint64_t count = 0
-    cdef Py_ssize_t i = 0
-    cdef int32_t size
-    while n - i >= 4:
-        size = rd_i32(p + i)
-        if size <= 0:
-            break
-        count += 1
-        i += size
-    return count
+include "_header_walk.pxi"
 
 
 # --------------------------------------------------------------------------------------------
@@ -715,25 +410,6 @@ cdef inline bint gcra(int64_t* tat_p, int64_t now, double interval, double toler
         if rmq_cas64(tat_p, &tat, new):
             charged[0] = cost
             return True
-
-
-cdef Py_ssize_t find_tag(const uint8_t* p, Py_ssize_t n, bint esc, Py_ssize_t* tlen) noexcept nogil:
-    """Start of the TAGS property value in a properties string (-1: none); its length in tlen."""
-    cdef Py_ssize_t i = 0, s, sep = 6 if esc else 1
-    while i + 4 + sep <= n:
-        if (i == 0 or p[i - 1] == 2 or (esc and i >= 6 and p[i - 1] == 50 and p[i - 6] == 92)) \
-                and memcmp(p + i, b"TAGS", 4) == 0 \
-                and ((not esc and p[i + 4] == 1) or (esc and memcmp(p + i + 4, b"\\u0001", 6) == 0)):
-            s = i + 4 + sep
-            i = s
-            while i < n:
-                if (not esc and p[i] == 2) or (esc and i + 6 <= n and memcmp(p + i, b"\\u0002", 6) == 0):
-                    break
-                i += 1
-            tlen[0] = i - s
-            return s
-        i += 1
-    return -1
 
 
 cdef class Limiter:
@@ -902,16 +578,17 @@ cdef class Limiter:
         cdef LimTopic* e = self._lookup(t, n, &scratch)
         cdef int chain[3]
         cdef int nchain = 0, i, k, r_i
-        cdef Py_ssize_t gs, glen = 0
+        cdef Py_ssize_t glen = 0
+        cdef const uint8_t* tag
         cdef Rule* r
         cdef int64_t charged_m[3]
         cdef int64_t charged_b[3]
         if e.has_tag_rules and props != NULL:
-            gs = find_tag(props, plen, esc, &glen)
-            if gs >= 0:
+            tag = props_tag(props, plen, esc, &glen)
+            if tag != NULL:
                 for i in range(self.nrules):
                     r = &self.rules[i]
-                    if r.glen == glen and memcmp(r.tag, props + gs, glen) == 0 and i != self.global_rule:
+                    if r.glen == glen and memcmp(r.tag, tag, glen) == 0 and i != self.global_rule:
                         if (r.prefix and r.tlen <= n and memcmp(r.topic, t, r.tlen) == 0) or \
                                 (not r.prefix and r.tlen == n and memcmp(r.topic, t, n) == 0):
                             chain[nchain] = i
@@ -1191,7 +868,8 @@ cdef class FrameScanner:
         cdef Py_ssize_t hlen
         cdef bint policy, is_response, limit_check
         cdef int limited, topic_idx = -1
-        cdef Py_ssize_t ts = -1, tl = 0
+        cdef Py_ssize_t ts = -1, tl = 0, ps = -1, pl = 0
+        cdef bint tesc = False, pesc = False
         cdef HeaderInfo info
         cdef ScanStats stats = self.stats
         if now < 0 and self.inflight is not None:
@@ -1225,16 +903,7 @@ cdef class FrameScanner:
                 return self._fail(pos, f"header of {hlen} bytes exceeds the limit of {self.max_header_size} bytes")
             if avail < 8 + hlen:
                 return (0, pos, 8 + hlen)
-            info.code = 0
-            info.flag = 0
-            info.opaque = 0
-            info.b_start = -1
-            info.b_len = 0
-            info.t_start = -1
-            info.t_len = 0
-            info.p_start = -1
-            info.p_len = 0
-            info.p_esc = False
+            header_info_clear(&info)
             if stype == 0:
                 err = parse_json_header(p + pos + 8, hlen, &info)
             else:
@@ -1244,20 +913,29 @@ cdef class FrameScanner:
             slot = code_slot(info.code)
             is_response = info.flag & 1
             limit_check = False
+            ts = -1
+            ps = -1
             if is_response:
                 policy = self.response_policy or (
                     self.inflight is not None and self.inflight.nwant > 0
                     and self.inflight.wants_c(self.direction ^ 1, info.opaque))
             else:
+                # The topic and properties the broker reads for this request code.
+                if info.code == SEND_V2 or info.code == SEND_BATCH:
+                    ts, tl, tesc = info.b_start, info.b_len, info.b_esc
+                    ps, pl, pesc = info.i_start, info.i_len, info.i_esc
+                elif info.code == SEND_V1:
+                    ts, tl, tesc = info.t_start, info.t_len, info.t_esc
+                    ps, pl, pesc = info.pr_start, info.pr_len, info.pr_esc
+                elif info.code == PULL or info.code == LITE_PULL:
+                    ts, tl, tesc = info.t_start, info.t_len, info.t_esc
+                if ts >= 0 and tesc:
+                    return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == 1
-                if self.limiter is not None and self.limiter.active and \
+                if self.limiter is not None and self.limiter.active and ts >= 0 and \
                         (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
-                    if info.code == SEND_V1:
-                        ts, tl = info.t_start, info.t_len
-                    else:
-                        ts, tl = info.b_start, info.b_len
                     # a limited send is decided whole (a rejected one is never relayed)
-                    limit_check = ts >= 0 and self.limiter.applies(p + pos + 8 + ts, <int>tl)
+                    limit_check = self.limiter.applies(p + pos + 8 + ts, <int>tl)
             if (policy or info.code == SEND_BATCH or limit_check) and avail < total:
                 return (0, pos, total)
             stats.frames += 1
@@ -1270,14 +948,14 @@ cdef class FrameScanner:
                 stats._req_bytes[slot] += total
                 if not info.flag & 2:
                     self.requests += 1
-                topic_idx = self._count_topic(p + pos, hlen, total, &info)
+                topic_idx = self._count_topic(p + pos, hlen, total, info.code, ts, tl)
             limited = -1
             if limit_check:
                 if now < 0:
                     now = monotonic_ns()
                 limited = self.limiter.decide(
                     p + pos + 8 + ts, <int>tl,
-                    p + pos + 8 + info.p_start if info.p_start >= 0 else NULL, info.p_len, info.p_esc,
+                    p + pos + 8 + ps if ps >= 0 else NULL, pl, pesc,
                     <int64_t>count_batch(p + pos + 8 + hlen, total - 8 - hlen) if info.code == SEND_BATCH else 1,
                     total, now)
                 if limited >= 0:
@@ -1313,20 +991,11 @@ cdef class FrameScanner:
         elif not self.inflight.track_c(self.direction, opaque, slot, now, total, topic_idx):
             self.stats.untracked += 1
 
-    cdef int _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, HeaderInfo* info) noexcept:
-        """Count a send or pull under its topic; the topic's index in the table (-1: none)."""
-        cdef Py_ssize_t s, n
+    cdef int _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, int code, Py_ssize_t s,
+                          Py_ssize_t n) noexcept:
+        """Count a send or pull under its topic (at ``s``, -1: none); the topic's index in the table (-1: none)."""
         cdef TopicEntry* e
-        cdef int code = info.code
-        if code == SEND_V2 or code == SEND_BATCH:
-            s = info.b_start
-            n = info.b_len
-        elif code == SEND_V1 or code == PULL or code == LITE_PULL:
-            s = info.t_start
-            n = info.t_len
-        else:
-            return -1
-        if s < 0:
+        if s < 0 or not (code == SEND_V2 or code == SEND_BATCH or code == SEND_V1 or code == PULL or code == LITE_PULL):
             return -1
         e = self.stats.topic_slot(f + 8 + s, <int>n)
         e.nbytes += total

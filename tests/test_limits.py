@@ -3,15 +3,14 @@ and the two twins (compiled, pure Python) against each other."""
 
 from __future__ import annotations
 
-import mmap
 import random
 
 import pytest
 
 from rmqfast import codec
+from rmqfast.codec._header_py import props_tag
 from rmqfast.errors import ConfigError
-from rmqfast.limits import SHM_BYTES, LimiterC, LimiterPy
-from rmqfast.limits._limiter_py import find_tag
+from rmqfast.limits import LimiterC, LimiterPy, new_shared_memory
 from rmqfast.limits.rules import LimitRule, LimitsSection, parse_limits, remove, upsert
 from tests.test_scan import binary_frame, json_frame
 
@@ -20,13 +19,19 @@ if LimiterC is not None:
     TWINS.append(pytest.param(LimiterC, id="c"))
 
 S = 1_000_000_000  # one second in ns
+
+
+def shm_for(limiter_cls):
+    """Anonymous bucket memory whose header names the twin of ``limiter_cls``."""
+    return new_shared_memory("compiled" if codec.is_compiled(limiter_cls) else "python")
+
 T0 = 1_000 * S
 
 
 @pytest.fixture(params=TWINS)
 def make(request):
     def build(*rules):
-        lim = request.param(mmap.mmap(-1, SHM_BYTES))
+        lim = request.param(shm_for(request.param))
         lim.configure(list(rules))
         return lim
 
@@ -124,9 +129,17 @@ def test_reject_mode_is_a_circuit_breaker(make):
     (b"XTAGS\x01no\x02", False, None),
     (b"KEYS\x01TAGS\x01not-a-key\x02", False, None),
     (b"", False, None),
+    # the broker's reading: the last TAGS wins, empty values are no property, escapes are decoded
+    (b"TAGS\x01benign\x02TAGS\x01limited\x02", False, b"limited"),
+    (b"TAGS\x01limited\x02TAGS\x01\x02", False, b"limited"),
+    (b"T\\u0041GS\\u0001Tag\\u0041", True, b"TagA"),
+    (b"KEYS\\u0001x\\u0002TAGS\\u0001limited", True, b"limited"),
+    # a tag hidden inside another property's value is no tag (old compiled find_tag read it)
+    (b"KEYS\\u0001a\\u0032TAGS\\u0001hidden", True, None),
+    (b"KEYS\x01a\x01TAGS\x01v", False, None),
 ])
 def test_find_tag(props, esc, tag):
-    assert find_tag(props, esc) == tag
+    assert props_tag(props, esc) == tag
 
 
 def send_json(topic: str, tag: str | None, opaque: int, body: bytes = b"x" * 50, code: int = 310) -> bytes:
@@ -152,7 +165,7 @@ if LimiterC is not None:
 @pytest.mark.parametrize("impl", SCANNERS)
 def test_scanner_stops_sends_over_the_limit_and_forwards_the_rest(impl):
     Scanner, Stats, Limiter = impl
-    lim = Limiter(mmap.mmap(-1, SHM_BYTES))
+    lim = Limiter(shm_for(Limiter))
     lim.configure([rule(b"T", rate=1, burst=2, slot=1), rule(b"T", b"slow", rate=1, burst=1, slot=2)])
     sc = Scanner(Stats(), limiter=lim)
     frames = [send_json("T", None, 1), send_json("U", None, 2), send_json("T", "slow", 3),
@@ -178,7 +191,7 @@ def test_scanner_stops_sends_over_the_limit_and_forwards_the_rest(impl):
 def test_limited_sends_are_decided_whole(impl):
     """A limited send split across reads is decided once, when it is complete."""
     Scanner, Stats, Limiter = impl
-    lim = Limiter(mmap.mmap(-1, SHM_BYTES))
+    lim = Limiter(shm_for(Limiter))
     lim.configure([rule(b"T", rate=1, burst=1, slot=1)])
     sc = Scanner(Stats(), limiter=lim)
     f = send_json("T", None, 1, body=b"y" * 5000) + send_json("T", None, 2)
@@ -194,7 +207,7 @@ def test_twins_agree_on_random_traffic():
         pytest.skip("compiled extension not built")
     rules = [rule(b"T", rate=10, burst=5, slot=1), rule(b"T", b"TagA", rate=2, burst=1, slot=2),
              rule(b"P*", rate=1, burst=1, mode=1, slot=3), rule(b"", rate=50, burst=20, brate=1e5, bburst=2e4, slot=0)]
-    mp, mc = mmap.mmap(-1, SHM_BYTES), mmap.mmap(-1, SHM_BYTES)
+    mp, mc = shm_for(LimiterPy), shm_for(LimiterC)
     p, c = LimiterPy(mp), LimiterC(mc)
     p.configure(rules)
     c.configure(rules)
@@ -205,7 +218,7 @@ def test_twins_agree_on_random_traffic():
         args = (rng.choice([b"T", b"P1", b"Q"]), rng.choice([None, b"TagA", b"B"]), rng.choice([1, 1, 4, 30]),
                 rng.randrange(100, 5000), now)
         assert p.admit(*args) == c.admit(*args)
-    assert p.counters() == c.counters() and mp[:] == mc[:]
+    assert p.counters() == c.counters() and mp[64:] == mc[64:]  # the buckets (the headers name the twins)
 
 
 def test_config_parsing_and_errors():

@@ -23,7 +23,7 @@ its body has fully arrived.  A frame whose action is ``POLICY`` (or any response
 * ``EV_ERROR``: ``buf[start:a]`` may be forwarded; the frame at ``a`` is malformed and
   :attr:`FrameScanner.error` says why.  The connection must be closed.
 
-The compiled twin implements exactly this algorithm; ``tests/test_scan_equivalence.py``
+The compiled twin implements exactly this algorithm; ``tests/test_scan.py`` and ``tests/test_header_fuzz.py``
 runs both on the same random and captured inputs.  Nothing here allocates per frame in the
 compiled version, which is why the JSON walk below is a hand-written byte scanner rather
 than ``json.loads``.
@@ -34,6 +34,15 @@ from __future__ import annotations
 import struct
 import time
 from typing import Any
+
+from rmqfast.codec._header_py import (
+    E_TOPIC_ESCAPED,
+    ERRORS,
+    HeaderError,
+    HeaderInfo,
+    parse_binary_header,
+    parse_json_header,
+)
 
 EV_FORWARD = 0
 EV_POLICY = 1
@@ -99,8 +108,6 @@ def latency_bucket(ns: int) -> int:
 
 
 _I32 = struct.Struct(">i")
-_I16 = struct.Struct(">h")
-_U16 = struct.Struct(">H")
 
 
 def code_slot(code: int) -> int:
@@ -225,226 +232,6 @@ class ScanStats:
     def responses(self) -> list[tuple[int, int]]:
         """``(slot, count)`` for every response-code slot with a non-zero count."""
         return [(s, self.response_counts[s]) for s in range(CODE_SLOTS) if self.response_counts[s]]
-
-
-class _HeaderInfo:
-    __slots__ = ("code", "flag", "opaque", "b", "topic", "props", "props_esc")
-
-    def __init__(self) -> None:
-        self.code = 0
-        self.flag = 0
-        self.opaque = 0
-        self.b: tuple[int, int] | None = None  # span of extFields.b
-        self.topic: tuple[int, int] | None = None  # span of extFields.topic
-        self.props: tuple[int, int] | None = None  # span of extFields.i / properties (message properties)
-        self.props_esc = False  # JSON-escaped: separators appear as \u0001 / \u0002
-
-
-class _JsonError(Exception):
-    pass
-
-
-_WS = b" \t\r\n"
-_NUMCHARS = b"+-.eE0123456789"
-
-
-def _skip_ws(h: bytes, i: int, n: int) -> int:
-    while i < n and h[i] in _WS:
-        i += 1
-    return i
-
-
-def _skip_string(h: bytes, i: int, n: int) -> tuple[int, bool]:
-    """``h[i]`` is the opening quote; return (index after the closing quote, had_escape)."""
-    i += 1
-    esc = False
-    while i < n:
-        c = h[i]
-        if c == 0x5C:  # backslash
-            esc = True
-            i += 2
-            continue
-        if c == 0x22:
-            return i + 1, esc
-        i += 1
-    raise _JsonError("unterminated string")
-
-
-def _skip_value(h: bytes, i: int, n: int) -> int:
-    if i >= n:
-        raise _JsonError("value expected")
-    c = h[i]
-    if c == 0x22:
-        return _skip_string(h, i, n)[0]
-    if c == 0x7B or c == 0x5B:  # { [
-        depth = 0
-        while i < n:
-            c = h[i]
-            if c == 0x22:
-                i = _skip_string(h, i, n)[0]
-                continue
-            if c == 0x7B or c == 0x5B:
-                depth += 1
-            elif c == 0x7D or c == 0x5D:
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        raise _JsonError("unterminated object or array")
-    if c in _NUMCHARS:
-        while i < n and h[i] in _NUMCHARS:
-            i += 1
-        return i
-    if 0x61 <= c <= 0x7A:  # true / false / null
-        while i < n and 0x61 <= h[i] <= 0x7A:
-            i += 1
-        return i
-    raise _JsonError("unexpected character")
-
-
-def _parse_int(h: bytes, i: int, n: int) -> tuple[int, int]:
-    neg = False
-    if i < n and h[i] == 0x2D:
-        neg = True
-        i += 1
-    start = i
-    v = 0
-    while i < n and 0x30 <= h[i] <= 0x39:
-        v = v * 10 + (h[i] - 0x30)
-        if v > 0x80000000:
-            raise _JsonError("integer out of range")
-        i += 1
-    if i == start or (i < n and h[i] in b".eE"):
-        raise _JsonError("integer expected")
-    if neg:
-        v = -v
-    if v > 0x7FFFFFFF:
-        raise _JsonError("integer out of range")
-    return v, i
-
-
-def _parse_json_header(h: bytes, info: _HeaderInfo) -> None:
-    n = len(h)
-    i = _skip_ws(h, 0, n)
-    if i >= n or h[i] != 0x7B:
-        raise _JsonError("header is not a JSON object")
-    i = _skip_ws(h, i + 1, n)
-    has_code = False
-    if i < n and h[i] == 0x7D:
-        raise _JsonError("no code field")
-    while True:
-        if i >= n or h[i] != 0x22:
-            raise _JsonError("key expected")
-        ks = i + 1
-        i, _ = _skip_string(h, i, n)
-        key = h[ks : i - 1]
-        i = _skip_ws(h, i, n)
-        if i >= n or h[i] != 0x3A:
-            raise _JsonError("':' expected")
-        i = _skip_ws(h, i + 1, n)
-        if key == b"code":
-            info.code, i = _parse_int(h, i, n)
-            has_code = True
-        elif key == b"flag":
-            info.flag, i = _parse_int(h, i, n)
-        elif key == b"opaque":
-            info.opaque, i = _parse_int(h, i, n)
-        elif key == b"extFields" and i < n and h[i] == 0x7B:
-            i = _walk_ext_fields(h, i, n, info)
-        else:
-            i = _skip_value(h, i, n)
-        i = _skip_ws(h, i, n)
-        if i < n and h[i] == 0x2C:
-            i = _skip_ws(h, i + 1, n)
-            continue
-        if i < n and h[i] == 0x7D:
-            i += 1
-            break
-        raise _JsonError("',' or '}' expected")
-    if _skip_ws(h, i, n) != n:
-        raise _JsonError("trailing data after the header object")
-    if not has_code:
-        raise _JsonError("no code field")
-
-
-def _walk_ext_fields(h: bytes, i: int, n: int, info: _HeaderInfo) -> int:
-    i = _skip_ws(h, i + 1, n)
-    if i < n and h[i] == 0x7D:
-        return i + 1
-    while True:
-        if i >= n or h[i] != 0x22:
-            raise _JsonError("key expected")
-        ks = i + 1
-        i, _ = _skip_string(h, i, n)
-        key = h[ks : i - 1]
-        i = _skip_ws(h, i, n)
-        if i >= n or h[i] != 0x3A:
-            raise _JsonError("':' expected")
-        i = _skip_ws(h, i + 1, n)
-        if (key == b"i" or key == b"properties") and i < n and h[i] == 0x22:
-            vs = i + 1
-            i, esc = _skip_string(h, i, n)
-            info.props = (vs, i - 1 - vs)
-            info.props_esc = esc
-        elif (key == b"b" or key == b"topic") and i < n and h[i] == 0x22:
-            vs = i + 1
-            i, esc = _skip_string(h, i, n)
-            # A topic with escapes is never valid (RocketMQ topics are [%|a-zA-Z0-9_-]);
-            # leave it uncounted rather than decode it on the hot path.
-            span = None if esc else (vs, i - 1 - vs)
-            if key == b"b":
-                info.b = span
-            else:
-                info.topic = span
-        else:
-            i = _skip_value(h, i, n)
-        i = _skip_ws(h, i, n)
-        if i < n and h[i] == 0x2C:
-            i = _skip_ws(h, i + 1, n)
-            continue
-        if i < n and h[i] == 0x7D:
-            return i + 1
-        raise _JsonError("',' or '}' expected")
-
-
-def _parse_binary_header(h: bytes, info: _HeaderInfo) -> None:
-    n = len(h)
-    if n < 21:
-        raise _JsonError("binary header shorter than 21 bytes")
-    info.code = _I16.unpack_from(h, 0)[0]
-    info.opaque = _I32.unpack_from(h, 5)[0]
-    info.flag = _I32.unpack_from(h, 9)[0]
-    rlen = _I32.unpack_from(h, 13)[0]
-    i = 17
-    if rlen < 0 or rlen > n - i - 4:
-        raise _JsonError("remark length out of bounds")
-    i += rlen
-    elen = _I32.unpack_from(h, i)[0]
-    i += 4
-    if elen < 0 or elen > n - i:
-        raise _JsonError("extFields length out of bounds")
-    end = i + elen
-    while i < end:
-        if end - i < 2:
-            raise _JsonError("extFields key length truncated")
-        klen = _U16.unpack_from(h, i)[0]
-        i += 2
-        if klen > end - i - 4:
-            raise _JsonError("extFields key out of bounds")
-        key = h[i : i + klen]
-        i += klen
-        vlen = _I32.unpack_from(h, i)[0]
-        i += 4
-        if vlen < 0 or vlen > end - i:
-            raise _JsonError("extFields value out of bounds")
-        if key == b"b":
-            info.b = (i, vlen)
-        elif key == b"topic":
-            info.topic = (i, vlen)
-        elif key == b"i" or key == b"properties":
-            info.props = (i, vlen)
-            info.props_esc = False
-        i += vlen
 
 
 def _count_batch(body: bytes) -> int:
@@ -614,14 +401,14 @@ class FrameScanner:
             if avail < 8 + hlen:
                 return EV_FORWARD, pos, 8 + hlen
             header = bytes(mv[pos + 8 : pos + 8 + hlen])
-            info = _HeaderInfo()
+            info = HeaderInfo()
+            kind = "JSON" if stype == 0 else "ROCKETMQ"
             try:
                 if stype == 0:
-                    _parse_json_header(header, info)
+                    parse_json_header(header, info)
                 else:
-                    _parse_binary_header(header, info)
-            except _JsonError as exc:
-                kind = "JSON" if stype == 0 else "ROCKETMQ"
+                    parse_binary_header(header, info)
+            except HeaderError as exc:
                 return self._fail(pos, f"invalid {kind} header: {exc}")
             code = info.code
             slot = code_slot(code)
@@ -629,20 +416,29 @@ class FrameScanner:
             limit_check = False
             topic = b""
             topic_name = b""
+            tspan = pspan = None
             if is_response:
                 inflight = self.inflight
                 policy = self.response_policy or (
                     inflight is not None and inflight.nwant > 0 and inflight.wants(self.direction ^ 1, info.opaque)
                 )
             else:
+                # The topic and properties the broker reads for this request code.
+                if code == _SEND_V2 or code == _SEND_BATCH:
+                    tspan, pspan = info.b, info.i
+                elif code == _SEND_V1:
+                    tspan, pspan = info.topic, info.props
+                elif code == _PULL or code == _LITE_PULL:
+                    tspan = info.topic
+                if tspan is not None and tspan[2]:
+                    return self._fail(pos, f"invalid {kind} header: {ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == ACTION_POLICY
                 limiter = self.limiter
-                if limiter is not None and limiter.active and code in (_SEND_V2, _SEND_BATCH, _SEND_V1):
-                    span = info.topic if code == _SEND_V1 else info.b
-                    if span is not None:
-                        topic = header[span[0] : span[0] + span[1]]
-                        # a limited send is decided whole (a rejected one is never relayed)
-                        limit_check = limiter.applies(topic)
+                if limiter is not None and limiter.active and tspan is not None and code in (
+                        _SEND_V2, _SEND_BATCH, _SEND_V1):
+                    topic = header[tspan[0] : tspan[0] + tspan[1]]
+                    # a limited send is decided whole (a rejected one is never relayed)
+                    limit_check = limiter.applies(topic)
             # Policy frames, batches (whose inner messages are counted) and limited sends are
             # only handled whole; everything else is forwarded as soon as its header is seen.
             if (policy or code == _SEND_BATCH or limit_check) and avail < total:
@@ -658,14 +454,14 @@ class FrameScanner:
                 stats.request_bytes[slot] += total
                 if not info.flag & 2:
                     self.requests += 1
-                topic_name = self._count_topic(mv, pos, hlen, total, code, info)
+                topic_name = self._count_topic(mv, pos, hlen, total, code, tspan)
             limited = -1
             if limit_check:
                 if now_ns < 0:
                     now_ns = time.monotonic_ns()
-                props = header[info.props[0] : info.props[0] + info.props[1]] if info.props is not None else None
+                props = header[pspan[0] : pspan[0] + pspan[1]] if pspan is not None else None
                 msgs = _count_batch(bytes(mv[pos + 8 + hlen : pos + total])) if code == _SEND_BATCH else 1
-                limited = self.limiter.decide(topic, props, info.props_esc, msgs, total, now_ns)
+                limited = self.limiter.decide(topic, props, pspan is not None and pspan[2], msgs, total, now_ns)
                 if limited >= 0:
                     policy = True
             if self.inflight is not None:
@@ -700,16 +496,10 @@ class FrameScanner:
             self.stats.untracked += 1
 
     def _count_topic(
-        self, mv: memoryview, pos: int, hlen: int, total: int, code: int, info: _HeaderInfo
+        self, mv: memoryview, pos: int, hlen: int, total: int, code: int, span: tuple[int, int, bool] | None
     ) -> bytes:
-        """Count a send or pull under its topic; the name it is counted under (b"": none)."""
-        if code == _SEND_V2 or code == _SEND_BATCH:
-            span = info.b
-        elif code == _SEND_V1 or code == _PULL or code == _LITE_PULL:
-            span = info.topic
-        else:
-            return b""
-        if span is None:
+        """Count a send or pull under its topic (``span``); the name it is counted under (b"": none)."""
+        if span is None or code not in (_SEND_V2, _SEND_BATCH, _SEND_V1, _PULL, _LITE_PULL):
             return b""
         topic = bytes(mv[pos + 8 + span[0] : pos + 8 + span[0] + span[1]])
         entry = self.stats._topic_slot(topic)

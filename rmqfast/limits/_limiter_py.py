@@ -13,24 +13,13 @@ import struct
 import time
 from typing import Any
 
+from rmqfast.codec._header_py import props_tag
+
 SLOT_WORDS = 8
 SLOT_BYTES = SLOT_WORDS * 8
 MAX_RULES = 1023
 MODE_LIMIT, MODE_REJECT, MODE_OPEN = 0, 1, 2
 _Q = struct.Struct("<q")  # native little-endian int64, as the C side sees it on x86-64 / arm64
-
-
-def find_tag(props: bytes, esc: bool) -> bytes | None:
-    """The TAGS property of a properties string (JSON-escaped separators when ``esc``)."""
-    sep1, sep2 = (b"\\u0001", b"\\u0002") if esc else (b"\x01", b"\x02")
-    for i in range(len(props)):
-        if (i == 0 or props[i - 1] == 2 or (esc and i >= 6 and props[i - 6 : i] == b"\\u0002")) and props.startswith(
-            b"TAGS" + sep1, i
-        ):
-            s = i + 4 + len(sep1)
-            e = props.find(sep2, s)
-            return props[s : e if e >= 0 else len(props)]
-    return None
 
 
 class Limiter:
@@ -145,7 +134,7 @@ class Limiter:
         topic_rule, has_tags = self._lookup(t)
         chain = []
         if has_tags and props is not None:
-            tag = find_tag(props, esc)
+            tag = props_tag(props, esc)
             if tag is not None:
                 for i, r in enumerate(self.rules):
                     if r["tag"] == tag and i != self.global_rule and (

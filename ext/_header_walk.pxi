@@ -1,0 +1,735 @@
+# Included by _speedups.pyx: the header walk, the C twin of the walk in rmqfast/codec/_scan_py.py.
+#
+# One reading of a header.  What the scanner decides from a header (code, flag, opaque, topic,
+# properties) must be what the broker reads.  The brokers decode JSON headers with fastjson, which
+# keeps the first of duplicate keys, decodes escapes, matches RemotingCommand fields ignoring case,
+# '_' and '-', and also accepts single quotes, unquoted keys and \x escapes; they decode ROCKETMQ
+# binary headers into a HashMap (the last duplicate wins).  The walk does not guess which reading
+# applies: it accepts only headers whose reading is unambiguous and refuses (EV_ERROR: the relay
+# closes the connection and logs why) everything else:
+#   - JSON that is not strict RFC 8259 (single quotes, unquoted keys, comments, NaN, leading zeros,
+#     escapes other than \" \\ \/ \b \f \n \r \t \uXXXX, lone surrogates, raw control characters
+#     in strings, invalid or overlong UTF-8, nesting deeper than MAX_JSON_DEPTH);
+#   - a top-level key with an escape, or spelled like code/flag/opaque/extFields in another case or
+#     with '_' / '-' (or an "is" prefix), or any of those four twice;
+#   - an extFields key with an escape, or b/topic/i/properties twice, or one of them not a string;
+#   - an escaped topic in a send or pull (RocketMQ topics are [%|a-zA-Z0-9_-]; no encoder escapes them);
+#   - a binary header whose lengths do not add up exactly, with a key length Java reads as negative,
+#     or with b/topic/i/properties twice.
+# No RocketMQ client (Java, Go, C++) produces any of these.
+
+from libc.stdlib cimport realloc
+from libc.string cimport memchr
+
+DEF MAX_JSON_DEPTH = 32
+
+# Error codes of the header walk; messages live in _ERRORS (same text as the Python twin).
+cdef enum:
+    E_OK = 0
+    E_UNTERMINATED_STRING
+    E_VALUE_EXPECTED
+    E_UNTERMINATED_NESTED
+    E_UNEXPECTED_CHAR
+    E_INT_RANGE
+    E_INT_EXPECTED
+    E_NOT_OBJECT
+    E_NO_CODE
+    E_KEY_EXPECTED
+    E_COLON_EXPECTED
+    E_COMMA_EXPECTED
+    E_TRAILING
+    E_BIN_SHORT
+    E_BIN_REMARK
+    E_BIN_EXT
+    E_BIN_KEY_TRUNC
+    E_BIN_KEY
+    E_BIN_VALUE
+    E_BAD_ESCAPE
+    E_CONTROL_CHAR
+    E_BAD_UTF8
+    E_BAD_NUMBER
+    E_TOO_DEEP
+    E_KEY_ESCAPED
+    E_KEY_VARIANT
+    E_DUP_KEY
+    E_EXT_KEY_ESCAPED
+    E_EXT_DUP_KEY
+    E_EXT_NOT_STRING
+    E_BIN_TRAILING
+    E_BIN_DUP_KEY
+    E_TOPIC_ESCAPED
+
+_ERRORS = (
+    "",
+    "unterminated string",
+    "value expected",
+    "unterminated object or array",
+    "unexpected character",
+    "integer out of range",
+    "integer expected",
+    "header is not a JSON object",
+    "no code field",
+    "key expected",
+    "':' expected",
+    "',' or '}' expected",
+    "trailing data after the header object",
+    "binary header shorter than 21 bytes",
+    "remark length out of bounds",
+    "extFields length out of bounds",
+    "extFields key length truncated",
+    "extFields key out of bounds",
+    "extFields value out of bounds",
+    "escape other than \\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX (or a lone surrogate)",
+    "raw control character in a string",
+    "invalid UTF-8",
+    "malformed number",
+    "nested deeper than 32 levels",
+    "escaped key (fastjson would decode it; no client escapes keys)",
+    "key spelled like code/flag/opaque/extFields in another case or with '_'/'-' (fastjson would match it)",
+    "duplicate code/flag/opaque/extFields key (fastjson keeps the first)",
+    "escaped extFields key",
+    "duplicate extFields key b/topic/i/properties",
+    "extFields b/topic/i/properties is not a string",
+    "binary header has bytes after extFields",
+    "duplicate binary extFields key b/topic/i/properties",
+    "escaped topic in a send or pull",
+)
+
+# Keys the walk acts on: bits for duplicate detection.
+cdef enum:
+    K_CODE = 1
+    K_FLAG = 2
+    K_OPAQUE = 4
+    K_EXT = 8
+    X_B = 1
+    X_TOPIC = 2
+    X_I = 4
+    X_PROPS = 8
+    S_ESC = 1            # the string had an escape
+
+
+cdef struct HeaderInfo:
+    int32_t code
+    int32_t flag
+    int32_t opaque
+    Py_ssize_t b_start       # extFields.b (the topic of V2 sends); -1: absent
+    Py_ssize_t b_len
+    bint b_esc
+    Py_ssize_t t_start       # extFields.topic (V1 sends, pulls); -1: absent
+    Py_ssize_t t_len
+    bint t_esc
+    Py_ssize_t i_start       # extFields.i (properties of V2 sends); -1: absent
+    Py_ssize_t i_len
+    bint i_esc               # JSON-escaped (separators appear as \u0001 / \u0002)
+    Py_ssize_t pr_start      # extFields.properties (V1 sends); -1: absent
+    Py_ssize_t pr_len
+    bint pr_esc
+
+
+cdef inline void header_info_clear(HeaderInfo* info) noexcept nogil:
+    info.code = 0
+    info.flag = 0
+    info.opaque = 0
+    info.b_start = info.t_start = info.i_start = info.pr_start = -1
+    info.b_len = info.t_len = info.i_len = info.pr_len = 0
+    info.b_esc = info.t_esc = info.i_esc = info.pr_esc = False
+
+
+cdef inline bint is_ws(uint8_t c) noexcept nogil:
+    return c == 32 or c == 9 or c == 13 or c == 10
+
+
+cdef inline Py_ssize_t skip_ws(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    while i < n and is_ws(h[i]):
+        i += 1
+    return i
+
+
+cdef inline int hexval(uint8_t c) noexcept nogil:
+    if 48 <= c <= 57:
+        return c - 48
+    if 97 <= c <= 102:
+        return c - 87
+    if 65 <= c <= 70:
+        return c - 55
+    return -1
+
+
+cdef inline int32_t hex4(const uint8_t* p) noexcept nogil:
+    """The value of 4 hex digits, -1 if they are not."""
+    cdef int a = hexval(p[0]), b = hexval(p[1]), c = hexval(p[2]), d = hexval(p[3])
+    if a < 0 or b < 0 or c < 0 or d < 0:
+        return -1
+    return (a << 12) | (b << 8) | (c << 4) | d
+
+
+# Return convention of the walkers: new index >= 0, or -(error code).
+cdef Py_ssize_t scan_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int* flags) noexcept nogil:
+    """``h[i]`` is the opening quote: strict JSON string, strict UTF-8."""
+    cdef uint8_t c
+    cdef int32_t u, lo
+    cdef int f = 0, need, k
+    cdef uint32_t cp
+    i += 1
+    while i < n:
+        c = h[i]
+        if c == 34:
+            flags[0] = f
+            return i + 1
+        if c == 92:
+            f |= S_ESC
+            if i + 1 >= n:
+                return -E_UNTERMINATED_STRING
+            c = h[i + 1]
+            if c == 117:  # \uXXXX, surrogates only in pairs
+                if i + 6 > n:
+                    return -E_BAD_ESCAPE
+                u = hex4(h + i + 2)
+                if u < 0 or 0xDC00 <= u <= 0xDFFF:
+                    return -E_BAD_ESCAPE
+                i += 6
+                if 0xD800 <= u <= 0xDBFF:
+                    if i + 6 > n or h[i] != 92 or h[i + 1] != 117:
+                        return -E_BAD_ESCAPE
+                    lo = hex4(h + i + 2)
+                    if lo < 0xDC00 or lo > 0xDFFF:
+                        return -E_BAD_ESCAPE
+                    i += 6
+                continue
+            if c == 34 or c == 92 or c == 47 or c == 98 or c == 102 or c == 110 or c == 114 or c == 116:
+                i += 2
+                continue
+            return -E_BAD_ESCAPE
+        if c < 0x20:
+            return -E_CONTROL_CHAR
+        if c < 0x80:
+            i += 1
+            continue
+        if 0xC2 <= c <= 0xDF:
+            need = 1
+            cp = c & 0x1F
+        elif 0xE0 <= c <= 0xEF:
+            need = 2
+            cp = c & 0x0F
+        elif 0xF0 <= c <= 0xF4:
+            need = 3
+            cp = c & 0x07
+        else:
+            return -E_BAD_UTF8
+        if i + need >= n:
+            return -E_UNTERMINATED_STRING
+        for k in range(1, need + 1):
+            if (h[i + k] & 0xC0) != 0x80:
+                return -E_BAD_UTF8
+            cp = (cp << 6) | (h[i + k] & 0x3F)
+        if (need == 2 and (cp < 0x800 or 0xD800 <= cp <= 0xDFFF)) or \
+                (need == 3 and (cp < 0x10000 or cp > 0x10FFFF)):
+            return -E_BAD_UTF8
+        i += need + 1
+    return -E_UNTERMINATED_STRING
+
+
+cdef bint utf8_valid(const uint8_t* p, Py_ssize_t n) noexcept nogil:
+    """Strict UTF-8 (no overlong forms, no surrogates, at most U+10FFFF)."""
+    cdef Py_ssize_t i = 0
+    cdef int need, k
+    cdef uint32_t cp
+    cdef uint8_t c
+    while i < n:
+        c = p[i]
+        if c < 0x80:
+            i += 1
+            continue
+        if 0xC2 <= c <= 0xDF:
+            need = 1
+            cp = c & 0x1F
+        elif 0xE0 <= c <= 0xEF:
+            need = 2
+            cp = c & 0x0F
+        elif 0xF0 <= c <= 0xF4:
+            need = 3
+            cp = c & 0x07
+        else:
+            return False
+        if i + need >= n:
+            return False
+        for k in range(1, need + 1):
+            if (p[i + k] & 0xC0) != 0x80:
+                return False
+            cp = (cp << 6) | (p[i + k] & 0x3F)
+        if (need == 2 and (cp < 0x800 or 0xD800 <= cp <= 0xDFFF)) or \
+                (need == 3 and (cp < 0x10000 or cp > 0x10FFFF)):
+            return False
+        i += need + 1
+    return True
+
+
+cdef Py_ssize_t scan_number(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    """-?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?"""
+    cdef Py_ssize_t s
+    if i < n and h[i] == 45:
+        i += 1
+    if i < n and h[i] == 48:
+        i += 1
+    elif i < n and 49 <= h[i] <= 57:
+        while i < n and 48 <= h[i] <= 57:
+            i += 1
+    else:
+        return -E_BAD_NUMBER
+    if i < n and h[i] == 46:
+        i += 1
+        s = i
+        while i < n and 48 <= h[i] <= 57:
+            i += 1
+        if i == s:
+            return -E_BAD_NUMBER
+    if i < n and (h[i] == 101 or h[i] == 69):
+        i += 1
+        if i < n and (h[i] == 43 or h[i] == 45):
+            i += 1
+        s = i
+        while i < n and 48 <= h[i] <= 57:
+            i += 1
+        if i == s:
+            return -E_BAD_NUMBER
+    return i
+
+
+cdef inline Py_ssize_t scan_literal(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    if n - i >= 4 and (memcmp(h + i, b"true", 4) == 0 or memcmp(h + i, b"null", 4) == 0):
+        return i + 4
+    if n - i >= 5 and memcmp(h + i, b"false", 5) == 0:
+        return i + 5
+    return -E_UNEXPECTED_CHAR
+
+
+cdef inline Py_ssize_t scan_member_key(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    """A key of a nested object, its ':' and the whitespace after it."""
+    cdef int f
+    if i >= n or h[i] != 34:
+        return -E_KEY_EXPECTED
+    i = scan_string(h, i, n, &f)
+    if i < 0:
+        return i
+    i = skip_ws(h, i, n)
+    if i >= n or h[i] != 58:
+        return -E_COLON_EXPECTED
+    return skip_ws(h, i + 1, n)
+
+
+cdef Py_ssize_t skip_value(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int depth0) noexcept nogil:
+    """Validate and skip one strict JSON value inside containers ``depth0`` deep."""
+    cdef uint64_t objects = 0      # bit d: nesting level d is an object (else an array)
+    cdef int depth = 0, f
+    cdef uint8_t c
+    cdef bint is_obj
+    while True:
+        # a value starts at i
+        if i >= n:
+            return -E_VALUE_EXPECTED
+        c = h[i]
+        if c == 123 or c == 91:
+            if depth0 + depth + 1 > MAX_JSON_DEPTH:
+                return -E_TOO_DEEP
+            if c == 123:
+                objects |= (<uint64_t>1) << depth
+            else:
+                objects &= ~((<uint64_t>1) << depth)
+            depth += 1
+            i = skip_ws(h, i + 1, n)
+            if i < n and h[i] == c + 2:        # '{' + 2 == '}', '[' + 2 == ']'
+                i += 1
+                depth -= 1
+            elif c == 123:
+                i = scan_member_key(h, i, n)
+                if i < 0:
+                    return i
+                continue
+            else:
+                continue
+        elif c == 34:
+            i = scan_string(h, i, n, &f)
+        elif c == 45 or 48 <= c <= 57:
+            i = scan_number(h, i, n)
+        elif c == 116 or c == 102 or c == 110:
+            i = scan_literal(h, i, n)
+        else:
+            return -E_UNEXPECTED_CHAR
+        if i < 0:
+            return i
+        # after a value: separators and closing brackets
+        while True:
+            if depth == 0:
+                return i
+            i = skip_ws(h, i, n)
+            if i >= n:
+                return -E_UNTERMINATED_NESTED
+            c = h[i]
+            is_obj = (objects >> (depth - 1)) & 1
+            if c == 44:
+                i = skip_ws(h, i + 1, n)
+                if is_obj:
+                    i = scan_member_key(h, i, n)
+                    if i < 0:
+                        return i
+                break
+            if (is_obj and c == 125) or (not is_obj and c == 93):
+                i += 1
+                depth -= 1
+                continue
+            return -E_COMMA_EXPECTED
+
+
+cdef Py_ssize_t parse_int(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int32_t* out) noexcept nogil:
+    """A strict JSON integer in int32 range."""
+    cdef bint neg = False
+    cdef int64_t v = 0
+    if i < n and h[i] == 45:
+        neg = True
+        i += 1
+    if i < n and h[i] == 48:
+        i += 1
+    elif i < n and 49 <= h[i] <= 57:
+        while i < n and 48 <= h[i] <= 57:
+            v = v * 10 + (h[i] - 48)
+            if v > 2147483648LL:
+                return -E_INT_RANGE
+            i += 1
+    else:
+        return -E_INT_EXPECTED
+    if i < n and (h[i] == 46 or h[i] == 101 or h[i] == 69 or 48 <= h[i] <= 57):
+        return -E_INT_EXPECTED
+    if neg:
+        v = -v
+    if v > 0x7FFFFFFF:
+        return -E_INT_RANGE
+    out[0] = <int32_t>v
+    return i
+
+
+cdef inline bint key_is(const uint8_t* h, Py_ssize_t ks, Py_ssize_t klen, const char* lit, Py_ssize_t litlen) noexcept nogil:
+    return klen == litlen and memcmp(h + ks, lit, litlen) == 0
+
+
+cdef inline bint is_field_name(const uint8_t* p, Py_ssize_t m) noexcept nogil:
+    """A lower-cased RemotingCommand field the walk acts on."""
+    return (m == 4 and (memcmp(p, b"code", 4) == 0 or memcmp(p, b"flag", 4) == 0)) or \
+        (m == 6 and memcmp(p, b"opaque", 6) == 0) or (m == 9 and memcmp(p, b"extfields", 9) == 0)
+
+
+cdef int header_key(const uint8_t* k, Py_ssize_t n) noexcept nogil:
+    """K_* of a top-level key; 0 for other keys; -1 for a spelling fastjson's smart match could
+    read as one of them (another case, '_' or '-' inserted, an "is" prefix)."""
+    cdef uint8_t low[16]
+    cdef Py_ssize_t i, m = 0
+    cdef uint8_t c
+    if n == 4 and memcmp(k, b"code", 4) == 0:
+        return K_CODE
+    if n == 4 and memcmp(k, b"flag", 4) == 0:
+        return K_FLAG
+    if n == 6 and memcmp(k, b"opaque", 6) == 0:
+        return K_OPAQUE
+    if n == 9 and memcmp(k, b"extFields", 9) == 0:
+        return K_EXT
+    for i in range(n):
+        c = k[i]
+        if c == 95 or c == 45:
+            continue
+        if m == 16:
+            return 0
+        low[m] = c + 32 if 65 <= c <= 90 else c
+        m += 1
+    if is_field_name(low, m) or (m >= 2 and low[0] == 105 and low[1] == 115 and is_field_name(low + 2, m - 2)):
+        return -1
+    return 0
+
+
+cdef inline int ext_key(const uint8_t* k, Py_ssize_t n) noexcept nogil:
+    if n == 1:
+        if k[0] == 98:
+            return X_B
+        if k[0] == 105:
+            return X_I
+        return 0
+    if n == 5 and memcmp(k, b"topic", 5) == 0:
+        return X_TOPIC
+    if n == 10 and memcmp(k, b"properties", 10) == 0:
+        return X_PROPS
+    return 0
+
+
+cdef inline void ext_record(HeaderInfo* info, int k, Py_ssize_t start, Py_ssize_t length, bint esc) noexcept nogil:
+    if k == X_B:
+        info.b_start, info.b_len, info.b_esc = start, length, esc
+    elif k == X_TOPIC:
+        info.t_start, info.t_len, info.t_esc = start, length, esc
+    elif k == X_I:
+        info.i_start, info.i_len, info.i_esc = start, length, esc
+    elif k == X_PROPS:
+        info.pr_start, info.pr_len, info.pr_esc = start, length, esc
+
+
+cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
+    cdef Py_ssize_t ks, klen, vs
+    cdef int f, k, seen = 0
+    i = skip_ws(h, i + 1, n)
+    if i < n and h[i] == 125:
+        return i + 1
+    while True:
+        if i >= n or h[i] != 34:
+            return -E_KEY_EXPECTED
+        ks = i + 1
+        i = scan_string(h, i, n, &f)
+        if i < 0:
+            return i
+        if f & S_ESC:
+            return -E_EXT_KEY_ESCAPED
+        klen = i - 1 - ks
+        k = ext_key(h + ks, klen)
+        if k & seen:
+            return -E_EXT_DUP_KEY
+        seen |= k
+        i = skip_ws(h, i, n)
+        if i >= n or h[i] != 58:
+            return -E_COLON_EXPECTED
+        i = skip_ws(h, i + 1, n)
+        if k:
+            if i >= n or h[i] != 34:
+                return -E_EXT_NOT_STRING
+            vs = i + 1
+            i = scan_string(h, i, n, &f)
+            if i < 0:
+                return i
+            ext_record(info, k, vs, i - 1 - vs, f & S_ESC)
+        else:
+            i = skip_value(h, i, n, 2)
+            if i < 0:
+                return i
+        i = skip_ws(h, i, n)
+        if i < n and h[i] == 44:
+            i = skip_ws(h, i + 1, n)
+            continue
+        if i < n and h[i] == 125:
+            return i + 1
+        return -E_COMMA_EXPECTED
+
+
+cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
+    cdef Py_ssize_t i, ks
+    cdef int f, k, seen = 0
+    i = skip_ws(h, 0, n)
+    if i >= n or h[i] != 123:
+        return E_NOT_OBJECT
+    i = skip_ws(h, i + 1, n)
+    if i < n and h[i] == 125:
+        return E_NO_CODE
+    while True:
+        if i >= n or h[i] != 34:
+            return E_KEY_EXPECTED
+        ks = i + 1
+        i = scan_string(h, i, n, &f)
+        if i < 0:
+            return <int>(-i)
+        if f & S_ESC:
+            return E_KEY_ESCAPED
+        k = header_key(h + ks, i - 1 - ks)
+        if k < 0:
+            return E_KEY_VARIANT
+        if k & seen:
+            return E_DUP_KEY
+        seen |= k
+        i = skip_ws(h, i, n)
+        if i >= n or h[i] != 58:
+            return E_COLON_EXPECTED
+        i = skip_ws(h, i + 1, n)
+        if k == K_CODE:
+            i = parse_int(h, i, n, &info.code)
+        elif k == K_FLAG:
+            i = parse_int(h, i, n, &info.flag)
+        elif k == K_OPAQUE:
+            i = parse_int(h, i, n, &info.opaque)
+        elif k == K_EXT and i < n and h[i] == 123:
+            i = walk_ext_fields(h, i, n, info)
+        else:
+            i = skip_value(h, i, n, 1)
+        if i < 0:
+            return <int>(-i)
+        i = skip_ws(h, i, n)
+        if i < n and h[i] == 44:
+            i = skip_ws(h, i + 1, n)
+            continue
+        if i < n and h[i] == 125:
+            i += 1
+            break
+        return E_COMMA_EXPECTED
+    if skip_ws(h, i, n) != n:
+        return E_TRAILING
+    if not seen & K_CODE:
+        return E_NO_CODE
+    return E_OK
+
+
+cdef int parse_binary_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
+    """RocketMQSerializable's layout; the extFields region must end exactly at the header's end."""
+    cdef Py_ssize_t i, end, klen, ks
+    cdef int32_t rlen, elen, vlen
+    cdef int k, seen = 0
+    if n < 21:
+        return E_BIN_SHORT
+    info.code = rd_i16(h)
+    info.opaque = rd_i32(h + 5)
+    info.flag = rd_i32(h + 9)
+    rlen = rd_i32(h + 13)
+    i = 17
+    if rlen < 0 or rlen > n - i - 4:
+        return E_BIN_REMARK
+    i += rlen
+    elen = rd_i32(h + i)
+    i += 4
+    if elen < 0 or elen > n - i:
+        return E_BIN_EXT
+    end = i + elen
+    if end != n:
+        return E_BIN_TRAILING
+    while i < end:
+        if end - i < 2:
+            return E_BIN_KEY_TRUNC
+        klen = rd_u16(h + i)
+        i += 2
+        if klen >= 0x8000 or klen > end - i - 4:   # Java reads the length as a signed short
+            return E_BIN_KEY
+        ks = i
+        i += klen
+        vlen = rd_i32(h + i)
+        i += 4
+        if vlen < 0 or vlen > end - i:
+            return E_BIN_VALUE
+        k = ext_key(h + ks, klen)
+        if k & seen:
+            return E_BIN_DUP_KEY
+        seen |= k
+        if k and vlen > 0:       # Java reads an empty value as null: absent
+            if not utf8_valid(h + i, vlen):   # Java would read U+FFFD where the walk sees bytes
+                return E_BAD_UTF8
+            ext_record(info, k, i, vlen, False)
+        i += vlen
+    return E_OK
+
+
+cdef uint64_t count_batch(const uint8_t* p, Py_ssize_t n) noexcept nogil:
+    cdef uint64_t count = 0
+    cdef Py_ssize_t i = 0
+    cdef int32_t size
+    while n - i >= 4:
+        size = rd_i32(p + i)
+        if size <= 0:
+            break
+        count += 1
+        i += size
+    return count
+
+
+# Message properties: "k\x01v\x02k\x01v..." (MessageDecoder.string2messageProperties).
+
+cdef Py_ssize_t json_unescape(const uint8_t* s, Py_ssize_t n, uint8_t* out) noexcept nogil:
+    """Decode the contents of a JSON string the walk accepted into UTF-8; the decoded length."""
+    cdef Py_ssize_t i = 0, o = 0
+    cdef uint32_t u
+    cdef uint8_t c
+    while i < n:
+        c = s[i]
+        if c != 92:
+            out[o] = c
+            o += 1
+            i += 1
+            continue
+        c = s[i + 1]
+        i += 2
+        if c == 117:
+            u = <uint32_t>hex4(s + i)
+            i += 4
+            if 0xD800 <= u <= 0xDBFF:
+                u = 0x10000 + ((u - 0xD800) << 10) + (<uint32_t>hex4(s + i + 2) - 0xDC00)
+                i += 6
+            if u < 0x80:
+                out[o] = <uint8_t>u
+                o += 1
+            elif u < 0x800:
+                out[o] = <uint8_t>(0xC0 | (u >> 6))
+                out[o + 1] = <uint8_t>(0x80 | (u & 0x3F))
+                o += 2
+            elif u < 0x10000:
+                out[o] = <uint8_t>(0xE0 | (u >> 12))
+                out[o + 1] = <uint8_t>(0x80 | ((u >> 6) & 0x3F))
+                out[o + 2] = <uint8_t>(0x80 | (u & 0x3F))
+                o += 3
+            else:
+                out[o] = <uint8_t>(0xF0 | (u >> 18))
+                out[o + 1] = <uint8_t>(0x80 | ((u >> 12) & 0x3F))
+                out[o + 2] = <uint8_t>(0x80 | ((u >> 6) & 0x3F))
+                out[o + 3] = <uint8_t>(0x80 | (u & 0x3F))
+                o += 4
+        elif c == 98:
+            out[o] = 8
+            o += 1
+        elif c == 102:
+            out[o] = 12
+            o += 1
+        elif c == 110:
+            out[o] = 10
+            o += 1
+        elif c == 114:
+            out[o] = 13
+            o += 1
+        elif c == 116:
+            out[o] = 9
+            o += 1
+        else:                  # \" \\ \/
+            out[o] = c
+            o += 1
+    return o
+
+
+cdef Py_ssize_t find_tag(const uint8_t* p, Py_ssize_t n, Py_ssize_t* tlen) noexcept nogil:
+    """Start of the TAGS value in decoded properties (-1: none), its length in tlen.
+
+    The broker's reading: entries split at \\x02; an entry of at least 3 bytes whose first \\x01
+    leaves a non-empty name and a non-empty value is a property; the last TAGS wins.
+    """
+    cdef Py_ssize_t index = 0, nxt, kv, found = -1
+    cdef const uint8_t* q
+    while index < n:
+        q = <const uint8_t*>memchr(p + index, 2, n - index)
+        nxt = q - p if q != NULL else n
+        if nxt - index >= 3:
+            q = <const uint8_t*>memchr(p + index, 1, nxt - index)
+            if q != NULL:
+                kv = q - p
+                if kv > index and kv < nxt - 1 and kv - index == 4 and memcmp(p + index, b"TAGS", 4) == 0:
+                    found = kv + 1
+                    tlen[0] = nxt - found
+        index = nxt + 1
+    return found
+
+
+cdef uint8_t* _props_buf = NULL     # decoded escaped properties (one scanner runs at a time per process)
+cdef Py_ssize_t _props_cap = 0
+
+
+cdef const uint8_t* props_tag(const uint8_t* props, Py_ssize_t plen, bint esc, Py_ssize_t* glen) noexcept:
+    """The TAGS value of a send's properties as the broker reads it (NULL: none); length in glen."""
+    global _props_buf, _props_cap
+    cdef const uint8_t* p = props
+    cdef Py_ssize_t n = plen, s
+    cdef uint8_t* grown
+    if esc:
+        if plen > _props_cap:
+            grown = <uint8_t*>realloc(_props_buf, plen)
+            if grown == NULL:
+                return NULL
+            _props_buf = grown
+            _props_cap = plen
+        n = json_unescape(props, plen, _props_buf)
+        p = _props_buf
+    s = find_tag(p, n, glen)
+    return p + s if s >= 0 else NULL
