@@ -104,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_flags(serve)
 
-    check = sub.add_parser("check-config", help="validate a config file (and flags) and print the result")
+    check = sub.add_parser(
+        "check-config",
+        help="validate a config file (and flags): every error at once, or a short summary of what it sets up",
+    )
     check.add_argument("file", metavar="FILE")
+    check.add_argument("--json", action="store_true", help="on success print the validated configuration as JSON")
     _add_serve_flags(check)
 
     spill = sub.add_parser(
@@ -184,11 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load()
     except ConfigError as exc:
-        print(f"rmqfast: invalid configuration: {exc}", file=sys.stderr)
+        errors = getattr(exc, "errors", None)
+        if errors:
+            where = f" in {path}" if path else ""
+            print(f"rmqfast: invalid configuration{where} ({len(errors)} errors):", file=sys.stderr)
+            for e in errors:
+                print(f"  {e}", file=sys.stderr)
+        else:
+            print(f"rmqfast: invalid configuration: {exc}", file=sys.stderr)
         return 2
     if args.command == "check-config":
-        print(f"{path}: ok")
-        print(cfg.to_json())
+        if args.json:
+            print(cfg.to_json())
+        else:
+            print(summary(path, cfg))
         return 0
 
     log_mod.setup(cfg.log.format, cfg.log.level)
@@ -199,6 +212,51 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rmqfast: {exc}", file=sys.stderr)
         return 2
+
+
+def summary(path: str, cfg: config_mod.Config) -> str:
+    """What a valid configuration sets up, in a few lines (``rmqfast check-config``)."""
+    p, b = cfg.proxy, cfg.brokers
+    ups = ", ".join(str(u) for u in cfg.namesrv.upstreams)
+    workers = f"{p.workers}" if p.workers else f"one per CPU ({cfg.worker_count} here)"
+    if b.port_range is not None:
+        brokers = (f"ports {b.port_range[0]}-{b.port_range[1]} on {cfg.broker_listen_host} for the brokers "
+                   f"the routes name, advertised as {cfg.advertise_host}")
+    else:
+        brokers = "no automatic endpoints"
+    if b.static:
+        brokers += f"; {len(b.static)} static (" + ", ".join(f"{s.listen} -> {s.upstream}" for s in b.static) + ")"
+    if cfg.admin.listen is None:
+        admin = "off"
+    else:
+        changes = "need the admin.token" if cfg.admin.token else "from loopback only (no admin.token)"
+        admin = f"http://{cfg.admin.listen}/ (/metrics /healthz /readyz /limits; limit changes {changes})"
+    policy = "admin request codes denied"
+    if cfg.policy.allow_codes:
+        policy += f"; also allowed: {', '.join(map(str, cfg.policy.allow_codes))}"
+    if cfg.policy.deny_codes:
+        policy += f"; also denied: {', '.join(map(str, cfg.policy.deny_codes))}"
+    rules = cfg.limits.all_rules()
+    limits = f"{len(rules)} rule(s)" if rules else "none"
+    records = (f"on, every {cfg.records.rotate_seconds:g} s into {cfg.records.dir} ({cfg.records.format})"
+               if cfg.records.enabled else "off")
+    clouds = "off"
+    if cfg.replication_enabled:
+        clouds = (f"{cfg.replicate.durability}, to " + ", ".join(r.name for r in cfg.clouds.remotes)
+                  + f"; {len(cfg.replicate.topics)} topic rule(s), default {cfg.replicate.default}")
+    rows = [
+        ("name servers", f"clients connect to {cfg.namesrv.listen}, relayed to {ups}"),
+        ("brokers", brokers),
+        ("workers", workers),
+        ("admin endpoint", admin),
+        ("policy", policy),
+        ("send limits", limits),
+        ("traffic records", records),
+        ("cross-cloud", clouds),
+        ("logs", f"{cfg.log.format}, level {cfg.log.level}; state in {p.state_dir}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"{path or '(flags only)'}: ok"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
 
 def _spill(args: argparse.Namespace) -> int:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rmqfast.errors import ConfigError
-from rmqfast.limits.rules import LimitsSection, parse_limits
+from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -54,6 +57,10 @@ class ProxySection:
     idle_timeout: float = 120.0
     drain_timeout: float = 10.0
     state_dir: str = ".rmqfast-state"
+    # seconds a frame a peer started sending may wait for its next bytes (0: no deadline)
+    frame_timeout: float = 30.0
+    # bytes per worker for frames held whole (policy, limited sends, batches) beyond the base buffers
+    buffer_budget: int = 64 * 1024 * 1024
 
 
 @dataclass
@@ -190,25 +197,129 @@ class Config:
 
 
 # --------------------------------------------------------------------------------------
+# Errors: every problem in a file is reported at once, values written as TOML writes them.
+
+
+class ConfigErrors(ConfigError):
+    """Several configuration errors; ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def toml_value(value: Any, limit: int = 80) -> str:
+    """``value`` as it is written in TOML (``true``, ``"text"``, ``[1, 2]``), cut at ``limit``."""
+    if value is None:
+        text = "nothing"
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, list):
+        text = "[" + ", ".join(toml_value(v, limit) for v in value[:20]) + (", ..." if len(value) > 20 else "") + "]"
+    elif isinstance(value, dict):
+        text = "{ " + ", ".join(f"{k} = {toml_value(v, limit)}" for k, v in list(value.items())[:20]) + " }"
+        text = "{}" if not value else text
+    elif hasattr(value, "isoformat"):
+        text = value.isoformat()
+    else:
+        text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_t = toml_value
+
+
+class _Errors:
+    """Collects the errors of independent checks: ``with errs.check(): ...`` per check."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    @contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigErrors as exc:
+            self.messages.extend(exc.errors)
+        except ConfigError as exc:
+            self.messages.append(str(exc))
+
+    def any_under(self, *prefixes: str) -> bool:
+        return any(m.startswith(prefixes) for m in self.messages)
+
+    def raise_if_any(self) -> None:
+        if len(self.messages) == 1:
+            raise ConfigError(self.messages[0])
+        if self.messages:
+            raise ConfigErrors(self.messages)
+
+
+# --------------------------------------------------------------------------------------
 # Parsing helpers: each takes the dotted key for its error messages.
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def valid_host(host: str) -> bool:
+    """An IP address or a DNS host name (letters, digits, '-', '_' in dot-separated labels)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
 
 
 def parse_hostport(key: str, value: Any) -> HostPort:
     if not isinstance(value, str):
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected a string 'host:port'")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a string \"host:port\"")
     text = value.strip()
+    if ";" in text:
+        raise ConfigError(
+            f"{key}: {_t(value)} is not allowed; one \"host:port\" here (RocketMQ's \"a:9876;b:9876\" list "
+            "form is accepted where several name servers are, e.g. namesrv.upstreams)"
+        )
     if text.startswith("["):  # [v6]:port
         host, sep, port = text[1:].partition("]:")
     else:
         host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected 'host:port', e.g. 127.0.0.1:9876")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected \"host:port\", e.g. \"127.0.0.1:9876\"")
     p = int(port)
     if not 1 <= p <= 65535:
-        raise ConfigError(f"{key}: {value!r} is not allowed; the port must be from 1 to 65535")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; the port must be from 1 to 65535")
     if not host:
-        raise ConfigError(f"{key}: {value!r} is not allowed; the host is missing (use 0.0.0.0 for all)")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing (use 0.0.0.0 for all)")
+    if not valid_host(host):
+        raise ConfigError(
+            f"{key}: {_t(value)} is not allowed; {_t(host)} is neither an IP address nor a host name "
+            "(IPv6 addresses are written [addr]:port)"
+        )
     return HostPort(host, p)
+
+
+def parse_hostport_list(key: str, value: Any) -> list[HostPort]:
+    """A list of "host:port" (or one string); RocketMQ's "a:9876;b:9876" form is split into several."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a list of \"host:port\"")
+    errs = _Errors()
+    out: list[HostPort] = []
+    for i, item in enumerate(items):
+        where = f"{key}[{i}]" if not isinstance(value, str) else key
+        parts = [p.strip() for p in item.split(";")] if isinstance(item, str) else [item]
+        for part in parts:
+            if part == "" and len(parts) > 1:
+                continue  # "a:9876;b:9876;" as RocketMQ tolerates it
+            with errs.check():
+                out.append(parse_hostport(where, part))
+    errs.raise_if_any()
+    return out
 
 
 def parse_port_range(key: str, value: Any) -> tuple[int, int] | None:
@@ -221,44 +332,56 @@ def parse_port_range(key: str, value: Any) -> tuple[int, int] | None:
             if 1 <= lo <= hi <= 65535 and hi - lo >= 2:
                 return lo, hi
     raise ConfigError(
-        f"{key}: {value!r} is not allowed; expected 'FIRST-LAST' with 1 <= FIRST, FIRST+2 <= LAST "
-        "<= 65535 (e.g. '30900-30999'), or '' to disable automatic broker endpoints"
+        f"{key}: {_t(value)} is not allowed; expected \"FIRST-LAST\" with 1 <= FIRST, FIRST+2 <= LAST "
+        "<= 65535 (e.g. \"30900-30999\"), or \"\" to disable automatic broker endpoints"
     )
 
 
 def _int(key: str, value: Any, lo: int, hi: int, what: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected an integer from {lo}{what} to {hi}")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected an integer from {lo}{what} to {hi}")
     return value
 
 
 def _float(key: str, value: Any, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected a number of seconds from {lo} to {hi}")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a number of seconds from {lo} to {hi}")
     return float(value)
 
 
 def _str(key: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected a string")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a string")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected true or false")
     return value
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected one of {', '.join(choices)}")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected one of {', '.join(choices)}")
     return str(value)
 
 
 def _codes(key: str, value: Any) -> list[int]:
     if not isinstance(value, list):
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected a list of request codes")
-    return [_int(f"{key}[{i}]", v, 0, 2**31 - 1) for i, v in enumerate(value)]
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a list of request codes")
+    errs = _Errors()
+    out = []
+    for i, v in enumerate(value):
+        with errs.check():
+            out.append(_int(f"{key}[{i}]", v, 0, 2**31 - 1))
+    errs.raise_if_any()
+    return out
 
 
 def _table(key: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected a table")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a table")
     return value
 
 
@@ -305,7 +428,7 @@ _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678
 def _name(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > 64 or not set(value) <= _NAME_CHARS:
         raise ConfigError(
-            f"{key}: {value!r} is not allowed; expected a name of 1 to 64 letters, digits, '-', '_' or '.'"
+            f"{key}: {_t(value)} is not allowed; expected a name of 1 to 64 letters, digits, '-', '_' or '.'"
         )
     return value
 
@@ -314,49 +437,48 @@ def _str_list(key: str, value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"{key}: {value!r} is not allowed; expected a list of non-empty strings")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a list of non-empty strings")
     return list(value)
 
 
-def _parse_clouds(cfg: Config, raw: dict[str, Any]) -> None:
-    cl = _table("clouds", raw.get("clouds", {}))
-    _check_keys("clouds", cl, _KNOWN["clouds"])
+def _section(errs: _Errors, raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """The known keys of table ``raw[name]`` ({} when absent or not a table); errors recorded."""
+    with errs.check():
+        tbl = _table(name, raw.get(name, {}))
+        with errs.check():
+            _check_keys(name, tbl, _KNOWN[name])
+        return {k: v for k, v in tbl.items() if k in _KNOWN[name]}
+    return {}
+
+
+def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
+    cl = _section(errs, raw, "clouds")
     c = cfg.clouds
-    if "local" in cl:
-        c.local = _name("clouds.local", cl["local"])
-    if "detect_interval" in cl:
-        c.detect_interval = _float("clouds.detect_interval", cl["detect_interval"], 0.1, 3600)
-    if "detect_timeout" in cl:
-        c.detect_timeout = _float("clouds.detect_timeout", cl["detect_timeout"], 0.1, 60)
+    with errs.check():
+        if "local" in cl:
+            c.local = _name("clouds.local", cl["local"])
+    with errs.check():
+        if "detect_interval" in cl:
+            c.detect_interval = _float("clouds.detect_interval", cl["detect_interval"], 0.1, 3600)
+    with errs.check():
+        if "detect_timeout" in cl:
+            c.detect_timeout = _float("clouds.detect_timeout", cl["detect_timeout"], 0.1, 60)
     remotes = cl.get("remote", [])
     if not isinstance(remotes, list):
-        raise ConfigError(f"clouds.remote: {remotes!r} is not allowed; expected an array of tables [[clouds.remote]]")
+        errs.messages.append(
+            f"clouds.remote: {_t(remotes)} is not allowed; expected an array of tables [[clouds.remote]]")
+        remotes = []
     for i, r in enumerate(remotes):
-        key = f"clouds.remote[{i}]"
-        r = _table(key, r)
-        _check_keys(key, r, {"name", "namesrv"})
-        if "name" not in r or "namesrv" not in r:
-            raise ConfigError(f"{key}: both 'name' and 'namesrv' (the remote name servers) are required")
-        name = _name(f"{key}.name", r["name"])
-        if name == c.local:
-            raise ConfigError(f"{key}.name: {name!r} is the local cloud's name (clouds.local); pick another")
-        if any(x.name == name for x in c.remotes):
-            raise ConfigError(f"{key}.name: {name!r} is used by another [[clouds.remote]]")
-        addrs = _str_list(f"{key}.namesrv", r["namesrv"])
-        ns = [str(parse_hostport(f"{key}.namesrv[{j}]", a)) for j, a in enumerate(addrs)]
-        if not ns:
-            raise ConfigError(f"{key}.namesrv: [] is not allowed; expected at least one 'host:port'")
-        c.remotes.append(RemoteCloud(name, ns))
+        with errs.check():
+            c.remotes.append(_parse_remote(f"clouds.remote[{i}]", r, c))
 
-    rp = _table("replicate", raw.get("replicate", {}))
-    _check_keys("replicate", rp, _KNOWN["replicate"])
+    rp = _section(errs, raw, "replicate")
     r = cfg.replicate
-    if "durability" in rp:
-        r.durability = _choice("replicate.durability", rp["durability"], ("fast", "durable"))
-    if "default" in rp:
-        r.default = _choice("replicate.default", rp["default"], _REPLICATE_CHOICES)
-    if "on_disk_full" in rp:
-        r.on_disk_full = _choice("replicate.on_disk_full", rp["on_disk_full"], ("reject", "drop"))
+    for k, choices in (("durability", ("fast", "durable")), ("default", _REPLICATE_CHOICES),
+                       ("on_disk_full", ("reject", "drop"))):
+        with errs.check():
+            if k in rp:
+                setattr(r, k, _choice(f"replicate.{k}", rp[k], choices))
     for k, lo, hi in (
         ("channel_size", 0, 10_000_000),
         ("disk_cap_bytes", 1 << 20, 1 << 50),
@@ -365,194 +487,249 @@ def _parse_clouds(cfg: Config, raw: dict[str, Any]) -> None:
         ("deliver_processes", 1, 64),
         ("max_in_flight", 1, 1_000_000),
     ):
-        if k in rp:
-            setattr(r, k, _int(f"replicate.{k}", rp[k], lo, hi))
-    for k, lo, hi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600)):
-        if k in rp:
-            setattr(r, k, _float(f"replicate.{k}", rp[k], lo, hi))
+        with errs.check():
+            if k in rp:
+                setattr(r, k, _int(f"replicate.{k}", rp[k], lo, hi))
+    for k, flo, fhi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600)):
+        with errs.check():
+            if k in rp:
+                setattr(r, k, _float(f"replicate.{k}", rp[k], flo, fhi))
     topics = rp.get("topic", [])
     if not isinstance(topics, list):
-        raise ConfigError(
-            f"replicate.topic: {topics!r} is not allowed; expected an array of tables [[replicate.topic]]"
-        )
-    names = {x.name for x in c.remotes}
+        errs.messages.append(
+            f"replicate.topic: {_t(topics)} is not allowed; expected an array of tables [[replicate.topic]]")
+        topics = []
     for i, t in enumerate(topics):
-        key = f"replicate.topic[{i}]"
-        t = _table(key, t)
-        _check_keys(key, t, {"name", "replicate", "tags", "remotes", "groups"})
-        if not isinstance(t.get("name"), str) or not t["name"]:
-            raise ConfigError(f"{key}.name: {t.get('name')!r} is not allowed; expected the topic name")
-        rule = TopicRule(
-            t["name"],
-            _choice(f"{key}.replicate", t.get("replicate", "online"), _REPLICATE_CHOICES),
-            _str_list(f"{key}.tags", t.get("tags", [])),
-            _str_list(f"{key}.remotes", t.get("remotes", [])),
-            _str_list(f"{key}.groups", t.get("groups", [])),
-        )
-        for rn in rule.remotes:
-            if rn not in names:
-                raise ConfigError(
-                    f"{key}.remotes: {rn!r} is not a configured remote; known: {', '.join(sorted(names)) or 'none'}"
-                )
-        if any(x.name == rule.name for x in r.topics):
-            raise ConfigError(f"{key}.name: topic {rule.name!r} has another rule already")
-        r.topics.append(rule)
+        with errs.check():
+            r.topics.append(_parse_topic_rule(f"replicate.topic[{i}]", t, c, r))
+
+
+def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
+    r = _table(key, r)
+    _check_keys(key, r, {"name", "namesrv"})
+    if "name" not in r or "namesrv" not in r:
+        raise ConfigError(f"{key}: both 'name' and 'namesrv' (the remote name servers) are required")
+    name = _name(f"{key}.name", r["name"])
+    if name == c.local:
+        raise ConfigError(f"{key}.name: {_t(name)} is the local cloud's name (clouds.local); pick another")
+    if any(x.name == name for x in c.remotes):
+        raise ConfigError(f"{key}.name: {_t(name)} is used by another [[clouds.remote]]")
+    ns = [str(hp) for hp in parse_hostport_list(f"{key}.namesrv", r["namesrv"])]
+    if not ns:
+        raise ConfigError(f"{key}.namesrv: [] is not allowed; expected at least one \"host:port\"")
+    return RemoteCloud(name, ns)
+
+
+def _parse_topic_rule(key: str, t: Any, c: CloudsSection, r: ReplicateSection) -> TopicRule:
+    t = _table(key, t)
+    _check_keys(key, t, {"name", "replicate", "tags", "remotes", "groups"})
+    if not isinstance(t.get("name"), str) or not t["name"]:
+        raise ConfigError(f"{key}.name: {_t(t.get('name'))} is not allowed; expected the topic name")
+    errs = _Errors()
+    fields: dict[str, Any] = {}
+    with errs.check():
+        fields["replicate"] = _choice(f"{key}.replicate", t.get("replicate", "online"), _REPLICATE_CHOICES)
+    for k in ("tags", "remotes", "groups"):
+        with errs.check():
+            fields[k] = _str_list(f"{key}.{k}", t.get(k, []))
+    names = {x.name for x in c.remotes}
+    for rn in fields.get("remotes", []):
+        if rn not in names:
+            errs.messages.append(
+                f"{key}.remotes: {_t(rn)} is not a configured remote; known: {', '.join(sorted(names)) or 'none'}")
+    if any(x.name == t["name"] for x in r.topics):
+        errs.messages.append(f"{key}.name: topic {_t(t['name'])} has another rule already")
+    errs.raise_if_any()
+    return TopicRule(t["name"], fields["replicate"], fields["tags"], fields["remotes"], fields["groups"])
 
 
 def _check_keys(prefix: str, table: dict[str, Any], allowed: set[str]) -> None:
+    bad = []
     for k in table:
         if k not in allowed:
             where = f"{prefix}.{k}" if prefix else k
-            raise ConfigError(f"{where}: unknown key; allowed here: {', '.join(sorted(allowed))}")
+            bad.append(f"{where}: unknown key; allowed here: {', '.join(sorted(allowed))}")
+    if len(bad) == 1:
+        raise ConfigError(bad[0])
+    if bad:
+        raise ConfigErrors(bad)
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
-    """Validate a parsed TOML document (plus overrides) into a :class:`Config`."""
-    _check_keys("", raw, set(_KNOWN))
+    """Validate a parsed TOML document (plus overrides) into a :class:`Config`.
+
+    Every problem is found in one pass: one :class:`ConfigError` for a single problem, a
+    :class:`ConfigErrors` (``.errors``, one message per line) for several.
+    """
+    errs = _Errors()
+    with errs.check():
+        _check_keys("", raw, set(_KNOWN))
     cfg = Config()
-    px = _table("proxy", raw.get("proxy", {}))
-    _check_keys("proxy", px, _KNOWN["proxy"])
+    px = _section(errs, raw, "proxy")
     p = cfg.proxy
-    if "workers" in px:
-        p.workers = _int("proxy.workers", px["workers"], 0, 256, " (one per CPU)")
-    if "advertise_host" in px:
-        p.advertise_host = _str("proxy.advertise_host", px["advertise_host"])
-    if "max_frame_size" in px:
-        p.max_frame_size = _int("proxy.max_frame_size", px["max_frame_size"], 1024, 1 << 30)
-    if "max_header_size" in px:
-        p.max_header_size = _int("proxy.max_header_size", px["max_header_size"], 64, 0xFFFFFF)
-    if "buffer_size" in px:
-        p.buffer_size = _int("proxy.buffer_size", px["buffer_size"], 4096, 64 << 20)
-    for k, lo, hi in (("connect_timeout", 0.1, 60), ("idle_timeout", 20, 86400), ("drain_timeout", 0, 600)):
-        if k in px:
-            setattr(p, k, _float(f"proxy.{k}", px[k], lo, hi))
-    if "state_dir" in px:
-        p.state_dir = _str("proxy.state_dir", px["state_dir"])
+    ints = (("workers", 0, 256, " (one per CPU)"), ("max_frame_size", 1024, 1 << 30, ""),
+            ("max_header_size", 64, 0xFFFFFF, ""), ("buffer_size", 4096, 64 << 20, ""))
+    for k, lo, hi, what in ints:
+        with errs.check():
+            if k in px:
+                setattr(p, k, _int(f"proxy.{k}", px[k], lo, hi, what))
+    for k, flo, fhi in (("connect_timeout", 0.1, 60), ("idle_timeout", 20, 86400), ("drain_timeout", 0, 600)):
+        with errs.check():
+            if k in px:
+                setattr(p, k, _float(f"proxy.{k}", px[k], flo, fhi))
+    for k in ("advertise_host", "state_dir"):
+        with errs.check():
+            if k in px:
+                setattr(p, k, _str(f"proxy.{k}", px[k]))
     if p.max_header_size > p.max_frame_size:
-        raise ConfigError(
+        errs.messages.append(
             f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "
             f"proxy.max_frame_size ({p.max_frame_size})"
         )
 
-    ns = _table("namesrv", raw.get("namesrv", {}))
-    _check_keys("namesrv", ns, _KNOWN["namesrv"])
-    cfg.namesrv.listen = parse_hostport("namesrv.listen", ns.get("listen", DEFAULT_NAMESRV_LISTEN))
-    ups = ns.get("upstreams", [])
-    if isinstance(ups, str):
-        ups = [ups]
-    if not isinstance(ups, list) or not ups:
-        raise ConfigError(
-            f"namesrv.upstreams: {ups!r} is not allowed; expected a non-empty list of 'host:port' "
-            "(the real RocketMQ name servers), e.g. ['10.0.0.1:9876']"
-        )
-    cfg.namesrv.upstreams = [parse_hostport(f"namesrv.upstreams[{i}]", u) for i, u in enumerate(ups)]
+    ns = _section(errs, raw, "namesrv")
+    with errs.check():
+        cfg.namesrv.listen = parse_hostport("namesrv.listen", ns.get("listen", DEFAULT_NAMESRV_LISTEN))
+    with errs.check():
+        ups = ns.get("upstreams", [])
+        if not isinstance(ups, list | str) or not ups:
+            raise ConfigError(
+                f"namesrv.upstreams: {_t(ups)} is not allowed; expected a non-empty list of \"host:port\" "
+                "(the real RocketMQ name servers), e.g. [\"10.0.0.1:9876\"]"
+            )
+        cfg.namesrv.upstreams = parse_hostport_list("namesrv.upstreams", ups)
 
-    br = _table("brokers", raw.get("brokers", {}))
-    _check_keys("brokers", br, _KNOWN["brokers"])
+    br = _section(errs, raw, "brokers")
     b = cfg.brokers
-    if "port_range" in br:
-        b.port_range = parse_port_range("brokers.port_range", br["port_range"])
-    if "listen_host" in br:
-        b.listen_host = _str("brokers.listen_host", br["listen_host"])
-    if "vip_channel" in br:
-        if not isinstance(br["vip_channel"], bool):
-            raise ConfigError(f"brokers.vip_channel: {br['vip_channel']!r} is not allowed; expected true or false")
-        b.vip_channel = br["vip_channel"]
+    with errs.check():
+        if "port_range" in br:
+            b.port_range = parse_port_range("brokers.port_range", br["port_range"])
+    with errs.check():
+        if "listen_host" in br:
+            b.listen_host = _str("brokers.listen_host", br["listen_host"])
+    with errs.check():
+        if "vip_channel" in br:
+            b.vip_channel = _bool("brokers.vip_channel", br["vip_channel"])
     statics = br.get("static", [])
     if not isinstance(statics, list):
-        raise ConfigError(f"brokers.static: {statics!r} is not allowed; expected an array of tables")
+        errs.messages.append(f"brokers.static: {_t(statics)} is not allowed; expected an array of tables")
+        statics = []
     for i, s in enumerate(statics):
         key = f"brokers.static[{i}]"
-        s = _table(key, s)
-        _check_keys(key, s, {"listen", "upstream"})
-        if "listen" not in s or "upstream" not in s:
-            raise ConfigError(f"{key}: both 'listen' and 'upstream' are required")
-        b.static.append(
-            StaticBroker(parse_hostport(f"{key}.listen", s["listen"]), parse_hostport(f"{key}.upstream", s["upstream"]))
-        )
+        with errs.check():
+            s = _table(key, s)
+            _check_keys(key, s, {"listen", "upstream"})
+            if "listen" not in s or "upstream" not in s:
+                raise ConfigError(f"{key}: both 'listen' and 'upstream' are required")
+            b.static.append(StaticBroker(parse_hostport(f"{key}.listen", s["listen"]),
+                                         parse_hostport(f"{key}.upstream", s["upstream"])))
 
-    po = _table("policy", raw.get("policy", {}))
-    _check_keys("policy", po, _KNOWN["policy"])
-    cfg.policy.allow_codes = _codes("policy.allow_codes", po.get("allow_codes", []))
-    cfg.policy.deny_codes = _codes("policy.deny_codes", po.get("deny_codes", []))
+    po = _section(errs, raw, "policy")
+    with errs.check():
+        cfg.policy.allow_codes = _codes("policy.allow_codes", po.get("allow_codes", []))
+    with errs.check():
+        cfg.policy.deny_codes = _codes("policy.deny_codes", po.get("deny_codes", []))
 
-    ad = _table("admin", raw.get("admin", {}))
-    _check_keys("admin", ad, _KNOWN["admin"])
-    if ad.get("listen"):
-        cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
-    if "token" in ad:
-        cfg.admin.token = _str("admin.token", ad["token"])
+    ad = _section(errs, raw, "admin")
+    with errs.check():
+        if ad.get("listen"):
+            cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
+    with errs.check():
+        if "token" in ad:
+            cfg.admin.token = _str("admin.token", ad["token"])
 
-    cfg.limits = parse_limits(raw.get("limits", {}))
+    _parse_limits(cfg, raw, errs)
 
-    lg = _table("log", raw.get("log", {}))
-    _check_keys("log", lg, _KNOWN["log"])
-    cfg.log.format = _choice("log.format", lg.get("format", "json"), ("json", "human"))
-    cfg.log.level = _choice("log.level", lg.get("level", "info"), ("debug", "info", "warning", "error"))
+    lg = _section(errs, raw, "log")
+    with errs.check():
+        cfg.log.format = _choice("log.format", lg.get("format", "json"), ("json", "human"))
+    with errs.check():
+        cfg.log.level = _choice("log.level", lg.get("level", "info"), ("debug", "info", "warning", "error"))
 
-    _parse_records(cfg, raw)
+    _parse_records(cfg, raw, errs)
+    _parse_clouds(cfg, raw, errs)
 
-    _parse_clouds(cfg, raw)
-
-    _check_ports(cfg)
+    # cross-field checks only on values that parsed (else they would report the defaults)
+    if not errs.any_under("namesrv.listen", "brokers", "admin.listen", "proxy.advertise_host"):
+        _check_ports(cfg, errs)
+    errs.raise_if_any()
     return cfg
 
 
-def _parse_records(cfg: Config, raw: dict[str, Any]) -> None:
-    rc = _table("records", raw.get("records", {}))
-    _check_keys("records", rc, _KNOWN["records"])
+def _parse_limits(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
+    """``[limits]``: each rule checked on its own first, so every bad rule is reported."""
+    lim = raw.get("limits", {})
+    before = len(errs.messages)
+    if isinstance(lim, dict) and isinstance(lim.get("rule"), list):
+        for i, r in enumerate(lim["rule"]):
+            with errs.check():
+                parse_rule(f"limits.rule[{i}]", r)
+    if len(errs.messages) == before:
+        with errs.check():
+            cfg.limits = parse_limits(lim)
+
+
+def _parse_records(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
+    rc = _section(errs, raw, "records")
     r = cfg.records
-    if "enabled" in rc:
-        if not isinstance(rc["enabled"], bool):
-            raise ConfigError(f"records.enabled: {rc['enabled']!r} is not allowed; expected true or false")
-        r.enabled = rc["enabled"]
-    if "dir" in rc:
-        r.dir = _str("records.dir", rc["dir"])
-        if not r.dir:
-            raise ConfigError("records.dir: '' is not allowed; expected a directory path (created if missing)")
-    if "rotate_seconds" in rc:
-        r.rotate_seconds = _float("records.rotate_seconds", rc["rotate_seconds"], 1, 86400)
-    if "rotate_bytes" in rc:
-        r.rotate_bytes = _int("records.rotate_bytes", rc["rotate_bytes"], 4096, 1 << 40)
-    if "sample_rate" in rc:
-        v = rc["sample_rate"]
-        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
-            raise ConfigError(
-                f"records.sample_rate: {v!r} is not allowed; expected a number from 0 (no per-request records) "
-                "to 1 (every request)"
-            )
-        r.sample_rate = float(v)
-    if "format" in rc:
-        r.format = _choice("records.format", rc["format"], ("parquet", "jsonl"))
+    with errs.check():
+        if "enabled" in rc:
+            r.enabled = _bool("records.enabled", rc["enabled"])
+    with errs.check():
+        if "dir" in rc:
+            r.dir = _str("records.dir", rc["dir"])
+            if not r.dir:
+                raise ConfigError("records.dir: \"\" is not allowed; expected a directory path (created if missing)")
+    with errs.check():
+        if "rotate_seconds" in rc:
+            r.rotate_seconds = _float("records.rotate_seconds", rc["rotate_seconds"], 1, 86400)
+    with errs.check():
+        if "rotate_bytes" in rc:
+            r.rotate_bytes = _int("records.rotate_bytes", rc["rotate_bytes"], 4096, 1 << 40)
+    with errs.check():
+        if "sample_rate" in rc:
+            v = rc["sample_rate"]
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+                raise ConfigError(
+                    f"records.sample_rate: {_t(v)} is not allowed; expected a number from 0 (no per-request "
+                    "records) to 1 (every request)"
+                )
+            r.sample_rate = float(v)
+    with errs.check():
+        if "format" in rc:
+            r.format = _choice("records.format", rc["format"], ("parquet", "jsonl"))
 
 
-def _check_ports(cfg: Config) -> None:
+def _check_ports(cfg: Config, errs: _Errors) -> None:
     """Listeners must not collide with each other (including VIP channels at port - 2)."""
     assert cfg.namesrv.listen is not None
     if cfg.namesrv.listen.is_wildcard and not cfg.proxy.advertise_host:
-        raise ConfigError(
+        errs.messages.append(
             f"proxy.advertise_host: required when namesrv.listen binds a wildcard address "
             f"({cfg.namesrv.listen}); set it to the address clients use to reach this proxy"
         )
     if cfg.proxy.advertise_host:
-        _check_host("proxy.advertise_host", cfg.proxy.advertise_host)
+        with errs.check():
+            _check_host("proxy.advertise_host", cfg.proxy.advertise_host)
     used: dict[int, str] = {cfg.namesrv.listen.port: "namesrv.listen"}
     if cfg.admin.listen is not None:
-        _claim(used, cfg.admin.listen.port, "admin.listen")
+        with errs.check():
+            _claim(used, cfg.admin.listen.port, "admin.listen")
     for i, s in enumerate(cfg.brokers.static):
-        _claim(used, s.listen.port, f"brokers.static[{i}].listen")
+        with errs.check():
+            _claim(used, s.listen.port, f"brokers.static[{i}].listen")
         if cfg.brokers.vip_channel:
-            if s.listen.port <= 2:
-                raise ConfigError(
-                    f"brokers.static[{i}].listen: port {s.listen.port} leaves no room for its VIP channel at port - 2"
-                )
-            _claim(used, s.listen.port - 2, f"brokers.static[{i}].listen (VIP channel, port - 2)")
+            with errs.check():
+                if s.listen.port <= 2:
+                    raise ConfigError(f"brokers.static[{i}].listen: port {s.listen.port} leaves no room for its "
+                                      "VIP channel at port - 2")
+                _claim(used, s.listen.port - 2, f"brokers.static[{i}].listen (VIP channel, port - 2)")
     rng = cfg.brokers.port_range
     if rng is not None:
         for port, who in used.items():
             if rng[0] <= port <= rng[1]:
-                raise ConfigError(
-                    f"brokers.port_range: '{rng[0]}-{rng[1]}' is not allowed; it contains port {port} "
+                errs.messages.append(
+                    f"brokers.port_range: \"{rng[0]}-{rng[1]}\" is not allowed; it contains port {port} "
                     f"already used by {who}"
                 )
 
@@ -564,11 +741,8 @@ def _claim(used: dict[int, str], port: int, who: str) -> None:
 
 
 def _check_host(key: str, host: str) -> None:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        if not host.replace("-", "").replace(".", "").isalnum():
-            raise ConfigError(f"{key}: {host!r} is not allowed; expected an IP address or host name") from None
+    if not valid_host(host):
+        raise ConfigError(f"{key}: {_t(host)} is not allowed; expected an IP address or host name")
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

@@ -183,8 +183,8 @@ def test_records_config() -> None:
     assert config_mod.from_json(cfg.to_json()).records == cfg.records
     assert json.loads(cfg.to_json())["records"]["sample_rate"] == 0.25
     for bad, msg in (({"sample_rate": 2}, "records.sample_rate: 2 is not allowed; expected a number from 0"),
-                     ({"format": "csv"}, "records.format: 'csv' is not allowed; expected one of parquet, jsonl"),
-                     ({"enabled": "yes"}, "records.enabled: 'yes' is not allowed; expected true or false"),
+                     ({"format": "csv"}, 'records.format: "csv" is not allowed; expected one of parquet, jsonl'),
+                     ({"enabled": "yes"}, 'records.enabled: "yes" is not allowed; expected true or false'),
                      ({"rotate_seconds": 0}, "records.rotate_seconds: 0 is not allowed"),
                      ({"colour": 1}, "records.colour: unknown key")):
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):

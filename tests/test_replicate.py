@@ -299,11 +299,11 @@ def test_config_errors_name_the_key() -> None:
     base = {"namesrv": {"upstreams": ["127.0.0.1:9876"]}}
     with pytest.raises(ConfigError, match=r"clouds.remote\[0\]: both 'name' and 'namesrv'"):
         config_mod.from_dict({**base, "clouds": {"remote": [{"name": "b"}]}})
-    with pytest.raises(ConfigError, match=r"replicate.durability: 'sync' is not allowed"):
+    with pytest.raises(ConfigError, match=r'replicate.durability: "sync" is not allowed'):
         config_mod.from_dict({**base, "replicate": {"durability": "sync"}})
-    with pytest.raises(ConfigError, match=r"replicate.topic\[0\].replicate: 'maybe'"):
+    with pytest.raises(ConfigError, match=r'replicate.topic\[0\].replicate: "maybe"'):
         config_mod.from_dict({**base, "replicate": {"topic": [{"name": "T", "replicate": "maybe"}]}})
-    with pytest.raises(ConfigError, match=r"clouds.remote\[0\].name: 'local' is the local cloud"):
+    with pytest.raises(ConfigError, match=r'clouds.remote\[0\].name: "local" is the local cloud'):
         config_mod.from_dict({**base, "clouds": {"remote": [{"name": "local", "namesrv": "1.2.3.4:9876"}]}})
 
 
