@@ -148,11 +148,11 @@ def _get(url: str) -> tuple[int, bytes]:
 def test_supervisor_notify_lifecycle(notify_socket: tuple[socket.socket, str], short_dir: Path) -> None:
     sock, path = notify_socket
     base = free_port_block(5)
-    # A real name server stand-in: /readyz needs one reachable (the backlog accepts for us).
-    upstream = socket.socket()
-    upstream.bind(("127.0.0.1", 0))
-    upstream.listen(16)
-    up_port = upstream.getsockname()[1]
+    # A name server stand-in: /readyz needs one that answers a Remoting request.
+    from fake_remoting import FakeNameServer
+
+    upstream = FakeNameServer()
+    up_port = upstream.server_address[1]
     cfg_path = short_dir / "rmqfast.toml"
     cfg_path.write_text(_config(base, up_port, short_dir / "state"))
     log = short_dir / "rmqfast.log"
