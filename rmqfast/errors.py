@@ -23,3 +23,8 @@ class BodyError(RemotingError, ValueError):
 
 class ConfigError(ValueError):
     """The configuration is invalid. The message names the key, the value and what is allowed."""
+
+
+class TwinMismatchError(RuntimeError):
+    """State shared between processes was made by the other twin (compiled vs pure Python), whose
+    updates it would corrupt: e.g. the limiter's shared buckets (compiled: CAS, pure: flock)."""

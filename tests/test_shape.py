@@ -187,7 +187,7 @@ def test_held_rule_refuses_every_send_without_charging_until_released(tmp_path, 
     cfg_rules = parse_limits({"global_rate": 1000, "global_burst": 1000,
                               "rule": [{"topic": "orders", "rate": 10, "burst": 2, "mode": "shape"},
                                        {"topic": "other", "rate": 10, "burst": 2}]})
-    limits = WorkerLimits(create_shared(tmp_path), cfg_rules)
+    limits = WorkerLimits(create_shared(tmp_path, "compiled" if compiled else "python"), cfg_rules)
     lim = limits.limiter_for(compiled)
     t = 10**12
     assert [lim.admit(b"orders", None, 1, 0, t) for _ in range(3)] == [-1, -1, 0]  # burst 2, then shaped
@@ -211,7 +211,7 @@ def test_held_rule_refuses_every_send_without_charging_until_released(tmp_path, 
 def test_shaper_answers_at_once_and_releases_in_order_at_the_rate(tmp_path):
     broker = GeventBroker()
     shaper, limits, _ = make_shaper(tmp_path, [{"topic": "orders", "rate": 10, "burst": 2, "mode": "shape"}])
-    lim = limits.limiter_for(False)
+    lim = limits.limiter_for()  # the twin this process runs (the shared file's)
     try:
         t0 = time.monotonic()
         # what the scanner decides first: the burst passes, then the rule refuses

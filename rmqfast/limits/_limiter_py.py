@@ -3,7 +3,10 @@
 The compiled limiter updates the shared buckets with a 64-bit compare-and-swap; Python has no
 atomic operations on shared memory, so this twin does each read-modify-write under an
 ``flock`` of the shared file (``lock_fd``) when several processes share it.  Read the
-compiled limiter's section comment for the theory.
+compiled limiter's section comment for the theory.  The two must never share buckets (a CAS
+does not wait for an flock): the shared file's header names the twin it was made for and each
+limiter refuses the other's (:func:`rmqfast._args.check_shared_header`).  Both twins validate
+``configure`` and ``admit`` arguments alike (:mod:`rmqfast._args`).
 """
 
 from __future__ import annotations
@@ -13,20 +16,23 @@ import struct
 import time
 from typing import Any
 
+from rmqfast._args import SHM_HEADER_BYTES, c_int, check_shared_header, limit_rules
 from rmqfast.codec._header_py import props_tag
 
 SLOT_WORDS = 8
 SLOT_BYTES = SLOT_WORDS * 8
 MAX_RULES = 1023
+SHM_BYTES = SHM_HEADER_BYTES + SLOT_BYTES * (MAX_RULES + 1)
+IMPLEMENTATION = "python"
 MODE_LIMIT, MODE_REJECT, MODE_OPEN = 0, 1, 2
 _Q = struct.Struct("<q")  # native little-endian int64, as the C side sees it on x86-64 / arm64
 
 
 class Limiter:
     def __init__(self, shm: Any, lock_fd: int | None = None) -> None:
-        need = SLOT_BYTES * (MAX_RULES + 1)
-        if len(shm) < need:
-            raise ValueError(f"shared limiter memory of {len(shm)} bytes is too small (need {need})")
+        if memoryview(shm).readonly:
+            raise BufferError("Object is not writable.")  # what the compiled twin's buffer request says
+        check_shared_header(shm, IMPLEMENTATION, SHM_BYTES)
         self._shm = shm
         self._lock_fd = lock_fd
         self.rules: list[dict[str, Any]] = []
@@ -41,22 +47,16 @@ class Limiter:
         return len(self.rules)
 
     def configure(self, rules: list[tuple[Any, ...]]) -> None:
-        if len(rules) > MAX_RULES + 1:
-            raise ValueError(f"{len(rules)} limit rules; at most {MAX_RULES} (plus the global one)")
+        checked = limit_rules(rules)  # the same checks (and errors) as the compiled twin, before any change
         out = []
         self.global_rule = -1
-        for i, (topic, tag, rate, burst, brate, bburst, mode, slot) in enumerate(rules):
-            topic = bytes(topic)
+        for i, (topic, tag, rate, burst, brate, bburst, mode, slot) in enumerate(checked):
             prefix = topic.endswith(b"*")
             if prefix:
                 topic = topic[:-1]
-            if len(topic) > 255 or (tag is not None and len(tag) > 255):
-                raise ValueError(f"limit rule {i}: topic or tag longer than 255 bytes")
-            if not 0 <= slot <= MAX_RULES:
-                raise ValueError(f"limit rule {i}: slot {slot} outside 0..{MAX_RULES}")
             interval = 1e9 / rate if rate > 0 else 0.0
             binterval = 1e9 / brate if brate > 0 else 0.0
-            out.append({"topic": topic, "prefix": prefix, "tag": None if tag is None else bytes(tag),
+            out.append({"topic": topic, "prefix": prefix, "tag": tag,
                         "interval": interval, "tolerance": burst * interval, "binterval": binterval,
                         "btolerance": bburst * binterval, "mode": mode, "slot": slot})
             if not topic and not prefix and tag is None:
@@ -151,7 +151,7 @@ class Limiter:
             r = self.rules[ri]
             if r["mode"] == MODE_OPEN:
                 continue
-            base = r["slot"] * SLOT_BYTES
+            base = SHM_HEADER_BYTES + r["slot"] * SLOT_BYTES
             ok = r["mode"] != MODE_REJECT
             if ok and r["interval"] > 0:
                 c = self._gcra(base, now, r["interval"], r["tolerance"], msgs)
@@ -174,5 +174,9 @@ class Limiter:
         return -1
 
     def admit(self, topic: bytes, tag: bytes | None = None, msgs: int = 1, nbytes: int = 0, now_ns: int = -1) -> int:
-        props = b"TAGS\x01" + tag + b"\x02" if tag is not None else b""
-        return self.decide(bytes(topic), props, False, msgs, nbytes, time.monotonic_ns() if now_ns < 0 else now_ns)
+        """One decision from Python (tests, benchmarks): -1 admitted, else the rejecting rule."""
+        # the compiled twin's int64_t arguments: the same conversions and errors
+        msgs, nbytes, now_ns = c_int("msgs", msgs), c_int("nbytes", nbytes), c_int("now_ns", now_ns)
+        t = bytes(topic)
+        props = b"TAGS\x01" + bytes(tag) + b"\x02" if tag is not None else b""
+        return self.decide(t, props, False, msgs, nbytes, time.monotonic_ns() if now_ns < 0 else now_ns)

@@ -9,13 +9,20 @@ but commits over-limit sends to the worker's spill and releases them later at th
 its topic+tag rule (if one matches its tag), its best topic rule (exact name, else the longest
 prefix, else ``*``) and the global limit.
 
-Each rule owns a slot in the shared bucket memory: the global limit slot 0, rule ``i`` slot
-``i + 1`` (every worker derives the same numbering from the same configuration).
+Each rule owns a slot in the shared bucket memory (:mod:`rmqfast.limits`): the global limit
+slot 0, every configured rule a slot of its own in 1..1023, tied to its identity (topic pattern
+and tag), not to its position.  A freshly parsed configuration numbers its rules in order; every
+later change (SIGHUP reload: :meth:`LimitsSection.inherit_slots`, admin PUT/DELETE:
+:func:`upsert` / :func:`remove`) keeps the slot of every rule whose topic and tag it keeps and
+gives a new rule a free slot, preferring one no rule of the previous configuration held (a
+worker that has not reloaded yet may still charge it).  The supervisor passes the slots to the
+workers with the rules (``config.json``), so every worker charges the same buckets; it resets
+the buckets whose rule is new or changed (:func:`rmqfast.limits.reset_changed`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rmqfast.errors import ConfigError
@@ -37,6 +44,8 @@ class LimitRule:
     bytes_rate: float = 0.0  # bytes per second (0: no byte limit)
     bytes_burst: float = 0.0  # bytes; 0: bytes_rate / 10, at least 64 KiB
     mode: str = "limit"
+    #: shared bucket slot (1..MAX_RULES), kept while the rule's topic and tag stay; 0: not yet given
+    slot: int = 0
 
     @property
     def key(self) -> tuple[str, str | None]:
@@ -87,12 +96,20 @@ class LimitsSection:
         g = self.global_rule()
         return [*self.rules, *([g] if g else [])]
 
+    def inherit_slots(self, previous: LimitsSection) -> None:
+        """Give this (new) configuration's rules the slots ``previous`` gave the same topic+tag;
+        new rules get free slots (see the module docstring)."""
+        assign_slots(self.rules, previous.rules)
+
     def limiter_rules(self) -> list[tuple[bytes, bytes | None, float, float, float, float, int, int]]:
         """The tuples ``Limiter.configure`` takes (the global limit in slot 0)."""
+        if any(r.slot == 0 for r in self.rules):
+            assign_slots(self.rules, [])  # a section built in code: fill in the missing slots
+        check_slots(self.rules)
         out = []
-        for i, r in enumerate(self.rules):
+        for r in self.rules:
             out.append((r.topic.encode(), None if r.tag is None else r.tag.encode(), r.rate, r.effective_burst(),
-                        r.bytes_rate, r.effective_bytes_burst(), MODE_CODES[r.mode], i + 1))
+                        r.bytes_rate, r.effective_bytes_burst(), MODE_CODES[r.mode], r.slot))
         g = self.global_rule()
         if g is not None:
             out.append((b"", None, g.rate, g.effective_burst(), g.bytes_rate, g.effective_bytes_burst(), 0, 0))
@@ -106,6 +123,52 @@ class LimitsSection:
         d = dict(d)
         d["rules"] = [LimitRule(**r) for r in d.get("rules", [])]
         return cls(**d)
+
+
+def check_slots(rules: list[LimitRule]) -> None:
+    """Every rule has its own slot in 1..MAX_RULES (a shared bucket is never two rules')."""
+    seen: dict[int, LimitRule] = {}
+    for r in rules:
+        if not 1 <= r.slot <= MAX_RULES:
+            raise ConfigError(f"limit rule topic {r.topic!r} tag {r.tag!r}: bucket slot {r.slot} "
+                              f"outside 1..{MAX_RULES}")
+        other = seen.setdefault(r.slot, r)
+        if other is not r:
+            raise ConfigError(f"limit rules topic {other.topic!r} tag {other.tag!r} and topic {r.topic!r} tag "
+                              f"{r.tag!r} share bucket slot {r.slot}; each rule needs its own")
+
+
+def assign_slots(rules: list[LimitRule], previous: list[LimitRule]) -> None:
+    """Set ``slot`` of every rule in ``rules``: the slot of the same topic+tag in ``previous``,
+    else its own slot if it has one no other rule keeps, else the lowest free slot that no
+    rule of ``previous`` held (else the lowest free one).  Rules are updated in place."""
+    before = {r.key: r.slot for r in previous if r.slot}
+    held_before = set(before.values())
+    taken: set[int] = set()
+    pending: list[LimitRule] = []
+    for r in rules:
+        s = before.get(r.key, 0)
+        if s and s not in taken:
+            r.slot = s
+            taken.add(s)
+        else:
+            pending.append(r)
+    # a rule that already carries a slot (e.g. from config.json) keeps it unless another rule
+    # above kept it; the rest take free slots
+    for r in list(pending):
+        if r.key not in before and 1 <= r.slot <= MAX_RULES and r.slot not in taken and r.slot not in held_before:
+            taken.add(r.slot)
+            pending.remove(r)
+    if not pending:
+        return
+    fresh = (s for s in range(1, MAX_RULES + 1) if s not in taken and s not in held_before)
+    reuse = (s for s in range(1, MAX_RULES + 1) if s not in taken and s in held_before)
+    for r in pending:
+        s = next(fresh, 0) or next(reuse, 0)
+        if not s:
+            raise ConfigError(f"limits.rule: more than {MAX_RULES} rules")
+        r.slot = s
+        taken.add(s)
 
 
 def _num(key: str, value: Any, lo: float = 0.0, hi: float = 1e12) -> float:
@@ -163,6 +226,7 @@ def parse_limits(raw: Any) -> LimitsSection:
             raise ConfigError(f"limits.rule[{i}]: topic {rule.topic!r} tag {rule.tag!r} is already limited by "
                               f"limits.rule[{seen[rule.key]}]; merge the two")
         seen[rule.key] = i
+        rule.slot = i + 1  # a fresh configuration numbers its rules in order
         sec.rules.append(rule)
     if len(sec.rules) > MAX_RULES:
         raise ConfigError(f"limits.rule: {len(sec.rules)} rules; at most {MAX_RULES}")
@@ -174,8 +238,11 @@ def upsert(sec: LimitsSection, rule: LimitRule) -> LimitsSection:
     rules = [r for r in sec.rules if r.key != rule.key]
     if len(rules) >= MAX_RULES:
         raise ConfigError(f"limits.rule: at most {MAX_RULES} rules")
-    return LimitsSection(sec.global_rate, sec.global_burst, sec.global_bytes_rate, sec.global_bytes_burst,
-                         [*rules, rule])
+    rule = replace(rule, slot=0)
+    out = LimitsSection(sec.global_rate, sec.global_burst, sec.global_bytes_rate, sec.global_bytes_burst,
+                        [*rules, rule])
+    assign_slots(out.rules, sec.rules)  # the replaced rule keeps its slot, a new one gets a free one
+    return out
 
 
 def remove(sec: LimitsSection, topic: str, tag: str | None) -> LimitsSection:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rmqfast.limits import LimiterC, open_limiter
+from rmqfast import codec
+from rmqfast.limits import open_limiter
 from rmqfast.limits.rules import MODE_REJECT_CODE, LimitsSection
 
 
@@ -13,7 +14,8 @@ class WorkerLimits:
     """The limiter(s) of one worker process, reconfigured on reload.
 
     Sessions built with the compiled scanner need the compiled limiter; the pure-Python scanner
-    takes the twin.  Normally one of the two exists; tests may use both.
+    takes the twin.  Only the twin the shared file was created for can attach (the other one
+    raises :class:`rmqfast.errors.TwinMismatchError`): a worker runs the supervisor's twin.
 
     ``shape`` rules: while this worker holds a shaped backlog for a topic a shape rule covers,
     that rule is *held*: the scanners' limiters see it in ``reject`` mode, so every later send it
@@ -45,7 +47,10 @@ class WorkerLimits:
             out.append(t)
         return out
 
-    def limiter_for(self, compiled: bool) -> Any:
+    def limiter_for(self, compiled: bool | None = None) -> Any:
+        """The scanners' limiter of a twin (None: the twin this process runs, rmqfast.codec)."""
+        if compiled is None:
+            compiled = codec.IMPLEMENTATION == "compiled"
         lim = self._limiters.get(compiled)
         if lim is None:
             lim = open_limiter(self.shm_path, compiled)
@@ -56,7 +61,7 @@ class WorkerLimits:
     def release_limiter(self) -> Any:
         """The releaser's limiter: the same shared buckets and rules, never held."""
         if self._release is None:
-            self._release = open_limiter(self.shm_path, LimiterC is not None)
+            self._release = open_limiter(self.shm_path)  # the twin the shared file was made for
             self._release.configure(self.section.limiter_rules())
         return self._release
 

@@ -45,7 +45,7 @@ from typing import Any
 from rmqfast.config import Config
 from rmqfast.deliver.pool import DeliverPool
 from rmqfast.errors import ConfigError
-from rmqfast.limits import create_shared, reset_slots
+from rmqfast.limits import create_shared, reset_changed
 from rmqfast.limits.rules import LimitsSection
 from rmqfast.log import ctx
 from rmqfast.server.admin import AdminServer
@@ -235,11 +235,7 @@ class Supervisor:
                 pass
 
     def _reset_changed_buckets(self, old: LimitsSection, new: LimitsSection) -> None:
-        before = {r[-1]: r for r in old.limiter_rules()}
-        after = {r[-1]: r for r in new.limiter_rules()}
-        changed = [slot for slot in set(before) | set(after) if before.get(slot) != after.get(slot)]
-        if changed:
-            reset_slots(self.limits_shm, changed)
+        reset_changed(self.limits_shm, old, new)  # buckets of unchanged rules keep their state
 
     def set_limits(self, new: LimitsSection, timeout: float = 5.0) -> bool:
         """Apply new limits in every worker (called from the admin thread); True once signalled."""
@@ -292,6 +288,7 @@ class Supervisor:
         old = self.cfg
         try:
             new = absolute_paths(self.load_config())
+            new.limits.inherit_slots(old.limits)  # unchanged rules keep their buckets (rmqfast.limits.rules)
             self.cfg = new
             self._write_config()
         except Exception as exc:  # whatever is wrong with the file (or the disk), the proxy keeps running
