@@ -41,6 +41,14 @@ cdef int64_t[17] LAT_BOUNDS = [
     100000000, 250000000, 500000000, 1000000000, 2500000000, 5000000000, 10000000000,
     30000000000]
 
+# The C tables as Python values, for tests/test_twins.py: every table copied from _scan_py by
+# hand is asserted equal to its original there.
+LATENCY_BOUNDS_NS = tuple([LAT_BOUNDS[i] for i in range(17)])
+LATENCY_BUCKETS = LAT_BUCKETS_C
+NRESULTS = NRESULTS_C
+R_ONEWAY = R_ONEWAY_C
+R_UNANSWERED = R_UNANSWERED_C
+
 cdef extern from "<time.h>" nogil:
     ctypedef int clockid_t
     cdef struct timespec:
@@ -78,6 +86,16 @@ cdef inline int result_index(int32_t code) noexcept nogil:
     if code == 20: return 9
     if code == 21: return 10
     return 11
+
+
+def result_index_of(int32_t code):
+    """:func:`result_index` from Python (tests compare it with _scan_py.result_index)."""
+    return result_index(code)
+
+
+def latency_bucket_of(int64_t ns):
+    """:func:`latency_bucket` from Python (tests compare it with _scan_py.latency_bucket)."""
+    return latency_bucket(ns)
 
 cdef enum:
     SEND_V1 = 10
@@ -128,6 +146,7 @@ cdef struct TopicEntry:
 
 
 DEF SAMPLE_RING_C = 8192
+SAMPLE_RING = SAMPLE_RING_C
 
 cdef struct SampleRec:
     int64_t t_ns
@@ -366,11 +385,19 @@ cdef extern from *:
 DEF SLOT_WORDS_C = 8          # int64 words per shared slot: [msgs TAT, bytes TAT, unused...]
 DEF MAX_RULES_C = 1023        # slot 0 is the global bucket
 DEF LIM_TOPICS_C = 1024
+DEF SHM_HEADER_C = 64         # the shared file's header; the buckets follow it
+SLOT_WORDS = SLOT_WORDS_C
 SLOT_BYTES = SLOT_WORDS_C * 8
 MAX_RULES = MAX_RULES_C
 MODE_LIMIT = 0
 MODE_REJECT = 1
 MODE_OPEN = 2
+# The shared bucket file starts with a header (rmqfast.limits.create_shared writes it, and
+# rmqfast._args.check_shared_header reads it for both twins) naming the twin whose locking the
+# buckets use: compiled CAS and pure-Python flock would lose each other's updates.
+SHM_HEADER_BYTES = SHM_HEADER_C
+SHM_BYTES = SHM_HEADER_C + SLOT_WORDS_C * 8 * (MAX_RULES_C + 1)
+IMPLEMENTATION = "compiled"
 
 
 cdef struct Rule:
@@ -432,10 +459,9 @@ cdef class Limiter:
         cdef Py_buffer view
         PyObject_GetBuffer(shm, &view, PyBUF_WRITABLE)
         try:
-            if view.len < SLOT_WORDS_C * 8 * (MAX_RULES_C + 1):
-                raise ValueError(f"shared limiter memory of {view.len} bytes is too small "
-                                 f"(need {SLOT_WORDS_C * 8 * (MAX_RULES_C + 1)})")
-            self.slots = <int64_t*>view.buf
+            from rmqfast._args import check_shared_header
+            check_shared_header(shm, IMPLEMENTATION, SHM_BYTES)
+            self.slots = <int64_t*>(<char*>view.buf + SHM_HEADER_C)
             self.nslots = MAX_RULES_C + 1
         finally:
             PyBuffer_Release(&view)
@@ -467,29 +493,23 @@ cdef class Limiter:
         ``topic`` is a name, ``prefix*`` or ``*``; an empty topic marks the global limit.  The
         per-rule counters restart (the metrics publisher keeps its own running totals).
         """
+        from rmqfast._args import limit_rules
+        rules = limit_rules(rules)  # the same checks (and errors) as the pure twin, before any change
         cdef int i, n = len(rules)
         cdef Rule* r
-        if n > MAX_RULES_C + 1:
-            raise ValueError(f"{n} limit rules; at most {MAX_RULES_C} (plus the global one)")
         self.global_rule = -1
         self.any_tag_rules = False
         for i in range(n):
             topic, tag, rate, burst, brate, bburst, mode, slot = rules[i]
-            topic = bytes(topic)
             r = &self.rules[i]
             r.prefix = topic.endswith(b"*")
             if r.prefix:
                 topic = topic[:len(topic) - 1]
-            if len(topic) > 255 or (tag is not None and len(tag) > 255):
-                raise ValueError(f"limit rule {i}: topic or tag longer than 255 bytes")
-            if not 0 <= slot < self.nslots:
-                raise ValueError(f"limit rule {i}: slot {slot} outside 0..{self.nslots - 1}")
             r.tlen = len(topic)
             memcpy(r.topic, <const char*>topic, r.tlen)
             if tag is None:
                 r.glen = -1
             else:
-                tag = bytes(tag)
                 r.glen = len(tag)
                 memcpy(r.tag, <const char*>tag, r.glen)
                 self.any_tag_rules = True
