@@ -355,3 +355,25 @@ def test_probe_refuses_a_request_frame_and_a_wrong_opaque() -> None:
 
     assert "is a request" in one(lambda _: encode(RemotingCommand(code=10, opaque=1)))
     assert "opaque" in one(lambda _: encode(RemotingCommand(code=0, opaque=0, flag=1)))
+
+
+def test_request_head_is_bounded(serve) -> None:
+    srv, _ = serve()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\n")
+        answer = b""
+        try:
+            for i in range(50):  # 50 headers of 8 KiB: each allowed by http.server, 400 KiB together
+                s.sendall(f"X-Pad-{i}: ".encode() + b"a" * 8192 + b"\r\n")
+            s.sendall(b"\r\n")
+        except OSError:
+            pass  # the server may close while we still send
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert answer.startswith(b"HTTP/1.0 431 ") and b"over 65536 bytes" in answer, answer[:300]
+    assert request(srv.port, "GET", "/healthz")[0] == 200
+    # a normal head with a few headers still works
+    assert request(srv.port, "GET", "/healthz", headers={"X-A": "b" * 4000, "X-B": "c" * 4000})[0] == 200

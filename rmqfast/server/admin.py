@@ -6,6 +6,7 @@ make it grow: every request is bounded.
 * One request per connection (HTTP/1.0), at most ``MAX_CONNECTIONS`` at once (more get a 503
   and are closed); each socket read waits at most ``READ_TIMEOUT`` and a whole connection lives
   at most ``CONNECTION_DEADLINE`` (slowloris: a client dribbling bytes is cut off).
+* The request line and headers together are at most ``MAX_HEAD`` bytes (else 431).
 * Request bodies (PUT) need a ``Content-Length`` of at most ``MAX_BODY`` bytes (else 411/413,
   read before anything is allocated); JSON nested too deeply is a 400, not a crash.
 * Limit changes need ``Authorization: Bearer <admin.token>`` (compared in constant time).
@@ -21,6 +22,7 @@ The server knows the supervisor only through :class:`AdminBackend`.
 from __future__ import annotations
 
 import hmac
+import http.client
 import ipaddress
 import json
 import logging
@@ -41,6 +43,7 @@ from rmqfast.log import ctx
 log = logging.getLogger("rmqfast.admin")
 
 MAX_BODY = 64 * 1024
+MAX_HEAD = 64 * 1024  # request line and headers together
 READ_TIMEOUT = 5.0
 CONNECTION_DEADLINE = 15.0
 MAX_CONNECTIONS = 32
@@ -76,6 +79,32 @@ def is_loopback(host: str) -> bool:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return addr.is_loopback
+
+
+class _HeadBudget:
+    """The handler's ``rfile``, with one budget for every line read (request line and headers).
+
+    http.server bounds each header line (64 KiB) and their count (100), which still lets one
+    connection hold 6.5 MB; this bounds the whole head.  Bodies (``read``) are bounded apart.
+    """
+
+    def __init__(self, raw: Any, budget: int) -> None:
+        self.raw = raw
+        self.left = budget
+
+    def readline(self, size: int = -1) -> bytes:
+        want = self.left + 1 if size < 0 else min(size, self.left + 1)
+        line = self.raw.readline(want)
+        self.left -= len(line)
+        if self.left < 0:
+            raise http.client.HTTPException(f"request line and headers over {MAX_HEAD} bytes")
+        return bytes(line)
+
+    def read(self, size: int = -1) -> bytes:
+        return bytes(self.raw.read(size))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
 
 
 class _Server(ThreadingHTTPServer):
@@ -127,6 +156,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.rfile = _HeadBudget(self.rfile, MAX_HEAD)  # type: ignore[assignment]
         # the whole connection is bounded too: a client sending one byte per READ_TIMEOUT is cut off
         self._watchdog = threading.Timer(CONNECTION_DEADLINE, self._cut)
         self._watchdog.daemon = True
@@ -319,7 +349,8 @@ class _Handler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         # http.server's own errors (bad request line, 431 headers too long...): JSON like the rest
         try:
-            self._json(code, {"error": message or self.responses.get(code, ("error",))[0]})
+            text = message or self.responses.get(code, ("error",))[0]
+            self._json(code, {"error": f"{text}: {explain}" if explain else text})
         except OSError:
             pass
 
