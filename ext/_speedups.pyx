@@ -1043,14 +1043,36 @@ cdef class FrameScanner:
 # Python only waits on libev watchers and handles policy frames, so a receive buffer full of
 # frames costs one Python call, not one per frame.  Without the extension the relay runs the
 # same loop in Python (Session._pump_py) over either scanner.
+#
+# Frame-atomic writes: the pump forwards partial frames, so the destination stream is often in
+# the middle of a frame.  ``at_boundary`` says whether it is not; the relay writes its own
+# answers (NO_PERMISSION, SYSTEM_BUSY, ...) to the destination only then.  When an answer is
+# queued, the relay sets ``hold``: the pump forwards up to the end of the current frame and
+# returns P_BOUNDARY so the relay can write the queue before the next frame starts.
+#
+# Memory: the buffer holds a whole frame only when a policy needs it whole (or a header is
+# larger than the buffer).  Such growth is reserved from a BufferBudget shared by the pumps of
+# the process (P_OVER_BUDGET when it would be exceeded), lives in its own anonymous mapping
+# (returned to the kernel when the frame is done: malloc would keep a 16 MiB hole in its heap),
+# and is given back as soon as the bytes still buffered fit the base buffer.
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t c_recv "recv"(int fd, void* buf, size_t n, int flags)
     ssize_t c_send "send"(int fd, const void* buf, size_t n, int flags)
     enum: MSG_NOSIGNAL
 
+cdef extern from "<sys/mman.h>" nogil:
+    void* c_mmap "mmap"(void* addr, size_t length, int prot, int flags, int fd, long offset)
+    int c_munmap "munmap"(void* addr, size_t length)
+    enum: PROT_READ
+    enum: PROT_WRITE
+    enum: MAP_PRIVATE
+    enum: MAP_ANONYMOUS
+    void* MAP_FAILED
+
+cimport cython
 from libc.errno cimport errno, EAGAIN, EINTR  # EWOULDBLOCK == EAGAIN on Linux
-from libc.stdlib cimport malloc, realloc
+from libc.stdlib cimport malloc
 from libc.string cimport memmove
 
 P_WAIT_READ = 0
@@ -1061,6 +1083,8 @@ P_EOF = 4
 P_OS_ERROR = 5
 P_PROTOCOL_ERROR = 6
 P_YIELD = 7
+P_BOUNDARY = 8      # ``hold`` is set and the destination stream is at a frame boundary
+P_OVER_BUDGET = 9   # a frame must be held whole and the BufferBudget cannot cover it
 
 cdef enum:
     PH_SCAN = 0      # scan [pos, filled)
@@ -1069,41 +1093,104 @@ cdef enum:
     PH_POLICY = 3    # frame [start, pend_b) is with Python until consume()
 
 DEF READS_BEFORE_YIELD = 16
+DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
 
 
+def scanner_skip(FrameScanner scanner not None):
+    """Bytes of the current frame the scanner has not seen yet (0: it stopped at a frame
+    boundary).  The Python pump's view of ``FrameScanner._skip``."""
+    return scanner._skip
+
+
+cdef class BufferBudget:
+    """Bytes the pumps of one process hold beyond their base buffers (frames held whole).
+
+    ``used`` never exceeds ``limit``: a pump that would need more returns P_OVER_BUDGET.
+    The pure-Python pump uses the same two attributes (``rmqfast.proxy.relay.PyBufferBudget``).
+    """
+
+    cdef public Py_ssize_t limit
+    cdef public Py_ssize_t used
+
+    def __init__(self, Py_ssize_t limit=64 * 1024 * 1024):
+        if limit < 0:
+            raise ValueError(f"buffer budget must not be negative, got {limit}")
+        self.limit = limit
+        self.used = 0
+
+
+@cython.no_gc_clear  # __dealloc__ gives the grown buffer back to the budget
 cdef class Pump:
     """Receive from ``src_fd``, scan, forward to ``dst_fd``; see the section comment."""
 
     cdef FrameScanner scanner
-    cdef uint8_t* buf
-    cdef Py_ssize_t cap, base_cap, filled, start, pos, fwd, pend_b
+    cdef uint8_t* base   # malloc'd, base_cap bytes
+    cdef uint8_t* buf    # base, or a mapping of cap bytes for a frame larger than base_cap
+    cdef Py_ssize_t cap, base_cap, filled, start, pos, fwd, pend_b, scan_end
     cdef int pend_ev, phase, reads
     cdef int src, dst
     cdef bint readable
-    cdef int64_t now     # when the bytes being scanned arrived (-1: the scanner does not time)
+    cdef int64_t now     # when the bytes being scanned arrived
     cdef readonly int errno_value
     cdef readonly Py_ssize_t frame_start, frame_end
+    cdef readonly BufferBudget budget
+    cdef readonly Py_ssize_t need   # bytes a refused growth wanted (after P_OVER_BUDGET)
+    cdef public bint hold           # a local answer waits: stop at the next frame boundary
 
-    def __cinit__(self, FrameScanner scanner not None, int src_fd, int dst_fd, Py_ssize_t size):
+    def __cinit__(self, FrameScanner scanner not None, int src_fd, int dst_fd, Py_ssize_t size,
+                  BufferBudget budget=None):
         if size < 64:
             raise ValueError(f"pump buffer of {size} bytes is too small (at least 64)")
-        self.buf = <uint8_t*>malloc(size)
-        if self.buf == NULL:
+        self.base = <uint8_t*>malloc(size)
+        if self.base == NULL:
             raise MemoryError()
+        self.buf = self.base
         self.scanner = scanner
+        self.budget = budget
         self.cap = self.base_cap = size
         self.src = src_fd
         self.dst = dst_fd
         self.phase = PH_READ
         self.readable = True
+        self.now = -1
 
     def __dealloc__(self):
-        free(self.buf)
+        self._release_big()
+        free(self.base)
+
+    cdef void _release_big(self) noexcept:
+        if self.buf != self.base:
+            c_munmap(self.buf, self.cap)
+            if self.budget is not None:
+                self.budget.used -= self.cap - self.base_cap
+            self.buf = self.base
+            self.cap = self.base_cap
 
     @property
     def buffered(self):
         """Bytes received and not yet forwarded (a test and debugging aid)."""
         return self.filled - self.start
+
+    @property
+    def capacity(self):
+        """The buffer's current size (base size unless a frame is held whole)."""
+        return self.cap
+
+    @property
+    def at_boundary(self):
+        """Whether the bytes written to the destination so far end at a frame boundary (a
+        local answer written now cannot land inside a forwarded frame)."""
+        if self.phase == PH_FLUSH and self.start < self.fwd:
+            return False
+        return self.scanner._skip == 0
+
+    @property
+    def stalled_since(self):
+        """Monotonic ns of the last receive while the source is in the middle of a frame and
+        the pump waits for its next bytes; 0 when it is not (a frame-completion deadline)."""
+        if self.phase == PH_READ and (self.filled > self.start or self.scanner._skip > 0):
+            return self.now
+        return 0
 
     def frame(self):
         """The bytes of the frame that needs policy (after ``step`` returned P_POLICY)."""
@@ -1118,14 +1205,46 @@ cdef class Pump:
         self.start = self.pos = self.pend_b
         self.phase = PH_SCAN
 
+    cdef int _fit(self, Py_ssize_t rest) except -1:
+        """After compaction ([0, rest) buffered, pend_b bytes needed): grow for a frame held
+        whole, or go back to the base buffer.  1 when the budget refuses the growth."""
+        cdef Py_ssize_t n, held
+        cdef uint8_t* grown
+        if self.pend_b > self.cap:
+            n = (self.pend_b + BIG_ALIGN - 1) // BIG_ALIGN * BIG_ALIGN
+            held = self.cap - self.base_cap
+            if self.budget is not None and self.budget.used - held + (n - self.base_cap) > self.budget.limit:
+                self.need = self.pend_b
+                return 1
+            grown = <uint8_t*>c_mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if <void*>grown == MAP_FAILED:
+                raise MemoryError(f"cannot map {n} bytes for a frame held whole")
+            memcpy(grown, self.buf, rest)
+            self._release_big()
+            self.buf = grown
+            self.cap = n
+            if self.budget is not None:
+                self.budget.used += n - self.base_cap
+        elif self.buf != self.base and rest <= self.base_cap and self.pend_b <= self.base_cap:
+            memcpy(self.base, self.buf, rest)
+            self._release_big()
+        return 0
+
     def step(self, bint may_send):
         cdef tuple t
         cdef ssize_t n
-        cdef Py_ssize_t space, rest
-        cdef uint8_t* grown
+        cdef Py_ssize_t space, rest, end
         while True:
             if self.phase == PH_SCAN:
-                t = self.scanner._scan(self.buf, self.pos, self.filled, self.now)
+                end = self.filled
+                if self.hold:
+                    # A local answer waits: scan no further than the end of the current frame.
+                    if self.scanner._skip == 0:
+                        return P_BOUNDARY
+                    if self.pos + self.scanner._skip < end:
+                        end = self.pos + self.scanner._skip
+                self.scan_end = end
+                t = self.scanner._scan(self.buf, self.pos, end, self.now)
                 self.pend_ev = t[0]
                 self.fwd = t[1]
                 self.pend_b = t[2]
@@ -1153,28 +1272,25 @@ cdef class Pump:
                     return P_POLICY
                 if self.pend_ev == 2:
                     return P_PROTOCOL_ERROR
+                if self.scan_end < self.filled and self.pend_b == 0:
+                    # The scan stopped at the end of a frame for a local answer: go on from there.
+                    self.pos = self.fwd
+                    self.phase = PH_SCAN
+                    continue
                 # Forward: the bytes from fwd on are an incomplete frame head of pend_b bytes.
                 rest = self.filled - self.start
                 if rest and self.start:
                     memmove(self.buf, self.buf + self.start, rest)
                 self.filled = rest
                 self.start = self.pos = 0
-                if self.pend_b > self.cap:
-                    n = self.pend_b if self.pend_b > 2 * self.cap else 2 * self.cap
-                    grown = <uint8_t*>realloc(self.buf, n)
-                    if grown == NULL:
-                        raise MemoryError()
-                    self.buf = grown
-                    self.cap = n
-                elif rest == 0 and self.cap > self.base_cap:
-                    grown = <uint8_t*>realloc(self.buf, self.base_cap)
-                    if grown != NULL:
-                        self.buf = grown
-                        self.cap = self.base_cap
+                if self._fit(rest):
+                    return P_OVER_BUDGET
                 self.phase = PH_READ
             if self.phase == PH_POLICY:
                 raise RuntimeError("step() called before consume() of the policy frame")
             # PH_READ
+            if self.hold and self.scanner._skip == 0:
+                return P_BOUNDARY
             if not self.readable:
                 # The last read drained the socket: wait for readiness rather than fail a recv.
                 self.readable = True
@@ -1196,7 +1312,7 @@ cdef class Pump:
             if n == 0:
                 return P_EOF
             self.reads += 1
-            self.now = monotonic_ns() if self.scanner.inflight is not None else -1
+            self.now = monotonic_ns()
             self.readable = n == space
             self.filled += n
             self.phase = PH_SCAN

@@ -396,6 +396,8 @@ _KNOWN = {
         "idle_timeout",
         "drain_timeout",
         "state_dir",
+        "frame_timeout",
+        "buffer_budget",
     },
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
@@ -581,6 +583,15 @@ def from_dict(raw: dict[str, Any]) -> Config:
         with errs.check():
             if k in px:
                 setattr(p, k, _str(f"proxy.{k}", px[k]))
+    with errs.check():
+        if "frame_timeout" in px:
+            p.frame_timeout = _float("proxy.frame_timeout", px["frame_timeout"], 0, 3600)
+            if 0 < p.frame_timeout < 1:
+                raise ConfigError(f"proxy.frame_timeout: {p.frame_timeout!r} is not allowed; use 0 (no deadline) "
+                                  "or at least 1 second")
+    with errs.check():
+        if "buffer_budget" in px:
+            p.buffer_budget = _int("proxy.buffer_budget", px["buffer_budget"], 1 << 20, 1 << 40, " (1 MiB)")
     if p.max_header_size > p.max_frame_size:
         errs.messages.append(
             f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "

@@ -7,6 +7,7 @@ import struct
 
 import gevent
 import gevent.event
+import gevent.queue
 import pytest
 from gevent import socket
 from gevent.server import StreamServer
@@ -87,7 +88,7 @@ def proxy(request, monkeypatch):
     stats = Stats()
     events = Events()
     chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
-    settings = RelaySettings(4096, 1 << 20, 1 << 16, 1.0, 30.0)
+    settings = RelaySettings(4096, 16 << 20, 1 << 16, 1.0, 30.0)  # frames up to 16 MiB (large PULL answers)
     upstreams = [broker.addr]
 
     sessions: set[Session] = set()
@@ -363,3 +364,254 @@ def _with_chain(init, chain):
         init(self, role, client, client_addr, upstreams, chain, *args, **kwargs)
 
     return patched
+
+
+# Frame-atomic writes and drain accounting ------------------------------------------------------
+
+
+class Dribbler:
+    """An upstream that answers a PULL with one large response, sent in pieces: each piece only
+    when the test releases it (``go``), so the test knows the relay is in the middle of the frame."""
+
+    def __init__(self, body_size: int, pieces: int) -> None:
+        self.body = bytes(i * 7 % 251 for i in range(997)) * (body_size // 997 + 1)
+        self.body = self.body[:body_size]
+        self.pieces = pieces
+        self.go: gevent.queue.Queue = gevent.queue.Queue()
+        self.response = b""
+        self.server = StreamServer(("127.0.0.1", 0), self.handle)
+        self.server.start()
+
+    @property
+    def addr(self) -> HostPort:
+        return HostPort("127.0.0.1", self.server.server_port)
+
+    def handle(self, sock: socket.socket, _addr: tuple) -> None:
+        while True:
+            data = read_frame(sock)
+            if data is None:
+                return
+            cmd = decode_frame(data)
+            if cmd.code != C.PULL_MESSAGE:
+                sock.sendall(encode(make_response(cmd, C.SUCCESS, ext_fields={"x": "y"})))
+                continue
+            self.response = encode(make_response(cmd, C.SUCCESS, ext_fields={"suggestWhichBrokerId": "0"},
+                                                 body=self.body))
+            step = -(-len(self.response) // self.pieces)
+            for i in range(0, len(self.response), step):
+                if self.go.get() is None:
+                    return
+                sock.sendall(self.response[i : i + step])
+
+
+class Reader:
+    """Reads everything the proxy sends to a client socket, in the background."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.got = bytearray()
+        self.eof = False
+        self.paused = gevent.event.Event()
+        self.paused.set()
+        self.greenlet = gevent.spawn(self._run)
+
+    def _run(self) -> None:
+        while True:
+            self.paused.wait()
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except OSError:  # the test closed the socket
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                return
+            self.got += chunk
+
+    def whole_frames(self) -> int:
+        """How many whole frames the stream holds so far, if it is well formed (-1 if not)."""
+        n, pos, data = 0, 0, bytes(self.got)
+        while pos + 4 <= len(data):
+            (length,) = struct.unpack_from(">i", data, pos)
+            if length < 4:
+                return -1
+            if pos + 4 + length > len(data):
+                break
+            n += 1
+            pos += 4 + length
+        return n
+
+    def frames(self) -> list:
+        """The stream split into frames; fails on any frame that is not well formed."""
+        out, pos, data = [], 0, bytes(self.got)
+        while pos < len(data):
+            (length,) = struct.unpack_from(">i", data, pos)
+            assert 4 <= length <= len(data) - pos - 4, f"frame at {pos} claims {length} bytes: stream corrupted"
+            out.append(decode_frame(data[pos : pos + 4 + length]))
+            pos += 4 + length
+        return out
+
+
+def settle(cond, timeout: float = 10.0) -> None:
+    """Wait for ``cond``; on a timeout go on, so that the assertions after it say what is wrong."""
+    try:
+        wait_until(cond, timeout)
+    except gevent.Timeout:
+        pass
+
+
+def pull_frame(opaque: int) -> bytes:
+    return encode(RemotingCommand(code=C.PULL_MESSAGE, opaque=opaque, version=401,
+                                  ext_fields={"consumerGroup": "G", "topic": "TopicR", "queueId": "0"}))
+
+
+def denied_frame(opaque: int) -> bytes:
+    return send_frame(opaque, code=C.UPDATE_BROKER_CONFIG, body=b"brokerPermission=0")
+
+
+def no_permission_count(stats) -> int:
+    return sum(n for slot, r, n in stats.results()
+               if codec.slot_code(slot) == C.UPDATE_BROKER_CONFIG and codec.RESULTS[r] == "no_permission")
+
+
+def test_local_answers_never_split_a_forwarded_frame(proxy):
+    """A slow upstream dribbles a 6 MB PULL answer while the client's denied admin requests are
+    answered by the proxy: each answer comes before or after the large frame, never inside it."""
+    port, _, stats, _, upstreams, sessions = proxy
+    up = Dribbler(6_000_000, pieces=24)
+    upstreams[:] = [up.addr]
+    s = connect(port)
+    reader = Reader(s)
+    s.sendall(send_frame(1))  # a plain send first: its answer is a whole frame before the PULL's
+    wait_until(lambda: len(reader.got) > 0)
+    s.sendall(pull_frame(2))
+    answers = 0
+    with gevent.Timeout(30):
+        for piece in range(up.pieces):
+            up.go.put(True)
+            wait_until(lambda p=piece: len(reader.got) > len(up.response) * p // up.pieces, timeout=10)
+            if piece < 6:  # the relay is now in the middle of the large frame
+                s.sendall(denied_frame(100 + piece))
+                answers += 1
+                wait_until(lambda n=answers: no_permission_count(stats) == n)
+    settle(lambda: reader.whole_frames() >= 2 + answers)
+    frames = reader.frames()  # fails on the first frame that is not well formed
+    assert [f.opaque for f in frames if f.code == C.NO_PERMISSION] == list(range(100, 100 + answers))
+    pulls = [f for f in frames if f.opaque == 2]
+    assert len(pulls) == 1 and pulls[0].body == up.body
+    assert len(frames) == 2 + answers
+    s.close()
+    up.go.put(None)
+    up.server.stop(timeout=1)
+
+
+def test_local_answer_waits_while_the_relay_is_blocked_mid_frame(proxy):
+    """The client stops reading: the relay waits for buffer space in the middle of the large
+    frame (holding the client socket's write lock); an answer made meanwhile goes after it."""
+    port, _, stats, _, upstreams, sessions = proxy
+    up = Dribbler(8_000_000, pieces=1)
+    upstreams[:] = [up.addr]
+    s = connect(port)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    reader = Reader(s)
+    reader.paused.clear()
+    s.sendall(pull_frame(2))
+    up.go.put(True)
+    wait_until(lambda: len(sessions) == 1)
+    (session,) = sessions
+    out = session._outs[session.client]
+    wait_until(lambda: out.lock.locked(), timeout=10)  # the pump waits for the client mid-frame
+    s.sendall(denied_frame(7))
+    wait_until(lambda: no_permission_count(stats) == 1)
+    assert out.queue  # held back: the stream to the client is inside the PULL answer
+    reader.paused.set()
+    settle(lambda: reader.whole_frames() >= 2)
+    frames = reader.frames()
+    assert [(f.opaque, f.code) for f in frames] == [(2, C.SUCCESS), (7, C.NO_PERMISSION)]
+    assert frames[0].body == up.body
+    s.close()
+    up.server.stop(timeout=1)
+
+
+def _drain(sessions, timeout: float):
+    """Worker.drain over the fixture's sessions (the part of a worker it uses)."""
+    from types import SimpleNamespace
+
+    from rmqfast.server.worker import Worker
+
+    fake = SimpleNamespace(draining=False, listeners={}, sessions=sessions, index=0, records=None, shaper=None,
+                           replication=None, publish=lambda: None,
+                           cfg=SimpleNamespace(proxy=SimpleNamespace(drain_timeout=timeout)))
+    return gevent.spawn(Worker.drain, fake)
+
+
+def test_drain_does_not_wait_for_requests_answered_locally(proxy):
+    port, _, _, _, _, sessions = proxy
+    s = connect(port)
+    s.sendall(denied_frame(1) + send_frame(2))
+    with gevent.Timeout(5):
+        assert {decode_frame(read_frame(s)).opaque for _ in range(2)} == {1, 2}
+    (session,) = sessions
+    assert session.in_flight == 0
+    drain = _drain(sessions, timeout=60)
+    drain.join(timeout=10)  # far below the drain timeout: nothing is in flight
+    assert drain.successful()
+    with gevent.Timeout(5):
+        assert s.recv(10) == b""
+    s.close()
+
+
+def test_drain_waits_for_the_last_byte_of_a_response(proxy, monkeypatch):
+    """A response counted at its header is still in flight until its last byte is written:
+    a drain must not cut it."""
+    port, _, _, _, upstreams, sessions = proxy
+    up = Dribbler(3_000_000, pieces=6)
+    upstreams[:] = [up.addr]
+    s = connect(port)
+    reader = Reader(s)
+    s.sendall(pull_frame(5))
+    up.go.put(True)
+    wait_until(lambda: len(reader.got) > 0)  # the header went out: the scanner counted the response
+    (session,) = sessions
+    assert session.in_flight == 1
+    checks = []
+    monkeypatch.setattr(relay.Session, "in_flight", property(lambda self: checks.append(1) or _in_flight(self)))
+    drain = _drain(sessions, timeout=60)
+    for _piece in range(1, up.pieces):
+        n = len(checks)
+        wait_until(lambda n=n: len(checks) >= n + 2)  # the drain looked at the session twice meanwhile
+        assert not session.closed and not drain.ready()
+        up.go.put(True)
+    settle(lambda: reader.whole_frames() >= 1)
+    drain.join(timeout=10)
+    assert drain.successful()
+    (frame,) = reader.frames()
+    assert frame.opaque == 5 and frame.body == up.body
+    with gevent.Timeout(5):
+        reader.greenlet.join()
+    assert reader.eof
+    s.close()
+    up.server.stop(timeout=1)
+
+
+_in_flight = relay.Session.in_flight.fget
+
+
+def test_health_probe_connect_and_close_is_quiet(proxy, caplog, capfd):
+    """A TCP health probe (connect, close) must not log a traceback: at most a debug line."""
+    import logging
+
+    port, broker, _, _, _, sessions = proxy
+    caplog.set_level(logging.DEBUG)
+    for _ in range(20):
+        probe = connect(port)
+        probe.close()
+    wait_until(lambda: broker.ended == 20 and not sessions)
+    s = connect(port)  # the proxy still works
+    s.sendall(send_frame(1))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(s)).code == C.SUCCESS
+    s.close()
+    wait_until(lambda: not sessions)
+    noisy = [r for r in caplog.records if r.name.startswith("rmqfast") and (r.exc_info or r.levelno > logging.DEBUG)]
+    assert noisy == []
+    assert "Traceback" not in capfd.readouterr().err

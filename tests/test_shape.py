@@ -124,7 +124,10 @@ class GeventBroker:
     def _handle(self, sock: socket.socket, _addr: object) -> None:
         buf = b""
         while True:
-            chunk = sock.recv(65536)
+            try:
+                chunk = sock.recv(65536)
+            except OSError:  # a releaser closed with answers unread (reset): a normal end here
+                return
             if not chunk:
                 return
             buf += chunk

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import operator
 import os
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import gevent
@@ -39,38 +42,122 @@ log = logging.getLogger("rmqfast.relay")
 
 if Pump is not None:
     from rmqfast._speedups import (  # type: ignore[attr-defined]
+        P_BOUNDARY,
         P_EOF,
         P_OS_ERROR,
+        P_OVER_BUDGET,
         P_POLICY,
         P_WAIT_LOCK,
         P_WAIT_READ,
         P_WAIT_WRITE,
         P_YIELD,
+        BufferBudget,
     )
+
+#: Default of ``proxy.buffer_budget``: bytes per worker for frames held whole beyond the base buffers.
+DEFAULT_BUFFER_BUDGET = 64 * 1024 * 1024
+#: Default of ``proxy.frame_timeout``: seconds a started frame may wait for its next bytes.
+DEFAULT_FRAME_TIMEOUT = 30.0
+
+
+class PyBufferBudget:
+    """The pure-Python twin of ``_speedups.BufferBudget`` (same two attributes)."""
+
+    def __init__(self, limit: int = DEFAULT_BUFFER_BUDGET) -> None:
+        self.limit = limit
+        self.used = 0
+
+
+#: One budget per process (a worker): every pump of every session reserves from it.
+BUDGET: Any = BufferBudget(DEFAULT_BUFFER_BUDGET) if Pump is not None else PyBufferBudget()
+
+
+def _skip_reader(scanner: Any) -> Callable[[Any], int]:
+    """How to read a scanner's ``_skip`` (bytes of the current frame still to come)."""
+    if codec.FrameScannerC is not None and isinstance(scanner, codec.FrameScannerC):
+        from rmqfast._speedups import scanner_skip  # type: ignore[attr-defined]
+
+        return scanner_skip  # type: ignore[no-any-return]
+    return operator.attrgetter("_skip")
+
+
+class _PyPumpState:
+    """What the Python pump shows the rest of the session (the C Pump has the same attributes)."""
+
+    __slots__ = ("at_boundary", "hold", "stalled_since")
+
+    def __init__(self) -> None:
+        self.at_boundary = True  # the bytes written to the destination end at a frame boundary
+        self.hold = False  # a local answer waits for the next boundary
+        self.stalled_since = 0  # monotonic ns of the last receive while mid-frame (0: not mid-frame)
+
+
+class _Out:
+    """The one writer of a socket: the pump that forwards into it, plus the answers the proxy
+    makes itself (NO_PERMISSION, SYSTEM_BUSY, shaped SUCCESS...) waiting for a frame boundary
+    of that forwarded stream.  ``lock`` is held by whoever must wait in the middle of a write."""
+
+    __slots__ = ("sock", "lock", "pump", "queue")
+
+    def __init__(self, sock: socket.socket, lock: Semaphore) -> None:
+        self.sock = sock
+        self.lock = lock
+        self.pump: Any = None  # a C Pump or a _PyPumpState, once the pump runs
+        self.queue: deque[tuple[bytes, bool]] = deque()  # (frame, answers a client request?)
+
+    def at_boundary(self) -> bool:
+        return self.pump is None or bool(self.pump.at_boundary)
 
 
 class RelaySettings:
     """The part of the configuration a relay session needs (shared, updated on reload)."""
 
     def __init__(
-        self, buffer_size: int, max_frame: int, max_header: int, connect_timeout: float, idle_timeout: float
+        self,
+        buffer_size: int,
+        max_frame: int,
+        max_header: int,
+        connect_timeout: float,
+        idle_timeout: float,
+        frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
+        buffer_budget: int = DEFAULT_BUFFER_BUDGET,
     ) -> None:
         self.buffer_size = buffer_size
         self.max_frame = max_frame
         self.max_header = max_header
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
+        self.frame_timeout = frame_timeout  # 0: no frame-completion deadline
+        self.buffer_budget = buffer_budget
+        BUDGET.limit = buffer_budget  # the process-wide budget follows the (re)loaded config
 
 
 def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
-    """Close every session with no bytes received on either side for ``limit`` seconds."""
+    """Close every session with no bytes received on either side for ``limit`` seconds, and
+    every session whose peer stopped sending in the middle of a frame for longer than the
+    ``frame_timeout`` of its settings (slowloris: a half-sent frame may hold a grown buffer)."""
     now = time.monotonic() if now is None else now
+    now_ns = int(now * 1e9)
     closed = 0
     for s in list(sessions):
-        if not s.closed and s.idle_for(now) > limit:
+        if s.closed:
+            continue
+        if s.idle_for(now) > limit:
             log.info("closing idle connection", extra=ctx(role=s.role, client=s.client_addr))
             s.close()
             closed += 1
+            continue
+        ft = s.settings.frame_timeout
+        if ft > 0:
+            side, stalled = s.stalled_for(now_ns)
+            if stalled > ft:
+                log.warning(
+                    "closing connection: a frame stopped arriving",
+                    extra=ctx(role=s.role, side=side, client=s.client_addr, seconds=round(stalled, 1),
+                              frame_timeout=ft),
+                )
+                s.close()
+                closed += 1
     return closed
 
 
@@ -113,6 +200,9 @@ class Session:
         self.hub = gevent.get_hub()
         # socket -> (read watcher, write watcher), on the raw file descriptors
         self._watchers: dict[socket.socket, tuple[Any, Any]] = {}
+        # socket -> its one writer (the pump forwarding into it and the local answers it waits for)
+        self._outs: dict[socket.socket, _Out] = {}
+        self.local_answers = 0  # client requests answered (or dropped) by the proxy, answers written
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -149,9 +239,11 @@ class Session:
         for sock in (self.client, upstream):
             fd = sock.fileno()
             self._watchers[sock] = (loop.io(fd, 1), loop.io(fd, 2))
-        back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", self.client_lock, self._on_u2c)
+        self._outs[self.client] = _Out(self.client, self.client_lock)
+        self._outs[upstream] = _Out(upstream, self.upstream_lock)
+        back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", self._on_u2c)
         try:
-            self._pump(self.client, upstream, self.c2u, "client", self.upstream_lock, self._on_c2u)
+            self._pump(self.client, upstream, self.c2u, "client", self._on_c2u)
         finally:
             self.close()
             back.join(timeout=5)
@@ -183,10 +275,30 @@ class Session:
 
     @property
     def in_flight(self) -> int:
-        """Client requests relayed upstream and not answered yet."""
-        if self.c2u is None or self.u2c is None:
+        """Client requests not completely answered yet (what a drain waits for).
+
+        Requests the proxy answered itself count once their answer is written; a response
+        counts as done when its last byte is written to the client, not when its header is
+        scanned: while the client stream is in the middle of a frame (or answers wait to be
+        written), at least 1 is reported so that a drain does not cut it.
+        """
+        if self.c2u is None or self.u2c is None or self.closed:
             return 0
-        return max(0, self.c2u.requests - self.u2c.responses)
+        n = max(0, self.c2u.requests - self.local_answers - self.u2c.responses)
+        out = self._outs.get(self.client)
+        if out is not None and (out.queue or not out.at_boundary()):
+            n += 1
+        return n
+
+    def stalled_for(self, now_ns: int) -> tuple[str, float]:
+        """(side, seconds) of the longest wait for the rest of a frame a peer started sending."""
+        worst, side = 0.0, ""
+        for name, sock in (("client", self.upstream), ("upstream", self.client)):  # the pump writing to sock
+            out = self._outs.get(sock) if sock is not None else None
+            since = out.pump.stalled_since if out is not None and out.pump is not None else 0
+            if since > 0 and (now_ns - since) / 1e9 > worst:
+                worst, side = (now_ns - since) / 1e9, name
+        return side, worst
 
     def _connect(self) -> socket.socket | None:
         errors = []
@@ -247,6 +359,10 @@ class Session:
     # Timeout object per recv, which was most of the relay's time.  Idle connections are found
     # by the worker's sweep (``last_activity``), not by per-call timeouts; ``close`` wakes any
     # pump waiting on a watcher.
+    #
+    # One writer per socket: a pump forwards into its destination; the answers the proxy makes
+    # itself go out only at a frame boundary of that forwarded stream (``_answer``), so a local
+    # answer never lands inside a frame being forwarded (e.g. a large PULL answer).
 
     def _pump(
         self,
@@ -254,16 +370,21 @@ class Session:
         dst: socket.socket,
         scanner: FrameScanner,
         side: str,
-        dst_lock: Semaphore,
         on_policy: Any,
     ) -> None:
         try:
-            if Pump is not None and codec.is_compiled(scanner):
-                self._pump_c(src, dst, scanner, side, dst_lock, on_policy)
+            out = self._outs.get(dst)
+            if self.closed or out is None:
+                return  # closed before this pump started (a connect-and-close health probe)
+            if Pump is not None and isinstance(scanner, codec.FrameScannerC):
+                self._pump_c(src, dst, scanner, side, out, on_policy)
             else:
-                self._pump_py(src, dst, scanner, side, dst_lock, on_policy)
+                self._pump_py(src, dst, scanner, side, out, on_policy)
         except OSError as exc:
-            if not self.closed and exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, None):
+            if self.closed or exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, errno.ENOTCONN, None):
+                log.debug("connection ended", extra=ctx(role=self.role, side=side, client=self.client_addr,
+                                                         error=str(exc)))
+            else:
                 log.info(
                     "connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc))
                 )
@@ -278,13 +399,28 @@ class Session:
                       error=scanner.error),
         )
 
+    def _over_budget(self, side: str, need: int) -> None:
+        log.warning(
+            "frame too large for the worker's buffer budget; closing connection",
+            extra=ctx(role=self.role, side=side, client=self.client_addr, frame_bytes=need,
+                      budget=BUDGET.limit, in_use=BUDGET.used,
+                      hint="frames that policy reads whole (admin codes, limited sends, batches) are held in "
+                           "memory; raise proxy.buffer_budget if legitimate clients send frames this large"),
+        )
+
+    def _watcher(self, sock: socket.socket, kind: int) -> Any:
+        w = self._watchers.get(sock)
+        if w is None:  # close() dropped them: the file descriptor may already be someone else's
+            raise OSError(errno.EBADF, "connection closed by the other side of the relay")
+        return w[kind]
+
     def _pump_c(
         self,
         src: socket.socket,
         dst: socket.socket,
         scanner: FrameScanner,
         side: str,
-        dst_lock: Semaphore,
+        out: _Out,
         on_policy: Any,
     ) -> None:
         """The compiled pump: C receives, scans and forwards; Python waits and does policy.
@@ -292,18 +428,19 @@ class Session:
         ``self.closed`` is checked before every step: once closed, the file descriptor
         numbers may already belong to other connections.
         """
-        pump = Pump(scanner, src.fileno(), dst.fileno(), self.settings.buffer_size)
-        rwatch = self._watchers[src][0]
-        wwatch = self._watchers[dst][1]
+        pump = Pump(scanner, src.fileno(), dst.fileno(), self.settings.buffer_size, BUDGET)
+        out.pump = pump
+        rwatch = self._watcher(src, 0)
+        wwatch = self._watcher(dst, 1)
+        dst_lock = out.lock
         wait = self.hub.wait
         step = pump.step
         locked = dst_lock.locked
-        monotonic = time.monotonic
         st = step(not locked())
         while not self.closed:
             if st == P_WAIT_READ:
                 wait(rwatch)
-                self.last_activity = monotonic()
+                self.last_activity = time.monotonic()
             elif st == P_WAIT_WRITE or st == P_WAIT_LOCK:
                 with dst_lock:
                     while not self.closed:
@@ -312,19 +449,26 @@ class Session:
                             break
                         wait(wwatch)
                 continue
+            elif st == P_BOUNDARY:
+                self._flush_answers(out)
             elif st == P_POLICY:
+                if out.queue:
+                    self._flush_answers(out)  # at a boundary: answers queued earlier go first
                 frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque)
                 pump.consume()
                 verdict = self._over_limit(frame, scanner) if scanner.limited >= 0 else on_policy(frame)
-                if not self._apply(verdict, frame, dst, dst_lock):
+                if not self._apply(verdict, frame, dst):
                     return
             elif st == P_YIELD:
-                self.last_activity = monotonic()
+                self.last_activity = time.monotonic()
                 gevent.sleep(0)
             elif st == P_EOF:
                 return
             elif st == P_OS_ERROR:
                 raise OSError(pump.errno_value, os.strerror(pump.errno_value))
+            elif st == P_OVER_BUDGET:
+                self._over_budget(side, pump.need)
+                return
             else:  # P_PROTOCOL_ERROR
                 self._protocol_error(side, scanner)
                 return
@@ -338,25 +482,32 @@ class Session:
         dst: socket.socket,
         scanner: FrameScanner,
         side: str,
-        dst_lock: Semaphore,
+        out: _Out,
         on_policy: Any,
     ) -> None:
         """The same loop in Python, for the pure-Python scanner (and as the C pump's reference)."""
+        state = _PyPumpState()
+        out.pump = state
         size = self.settings.buffer_size
         buf = bytearray(size)
         view = memoryview(buf)
+        held = 0  # bytes of the buffer beyond ``size``, reserved from BUDGET
         filled = 0
         scan = scanner.scan
+        skip_of = _skip_reader(scanner)
         wait = self.hub.wait
-        rwatch = self._watchers[src]
+        rwatch = self._watcher(src, 0)
+        dst_lock = out.lock
         recv_into = src._sock.recv_into
         send = self._send
-        monotonic = time.monotonic
+        monotonic_ns = time.monotonic_ns
         readable = True  # try a read before waiting for readiness
         try:
             while not self.closed:
+                if state.hold and skip_of(scanner) == 0:
+                    self._flush_answers(out)
                 if not readable:
-                    wait(rwatch[0])
+                    wait(rwatch)
                 try:
                     n = recv_into(view[filled:])
                 except BlockingIOError:
@@ -367,22 +518,38 @@ class Session:
                 # A short read drained the socket: wait for readiness first next time (saves a
                 # failing recv per message when clients send one request at a time).
                 readable = n == len(buf) - filled
-                self.last_activity = monotonic()
+                now = monotonic_ns()
+                self.last_activity = now / 1e9
+                state.stalled_since = 0
                 filled += n
                 start = pos = 0
                 need = 0
                 while True:
-                    ev, a, b = scan(buf, pos, filled)
+                    end = filled
+                    if state.hold:  # a local answer waits: scan no further than the current frame
+                        skip = skip_of(scanner)
+                        if skip == 0:
+                            self._flush_answers(out)
+                        elif pos + skip < filled:
+                            end = pos + skip
+                    ev, a, b = scan(buf, pos, end)
                     if a > start:
+                        state.at_boundary = False
                         send(dst, dst_lock, view[start:a])
                         start = a
+                        state.at_boundary = skip_of(scanner) == 0
                     if ev == EV_FORWARD:
+                        if end < filled and b == 0:
+                            pos = a  # stopped at the end of a frame for a local answer: go on
+                            continue
                         need = b
                         break
                     if ev == EV_POLICY:
+                        if out.queue:
+                            self._flush_answers(out)
                         frame = Frame(bytes(view[a:b]), scanner.code, scanner.flag, scanner.opaque)
                         verdict = self._over_limit(frame, scanner) if scanner.limited >= 0 else on_policy(frame)
-                        if not self._apply(verdict, frame, dst, dst_lock):
+                        if not self._apply(verdict, frame, dst):
                             return
                         start = pos = b
                         continue
@@ -393,19 +560,31 @@ class Session:
                     buf[0:rest] = buf[start:filled]
                 filled = rest
                 if need > len(buf):
-                    # A frame head that needs policy (or a huge header) is larger than the
-                    # buffer; the scanner checked it against the frame limit already.
-                    grown = bytearray(max(need, 2 * len(buf)))
+                    # A frame that needs policy (or a huge header) is larger than the buffer;
+                    # the scanner checked it against the frame limit already.
+                    if BUDGET.used - held + (need - size) > BUDGET.limit:
+                        self._over_budget(side, need)
+                        return
+                    grown = bytearray(need)
                     grown[0:filled] = buf[0:filled]
                     view.release()
                     buf = grown
                     view = memoryview(buf)
-                elif filled == 0 and len(buf) > size:
-                    view.release()
-                    buf = bytearray(size)
+                    BUDGET.used += need - size - held
+                    held = need - size
+                elif held and filled <= size and need <= size:
+                    view.release()  # back to the base size as soon as the rest fits
+                    small = bytearray(size)
+                    small[0:filled] = buf[0:filled]
+                    buf = small
                     view = memoryview(buf)
+                    BUDGET.used -= held
+                    held = 0
+                if filled or skip_of(scanner):
+                    state.stalled_since = now
         finally:
             view.release()
+            BUDGET.used -= held
 
     def _send(self, dst: socket.socket, lock: Semaphore, data: Any) -> None:
         """Write all of ``data`` to ``dst``; greenlets writing the same socket never interleave.
@@ -422,7 +601,7 @@ class Session:
             if n == len(data):
                 return
             data = memoryview(data)[n:]
-        wwatch = self._watchers[dst][1]
+        wwatch = self._watcher(dst, 1)
         with lock:
             while data:
                 try:
@@ -432,28 +611,58 @@ class Session:
                     continue
                 data = data[n:]
 
-    def _apply(self, verdict: Verdict, frame: Frame, dst: socket.socket, dst_lock: Semaphore) -> bool:
+    def _answer(self, out: _Out, data: bytes, request: bool) -> None:
+        """A frame the proxy makes itself: written now if the stream to ``out`` is at a frame
+        boundary, else queued for the next one (the pump writing there stops at it)."""
+        if not out.queue and out.at_boundary():
+            self._send(out.sock, out.lock, data)
+            if request:
+                self.local_answers += 1
+            return
+        out.queue.append((data, request))
+        if out.pump is not None:
+            out.pump.hold = True
+
+    def _flush_answers(self, out: _Out) -> None:
+        """Called by the pump writing to ``out`` when its stream is at a frame boundary."""
+        while out.queue:
+            data, request = out.queue.popleft()
+            self._send(out.sock, out.lock, data)
+            if request:
+                self.local_answers += 1
+        if out.pump is not None:
+            out.pump.hold = False
+
+    def _apply(self, verdict: Verdict, frame: Frame, dst: socket.socket) -> bool:
         """Carry out a policy verdict; False when the connection must be closed."""
         kind = verdict.kind
         request = not frame.flag & C.FLAG_RESPONSE
+        from_client = dst is self.upstream
         if kind == "pass" or kind == "rewrite":
             if request:
-                self._track(frame, 0 if dst is self.upstream else 1)
-            self._send(dst, dst_lock, frame.data if kind == "pass" else verdict.data)
+                self._track(frame, 0 if from_client else 1)
+            # the pump forwarding into dst is this one, at a frame boundary: a whole-frame write
+            self._send(dst, self._outs[dst].lock, frame.data if kind == "pass" else verdict.data)
         elif kind == "reply":
             # The answer goes back to where the frame came from.
-            src, lock = (self.client, self.client_lock) if dst is self.upstream else (self.upstream, self.upstream_lock)
+            src = self.client if from_client else self.upstream
             assert src is not None
+            counted = request and from_client and not frame.is_oneway
             if request:
                 answered = decode_frame(verdict.data).code  # replies are rare and small
                 self.stats.count_result(code_slot(frame.code), result_index(answered))
-            self._send(src, lock, verdict.data)
+            out = self._outs.get(src)
+            if out is None:
+                raise OSError(errno.EBADF, "connection closed by the other side of the relay")
+            self._answer(out, verdict.data, counted)
         elif kind == "close":
             log.warning(
                 "policy closed connection", extra=ctx(role=self.role, client=self.client_addr, reason=verdict.reason)
             )
             return False
-        # "divert": the filter owns the frame now.
+        elif request and from_client and not frame.is_oneway:
+            # "divert": the filter owns the frame now; no answer will come from upstream.
+            self.local_answers += 1
         return True
 
     def _over_limit(self, frame: Frame, scanner: Any) -> Verdict:

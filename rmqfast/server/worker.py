@@ -117,7 +117,8 @@ class Worker:
     @staticmethod
     def _settings(cfg: Config) -> RelaySettings:
         p = cfg.proxy
-        return RelaySettings(p.buffer_size, p.max_frame_size, p.max_header_size, p.connect_timeout, p.idle_timeout)
+        return RelaySettings(p.buffer_size, p.max_frame_size, p.max_header_size, p.connect_timeout, p.idle_timeout,
+                             frame_timeout=p.frame_timeout, buffer_budget=p.buffer_budget)
 
     def _build_chains(self) -> None:
         pol = self.cfg.policy

@@ -1,0 +1,48 @@
+"""Suite-wide fixtures.
+
+gevent only *prints* an exception raised in a greenlet (a relay pump, a StreamServer handler)
+and carries on, so a test passed while tracebacks scrolled by.  ``greenlet_errors`` (autouse)
+records every exception the hub would print and fails the test that produced it.  A test that
+provokes one on purpose takes the fixture by name and empties the list before it ends.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from gevent.hub import Hub
+
+
+class GreenletErrors(list):
+    """``(context, formatted traceback)`` of each exception a gevent hub printed during the test."""
+
+
+_current: GreenletErrors | None = None
+_original_print_exception = Hub.print_exception
+
+
+def _recording_print_exception(self: Hub, context: Any, t: Any, v: Any, tb: Any) -> None:
+    if _current is not None:
+        _current.append((repr(context)[:200], "".join(traceback.format_exception(t, v, tb))))
+    _original_print_exception(self, context, t, v, tb)
+
+
+Hub.print_exception = _recording_print_exception  # class-level: covers every thread's hub
+
+
+@pytest.fixture(autouse=True)
+def greenlet_errors() -> Iterator[GreenletErrors]:
+    global _current
+    errors = GreenletErrors()
+    _current = errors
+    try:
+        yield errors
+    finally:
+        _current = None
+    if errors:
+        shown = "\n".join(f"--- in {ctx}:\n{tb}" for ctx, tb in errors[:3])
+        pytest.fail(f"{len(errors)} exception(s) raised in greenlets during the test "
+                    f"(gevent printed and ignored them):\n{shown}", pytrace=False)
