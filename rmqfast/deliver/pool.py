@@ -15,7 +15,7 @@ log = logging.getLogger("rmqfast.deliver")
 
 
 class DeliverPool:
-    """``count`` processes ``python -m rmqfast.deliver.process``; one that dies is restarted at once."""
+    """``count`` processes ``python -P -m rmqfast.deliver.process`` (rmqfast.server.spawn); restarted when they die."""
 
     def __init__(self, count: int, runtime: Path, env: dict[str, str],
                  on_dead: Callable[[int], None] | None = None) -> None:

@@ -1,6 +1,6 @@
 """A worker process: gevent, SO_REUSEPORT listeners, relay sessions.
 
-Started by the supervisor as ``python -m rmqfast.server.worker --runtime DIR --index N
+Started by the supervisor as ``python -P -m rmqfast.server.worker --runtime DIR --index N
 --status-fd FD``.  It reads the validated configuration from ``DIR/config.json``, binds every
 listener with SO_REUSEPORT (all workers bind the same ports; the kernel spreads
 connections), reports ``ready`` on the status pipe, and serves until SIGTERM.
