@@ -18,6 +18,7 @@
 #     or with b/topic/i/properties twice.
 # No RocketMQ client (Java, Go, C++) produces any of these.
 
+from libc.stdint cimport int8_t
 from libc.stdlib cimport realloc
 from libc.string cimport memchr
 
@@ -145,33 +146,83 @@ cdef inline Py_ssize_t skip_ws(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noe
     return i
 
 
-cdef inline int hexval(uint8_t c) noexcept nogil:
-    if 48 <= c <= 57:
-        return c - 48
-    if 97 <= c <= 102:
-        return c - 87
-    if 65 <= c <= 70:
-        return c - 55
-    return -1
+cdef int8_t HEXVAL[256]        # value of a hex digit, -1 for other bytes
+
+
+cdef void _init_hexval() noexcept:
+    cdef int c
+    for c in range(256):
+        HEXVAL[c] = c - 48 if 48 <= c <= 57 else c - 87 if 97 <= c <= 102 else c - 55 if 65 <= c <= 70 else -1
+
+
+_init_hexval()
 
 
 cdef inline int32_t hex4(const uint8_t* p) noexcept nogil:
     """The value of 4 hex digits, -1 if they are not."""
-    cdef int a = hexval(p[0]), b = hexval(p[1]), c = hexval(p[2]), d = hexval(p[3])
-    if a < 0 or b < 0 or c < 0 or d < 0:
+    cdef int32_t a = HEXVAL[p[0]], b = HEXVAL[p[1]], c = HEXVAL[p[2]], d = HEXVAL[p[3]]
+    if (a | b | c | d) < 0:
         return -1
     return (a << 12) | (b << 8) | (c << 4) | d
 
 
+# Bytes a string may hold as they are (not '"', '\\', a control character or non-ASCII): the
+# string walk's fast path is one table lookup per byte.
+cdef uint8_t STR_PLAIN[256]
+
+
+cdef void _init_str_plain() noexcept:
+    cdef int c
+    for c in range(256):
+        STR_PLAIN[c] = 1 if 0x20 <= c < 0x80 and c != 34 and c != 92 else 0
+
+
+_init_str_plain()
+
+
+cdef inline bint word_has_special(const uint8_t* p) noexcept nogil:
+    """Whether 8 bytes hold a '"', a '\\', a control character or a non-ASCII byte (SWAR)."""
+    cdef uint64_t x, q, b
+    memcpy(&x, p, 8)
+    q = x ^ 0x2222222222222222ULL
+    b = x ^ 0x5C5C5C5C5C5C5C5CULL
+    return (((q - 0x0101010101010101ULL) & ~q) | ((b - 0x0101010101010101ULL) & ~b)
+            | ((x - 0x2020202020202020ULL) & ~x) | x) & 0x8080808080808080ULL != 0
+
+
 # Return convention of the walkers: new index >= 0, or -(error code).
-cdef Py_ssize_t scan_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int* flags) noexcept nogil:
-    """``h[i]`` is the opening quote: strict JSON string, strict UTF-8."""
+cdef inline Py_ssize_t scan_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int* flags) noexcept nogil:
+    """``h[i]`` is the opening quote: strict JSON string, strict UTF-8.  Inline fast path for
+    strings of plain ASCII (nearly all of them); the rest goes on in scan_string_rest."""
+    cdef Py_ssize_t short_end = i + 17 if i + 17 < n else n
+    i += 1
+    while i < short_end and STR_PLAIN[h[i]]:    # keys and most values are short
+        i += 1
+    if i == short_end:                          # a long string: eight bytes at a time
+        while i + 8 <= n and not word_has_special(h + i):
+            i += 8
+        while i < n and STR_PLAIN[h[i]]:
+            i += 1
+    if i < n and h[i] == 34:
+        flags[0] = 0
+        return i + 1
+    return scan_string_rest(h, i, n, flags)
+
+
+cdef Py_ssize_t scan_string_rest(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int* flags) noexcept nogil:
+    """scan_string from ``h[i]``, a byte that is not plain ASCII."""
     cdef uint8_t c
     cdef int32_t u, lo
     cdef int f = 0, need, k
     cdef uint32_t cp
-    i += 1
-    while i < n:
+    while True:
+        # eight plain bytes at a time, then byte by byte up to the next special one
+        while i + 8 <= n and not word_has_special(h + i):
+            i += 8
+        while i < n and STR_PLAIN[h[i]]:
+            i += 1
+        if i >= n:
+            break
         c = h[i]
         if c == 34:
             flags[0] = f
@@ -501,6 +552,10 @@ cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, He
             if i < 0:
                 return i
             ext_record(info, k, vs, i - 1 - vs, f & S_ESC)
+        elif i < n and h[i] == 34:     # most values are strings: skip_value's loop is not needed
+            i = scan_string(h, i, n, &f)
+            if i < 0:
+                return i
         else:
             i = skip_value(h, i, n, 2)
             if i < 0:
@@ -550,6 +605,8 @@ cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noe
             i = parse_int(h, i, n, &info.opaque)
         elif k == K_EXT and i < n and h[i] == 123:
             i = walk_ext_fields(h, i, n, info)
+        elif i < n and h[i] == 34:
+            i = scan_string(h, i, n, &f)
         else:
             i = skip_value(h, i, n, 1)
         if i < 0:
