@@ -1051,10 +1051,12 @@ cdef class FrameScanner:
 # returns P_BOUNDARY so the relay can write the queue before the next frame starts.
 #
 # Memory: the buffer holds a whole frame only when a policy needs it whole (or a header is
-# larger than the buffer).  Such growth is reserved from a BufferBudget shared by the pumps of
-# the process (P_OVER_BUDGET when it would be exceeded), lives in its own anonymous mapping
-# (returned to the kernel when the frame is done: malloc would keep a 16 MiB hole in its heap),
-# and is given back as soon as the bytes still buffered fit the base buffer.
+# larger than the buffer).  The bigger buffer is an anonymous mapping of the frame's size
+# (pages cost memory only once bytes arrive; unmapped when the frame is done, where malloc
+# would keep a 16 MiB hole in its heap), filled at most ``base_cap`` bytes per receive; the
+# bytes it holds beyond the base size are charged to a BufferBudget shared by the pumps of the
+# process, and P_OVER_BUDGET says the budget is exhausted.  It goes back to the base buffer as
+# soon as the bytes still buffered fit.
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t c_recv "recv"(int fd, void* buf, size_t n, int flags)
@@ -1084,7 +1086,7 @@ P_OS_ERROR = 5
 P_PROTOCOL_ERROR = 6
 P_YIELD = 7
 P_BOUNDARY = 8      # ``hold`` is set and the destination stream is at a frame boundary
-P_OVER_BUDGET = 9   # a frame must be held whole and the BufferBudget cannot cover it
+P_OVER_BUDGET = 9   # a frame held whole took the BufferBudget past its limit
 
 cdef enum:
     PH_SCAN = 0      # scan [pos, filled)
@@ -1105,8 +1107,9 @@ def scanner_skip(FrameScanner scanner not None):
 cdef class BufferBudget:
     """Bytes the pumps of one process hold beyond their base buffers (frames held whole).
 
-    ``used`` never exceeds ``limit``: a pump that would need more returns P_OVER_BUDGET.
-    The pure-Python pump uses the same two attributes (``rmqfast.proxy.relay.PyBufferBudget``).
+    A pump charges the bytes it holds beyond its base buffer as they arrive (at most one base
+    buffer per receive) and returns P_OVER_BUDGET once ``used`` exceeds ``limit``.  The pure-Python
+    pump uses the same two attributes (``rmqfast.proxy.relay.PyBufferBudget``).
     """
 
     cdef public Py_ssize_t limit
@@ -1134,7 +1137,8 @@ cdef class Pump:
     cdef readonly int errno_value
     cdef readonly Py_ssize_t frame_start, frame_end
     cdef readonly BufferBudget budget
-    cdef readonly Py_ssize_t need   # bytes a refused growth wanted (after P_OVER_BUDGET)
+    cdef readonly Py_ssize_t need   # size of the frame being held (after P_OVER_BUDGET)
+    cdef Py_ssize_t charged         # bytes charged to the budget
     cdef public bint hold           # a local answer waits: stop at the next frame boundary
 
     def __cinit__(self, FrameScanner scanner not None, int src_fd, int dst_fd, Py_ssize_t size,
@@ -1161,10 +1165,17 @@ cdef class Pump:
     cdef void _release_big(self) noexcept:
         if self.buf != self.base:
             c_munmap(self.buf, self.cap)
-            if self.budget is not None:
-                self.budget.used -= self.cap - self.base_cap
             self.buf = self.base
             self.cap = self.base_cap
+        self._charge(0)
+
+    cdef bint _charge(self, Py_ssize_t held) noexcept:
+        """Charge ``held`` bytes (instead of the previous charge); True when over the budget."""
+        if self.budget is None:
+            return False
+        self.budget.used += held - self.charged
+        self.charged = held
+        return held > 0 and self.budget.used > self.budget.limit
 
     @property
     def buffered(self):
@@ -1206,28 +1217,27 @@ cdef class Pump:
         self.phase = PH_SCAN
 
     cdef int _fit(self, Py_ssize_t rest) except -1:
-        """After compaction ([0, rest) buffered, pend_b bytes needed): grow for a frame held
-        whole, or go back to the base buffer.  1 when the budget refuses the growth."""
-        cdef Py_ssize_t n, held
+        """After compaction ([0, rest) buffered, pend_b bytes needed): map a buffer for a frame
+        held whole, or go back to the base buffer.  1 when the budget is exhausted."""
+        cdef Py_ssize_t n
         cdef uint8_t* grown
         if self.pend_b > self.cap:
             n = (self.pend_b + BIG_ALIGN - 1) // BIG_ALIGN * BIG_ALIGN
-            held = self.cap - self.base_cap
-            if self.budget is not None and self.budget.used - held + (n - self.base_cap) > self.budget.limit:
-                self.need = self.pend_b
-                return 1
             grown = <uint8_t*>c_mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
             if <void*>grown == MAP_FAILED:
                 raise MemoryError(f"cannot map {n} bytes for a frame held whole")
             memcpy(grown, self.buf, rest)
-            self._release_big()
+            if self.buf != self.base:
+                c_munmap(self.buf, self.cap)
             self.buf = grown
             self.cap = n
-            if self.budget is not None:
-                self.budget.used += n - self.base_cap
+            self.need = self.pend_b
         elif self.buf != self.base and rest <= self.base_cap and self.pend_b <= self.base_cap:
             memcpy(self.base, self.buf, rest)
             self._release_big()
+            return 0
+        if self.buf != self.base and self._charge(rest - self.base_cap if rest > self.base_cap else 0):
+            return 1
         return 0
 
     def step(self, bint may_send):
@@ -1300,6 +1310,8 @@ cdef class Pump:
                 self.reads = 0
                 return P_YIELD
             space = self.cap - self.filled
+            if self.buf != self.base and space > self.base_cap:
+                space = self.base_cap  # a held frame is charged as it arrives: bounded steps
             n = c_recv(self.src, self.buf + self.filled, space, 0)
             if n < 0:
                 if errno == EAGAIN:
@@ -1316,3 +1328,5 @@ cdef class Pump:
             self.readable = n == space
             self.filled += n
             self.phase = PH_SCAN
+            if self.buf != self.base and self.filled > self.base_cap and self._charge(self.filled - self.base_cap):
+                return P_OVER_BUDGET

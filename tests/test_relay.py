@@ -615,3 +615,82 @@ def test_health_probe_connect_and_close_is_quiet(proxy, caplog, capfd):
     noisy = [r for r in caplog.records if r.name.startswith("rmqfast") and (r.exc_info or r.levelno > logging.DEBUG)]
     assert noisy == []
     assert "Traceback" not in capfd.readouterr().err
+
+
+# Memory after hostile traffic: buffer budget, shrinking, frame-completion deadline ------------
+
+
+def test_frames_held_whole_are_bounded_by_the_buffer_budget(proxy, monkeypatch, caplog):
+    port, broker, _, _, _, sessions = proxy
+    monkeypatch.setattr(relay.BUDGET, "limit", 1 << 20)
+    big_denied = send_frame(1, code=C.UPDATE_BROKER_CONFIG, body=b"p" * 3_000_000)  # policy reads it whole
+    hog = connect(port)
+    hog.sendall(big_denied)
+    with gevent.Timeout(10):
+        try:
+            while hog.recv(65536):  # closed by the proxy, without relaying or answering
+                pass
+        except ConnectionResetError:  # closed with our bytes unread
+            pass
+    assert any("buffer budget" in r.getMessage() for r in caplog.records)
+    wait_until(lambda: not sessions)
+    assert relay.BUDGET.used == 0
+    # frames no policy holds stream through whatever their size; small policy frames need no budget
+    s = connect(port)
+    s.sendall(send_frame(2, body=b"s" * 3_000_000) + send_frame(3, code=C.UPDATE_BROKER_CONFIG, body=b"x=1"))
+    with gevent.Timeout(10):
+        got = {decode_frame(read_frame(s)).opaque: None for _ in range(2)}
+    assert set(got) == {2, 3} and broker.seen[-1].body == b"s" * 3_000_000
+    s.close()
+
+
+def test_buffer_goes_back_to_its_base_size_after_a_big_frame(proxy):
+    port, _, _, _, _, sessions = proxy
+    s = connect(port)
+    s.sendall(send_frame(1, code=C.UPDATE_BROKER_CONFIG, body=b"p" * 2_000_000))
+    with gevent.Timeout(10):
+        assert decode_frame(read_frame(s)).code == C.NO_PERMISSION
+    (session,) = sessions
+    pump = session._outs[session.upstream].pump
+    wait_until(lambda: relay.BUDGET.used == 0)  # while the connection stays open
+    if hasattr(pump, "capacity"):
+        assert pump.capacity == session.settings.buffer_size
+    s.sendall(send_frame(2))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(s)).opaque == 2
+    s.close()
+
+
+def test_a_frame_that_stops_arriving_is_closed_after_frame_timeout(proxy, caplog):
+    import time
+
+    port, _, _, _, _, sessions = proxy
+    healthy = connect(port)
+    healthy.sendall(send_frame(1))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(healthy)).opaque == 1
+    held = send_frame(2, code=C.UPDATE_BROKER_CONFIG, body=b"p" * 100_000)  # waits whole for policy
+    streamed = send_frame(3, body=b"s" * 100_000)  # forwarded as it arrives
+    stalled = []
+    for frame in (held, streamed):
+        c = connect(port)
+        c.sendall(frame[: len(frame) // 2])
+        stalled.append(c)
+    wait_until(lambda: len(sessions) == 3)
+    wait_until(lambda: sum(s.stalled_for(time.monotonic_ns())[1] > 0 for s in sessions) == 2)
+    settings = next(iter(sessions)).settings
+    later = time.monotonic() + 31
+    settings.frame_timeout = 0  # no deadline
+    assert relay.close_idle(sessions, 1000, now=later) == 0
+    settings.frame_timeout = 30
+    assert relay.close_idle(sessions, 1000, now=time.monotonic() + 20) == 0
+    assert relay.close_idle(sessions, 1000, now=later) == 2
+    for c in stalled:
+        with gevent.Timeout(5):
+            assert c.recv(10) == b""
+        c.close()
+    assert any("a frame stopped arriving" in r.getMessage() for r in caplog.records)
+    healthy.sendall(send_frame(4))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(healthy)).opaque == 4
+    healthy.close()

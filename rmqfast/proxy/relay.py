@@ -74,7 +74,7 @@ BUDGET: Any = BufferBudget(DEFAULT_BUFFER_BUDGET) if Pump is not None else PyBuf
 
 def _skip_reader(scanner: Any) -> Callable[[Any], int]:
     """How to read a scanner's ``_skip`` (bytes of the current frame still to come)."""
-    if codec.FrameScannerC is not None and isinstance(scanner, codec.FrameScannerC):
+    if codec.is_compiled(scanner):  # asks rmqfast.codec; never loads the extension itself
         from rmqfast._speedups import scanner_skip  # type: ignore[attr-defined]
 
         return scanner_skip  # type: ignore[no-any-return]
@@ -376,7 +376,7 @@ class Session:
             out = self._outs.get(dst)
             if self.closed or out is None:
                 return  # closed before this pump started (a connect-and-close health probe)
-            if Pump is not None and isinstance(scanner, codec.FrameScannerC):
+            if Pump is not None and codec.is_compiled(scanner):
                 self._pump_c(src, dst, scanner, side, out, on_policy)
             else:
                 self._pump_py(src, dst, scanner, side, out, on_policy)
@@ -559,19 +559,21 @@ class Session:
                 if rest and start:
                     buf[0:rest] = buf[start:filled]
                 filled = rest
-                if need > len(buf):
-                    # A frame that needs policy (or a huge header) is larger than the buffer;
-                    # the scanner checked it against the frame limit already.
-                    if BUDGET.used - held + (need - size) > BUDGET.limit:
+                if need > len(buf) and filled == len(buf):
+                    # A frame that needs policy (or a huge header) is larger than the buffer
+                    # (the scanner checked it against the frame limit already): grow as its
+                    # bytes arrive, so that memory and the budget follow what was received.
+                    grow_to = min(need, 2 * len(buf))
+                    if BUDGET.used - held + (grow_to - size) > BUDGET.limit:
                         self._over_budget(side, need)
                         return
-                    grown = bytearray(need)
+                    grown = bytearray(grow_to)
                     grown[0:filled] = buf[0:filled]
                     view.release()
                     buf = grown
                     view = memoryview(buf)
-                    BUDGET.used += need - size - held
-                    held = need - size
+                    BUDGET.used += grow_to - size - held
+                    held = grow_to - size
                 elif held and filled <= size and need <= size:
                     view.release()  # back to the base size as soon as the rest fits
                     small = bytearray(size)
