@@ -23,14 +23,17 @@ pytestmark = pytest.mark.skipif(codec.Pump is None, reason="compiled extension n
 
 if codec.Pump is not None:
     from rmqfast._speedups import (
+        P_BOUNDARY,
         P_EOF,
         P_OS_ERROR,
+        P_OVER_BUDGET,
         P_POLICY,
         P_PROTOCOL_ERROR,
         P_WAIT_LOCK,
         P_WAIT_READ,
         P_WAIT_WRITE,
         P_YIELD,
+        BufferBudget,
     )
 
 POLICY_CODES = (25, 105)  # UPDATE_BROKER_CONFIG, GET_ROUTEINFO_BY_TOPIC
@@ -238,3 +241,62 @@ def test_misuse_is_refused_with_a_clear_error():
         pump.frame()
     with pytest.raises(RuntimeError, match="no frame is waiting"):
         pump.consume()
+
+
+def test_hold_stops_at_the_next_frame_boundary():
+    """With ``hold`` set in the middle of a forwarded frame, the pump forwards up to the end of
+    that frame and no further, says P_BOUNDARY, and goes on once ``hold`` is cleared."""
+    stats = codec.ScanStatsC()
+    scanner = codec.FrameScannerC(stats, actions=actions())
+    src_peer, src = nonblocking_pair()
+    dst, dst_peer = nonblocking_pair()
+    pump = codec.Pump(scanner, src.fileno(), dst.fileno(), 4096)
+    first = send_v2("T", opaque=1, body=b"a" * 10000)  # larger than the buffer: forwarded in parts
+    second = send_v2("T", opaque=2, body=b"b" * 100)
+    src_peer.send(first[:3000])
+    assert pump.step(True) == P_WAIT_READ
+    assert not pump.at_boundary  # part of the first frame went out
+    pump.hold = True
+    src_peer.send(first[3000:] + second)
+    out = bytearray()
+    while True:
+        st = pump.step(True)
+        drain(dst_peer, out)
+        if st == P_BOUNDARY:
+            break
+        assert st in (P_WAIT_READ, P_YIELD), st
+    assert bytes(out) == first and pump.at_boundary
+    pump.hold = False
+    while pump.step(True) != P_WAIT_READ:
+        pass
+    drain(dst_peer, out)
+    assert bytes(out) == first + second
+    for s in (src_peer, src, dst, dst_peer):
+        s.close()
+
+
+def test_budget_is_charged_by_bytes_held_and_given_back():
+    stats = codec.ScanStatsC()
+    scanner = codec.FrameScannerC(stats, actions=actions())
+    src_peer, src = nonblocking_pair()
+    dst, dst_peer = nonblocking_pair()
+    budget = BufferBudget(1 << 20)
+    pump = codec.Pump(scanner, src.fileno(), dst.fileno(), 4096, budget)
+    policy = json_frame({"code": 25, "flag": 0, "opaque": 1}, b"p" * 3_000_000)  # held whole for policy
+    src_peer.send(policy[:200_000])
+    while pump.step(True) != P_WAIT_READ:
+        pass
+    assert 0 < budget.used <= 200_000  # what arrived, not the 3 MB the frame claims
+    pos, st = 200_000, P_WAIT_READ
+    while st in (P_WAIT_READ, P_YIELD) and pos < len(policy):
+        try:
+            pos += src_peer.send(policy[pos : pos + 65536])
+        except BlockingIOError:
+            pass
+        st = pump.step(True)
+    assert st == P_OVER_BUDGET and pump.need == len(policy)
+    assert budget.used <= (1 << 20) + 4096  # past the limit by at most one receive
+    del pump
+    assert budget.used == 0
+    for s in (src_peer, src, dst, dst_peer):
+        s.close()
