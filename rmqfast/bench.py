@@ -458,19 +458,15 @@ class BenchProxy(ProxyProcess):
         env = {"RMQFAST_NO_EXTENSIONS": "1" if pure else "0"}
         super().__init__([f"127.0.0.1:{broker_port}"], workers=workers, range_size=3, env=env)
         self.upstream = f"127.0.0.1:{broker_port}"
-        self.endpoint_port = self.port_range[1]
 
-    def start(self, timeout: float = 30.0) -> BenchProxy:
-        # ProxyProcess.start, plus the --broker flags.
-        self._log = open(self.log_path, "ab")
-        env = dict(os.environ, **(self.env or {}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rmqfast", "serve", "--config", str(self.config_path),
-             "--broker", f"127.0.0.1:{self.endpoint_port}={self.upstream}", "--broker-port-range", ""],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
-        )
-        self.wait_ready(timeout)
-        return self
+    @property
+    def endpoint_port(self) -> int:
+        return self.port_range[1]  # a property: start() moves to new ports if one was taken
+
+    def argv(self) -> list[str]:
+        # ProxyProcess's command plus the --broker flags.
+        return [*super().argv(), "--broker", f"127.0.0.1:{self.endpoint_port}={self.upstream}",
+                "--broker-port-range", ""]
 
     def codecs(self) -> set[str]:
         """The scanner implementation each worker reported at start ("compiled"/"python")."""

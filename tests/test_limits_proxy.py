@@ -24,7 +24,7 @@ import pytest
 
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
-from rmqfast.testing.proxy import ProxyProcess, free_port_block
+from rmqfast.testing.proxy import ProxyProcess
 from rmqfast.testing.wire import read_frame
 
 
@@ -92,10 +92,10 @@ def hammer(port: int, topic: str, conns: int, seconds: float) -> tuple[Counter, 
 @pytest.fixture(scope="module")
 def proxy():
     broker = FakeBroker()
-    static = free_port_block(1, start=41000, end=45000)
-    extra = f"""
+    def extra(p: ProxyProcess) -> str:  # the ports change if the proxy must move
+        return f"""
 [[brokers.static]]
-listen = "127.0.0.1:{static}"
+listen = "127.0.0.1:{p.static_ports[0]}"
 upstream = "127.0.0.1:{broker.server_address[1]}"
 
 [limits]
@@ -104,9 +104,10 @@ topic = "Limited"
 rate = 300
 burst = 60
 """
-    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=3, extra_config=extra) as p:
+    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=3, extra_config=extra,
+                      static_endpoints=1) as p:
         p.broker = broker
-        p.static_port = static
+        p.static_port = p.static_ports[0]
         yield p
     broker.shutdown()
 

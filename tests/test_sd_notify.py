@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from rmqfast.server.supervisor import sd_notify
-from rmqfast.testing.proxy import free_port_block
+from rmqfast.testing.ports import is_bind_error, reserve
 
 
 @pytest.fixture
@@ -119,7 +119,10 @@ level = "{log_level}"
 """
 
 
-def _recv(sock: socket.socket, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> bytes:
+def _recv(
+    sock: socket.socket, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0, fail_on_exit: bool = True
+) -> bytes | None:
+    """The next datagram; if rmqfast exits first: fail, or None with ``fail_on_exit=False``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         sock.settimeout(0.2)
@@ -133,13 +136,15 @@ def _recv(sock: socket.socket, proc: subprocess.Popen[bytes], log: Path, timeout
                     return sock.recv(4096)
                 except TimeoutError:
                     pass
+                if not fail_on_exit:
+                    return None
                 pytest.fail(f"rmqfast exited ({proc.returncode}) before notifying:\n{log.read_text()[-3000:]}")
     pytest.fail(f"no notification within {timeout}s:\n{log.read_text()[-3000:]}")
 
 
 def _get(url: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=30) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -147,22 +152,30 @@ def _get(url: str) -> tuple[int, bytes]:
 
 def test_supervisor_notify_lifecycle(notify_socket: tuple[socket.socket, str], short_dir: Path) -> None:
     sock, path = notify_socket
-    base = free_port_block(5)
     # A name server stand-in: /readyz needs one that answers a Remoting request.
     from fake_remoting import FakeNameServer
 
     upstream = FakeNameServer()
     up_port = upstream.server_address[1]
     cfg_path = short_dir / "rmqfast.toml"
-    cfg_path.write_text(_config(base, up_port, short_dir / "state"))
     log = short_dir / "rmqfast.log"
     env = dict(os.environ, NOTIFY_SOCKET=path)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rmqfast", "serve", "--config", str(cfg_path)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    for attempt in range(3):
+        # reserved ports (below the ephemeral range, locked against our other tests); a port some
+        # other program took meanwhile makes the proxy exit: then again on new ones
+        lease = reserve(range(5))
+        base = lease.base
+        cfg_path.write_text(_config(base, up_port, short_dir / "state"))
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "rmqfast", "serve", "--config", str(cfg_path)],
+                                    stdout=out, stderr=subprocess.STDOUT, env=env)
+        first = _recv(sock, proc, log, fail_on_exit=False)
+        if first is not None or attempt == 2 or not is_bind_error(log.read_text(errors="replace")):
+            break
+        lease.release()
     try:
-        assert _recv(sock, proc, log) == b"READY=1"
+        assert first == b"READY=1", f"rmqfast exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
         # READY=1 promises bound listeners: connect at once, no retry.
         for port, what in ((base, "namesrv.listen"), (base + 4, "static broker endpoint"),
                            (base + 2, "its VIP channel")):
@@ -201,4 +214,5 @@ def test_supervisor_notify_lifecycle(notify_socket: tuple[socket.socket, str], s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        lease.release()
         upstream.close()

@@ -41,7 +41,7 @@ from rmqfast.limits.shaper import SHAPED_QUEUE_OFFSET, Shaper, shape_send, shape
 from rmqfast.limits.worker import WorkerLimits
 from rmqfast.proxy.policy import Frame
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX
-from rmqfast.testing.proxy import ProxyProcess, free_port_block
+from rmqfast.testing.proxy import ProxyProcess
 
 # Rule parsing ------------------------------------------------------------------------------------
 
@@ -354,10 +354,10 @@ class _ThreadHandler(socketserver.BaseRequestHandler):
 @pytest.mark.parametrize("env", [{}, {"RMQFAST_NO_EXTENSIONS": "1"}], ids=["compiled", "pure-python"])
 def test_through_a_real_proxy(tmp_path, env):
     broker = ThreadBroker()
-    static = free_port_block(1, start=45000, end=49000)
-    extra = f"""
+    def extra(p: ProxyProcess) -> str:  # the ports change if the proxy must move
+        return f"""
 [[brokers.static]]
-listen = "127.0.0.1:{static}"
+listen = "127.0.0.1:{p.static_ports[0]}"
 upstream = "127.0.0.1:{broker.server_address[1]}"
 
 [limits]
@@ -367,7 +367,9 @@ rate = 10
 burst = 3
 mode = "shape"
 """
-    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=1, extra_config=extra, env=env) as p:
+    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=1, extra_config=extra, env=env,
+                      static_endpoints=1) as p:
+        static = p.static_ports[0]
         keys = [f"{UNIQ[:-4]}{i:04d}" for i in range(25)]
         answers = []
         with socket.create_connection(("127.0.0.1", static), timeout=5) as s:
@@ -419,10 +421,10 @@ def test_a_backlog_keeps_later_sends_behind_it(tmp_path):
     """The ordering rule: a slow broker slows the releaser below the rate, so tokens pile up while a
     backlog waits; sends arriving then must still queue behind the backlog, not take those tokens."""
     broker = ThreadBroker(delay=0.2)  # the releaser manages ~5/s: below the 10/s limit
-    static = free_port_block(1, start=45000, end=49000)
-    extra = f"""
+    def extra(p: ProxyProcess) -> str:  # the ports change if the proxy must move
+        return f"""
 [[brokers.static]]
-listen = "127.0.0.1:{static}"
+listen = "127.0.0.1:{p.static_ports[0]}"
 upstream = "127.0.0.1:{broker.server_address[1]}"
 
 [limits]
@@ -432,7 +434,9 @@ rate = 10
 burst = 3
 mode = "shape"
 """
-    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=1, extra_config=extra) as p:
+    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=1, extra_config=extra,
+                      static_endpoints=1) as p:
+        static = p.static_ports[0]
         keys = [f"{UNIQ[:-4]}{i:04d}" for i in range(28)]
         first = pipelined_sends(static, "Ordered", keys[:20])  # 3 pass (the burst), 17 are shaped
         # the bucket refills (the releaser takes fewer tokens than come) while ~3.4 s of backlog drain
@@ -469,13 +473,15 @@ def test_shape_rule_set_live_and_a_killed_worker_loses_nothing(tmp_path):
     """A shape rule added over the admin endpoint works at once (the worker starts its shaper on
     reload); a worker killed with a backlog is restarted and releases all of it (synced first)."""
     broker = ThreadBroker()
-    static = free_port_block(1, start=45000, end=49000)
-    extra = f"""
+    def extra(p: ProxyProcess) -> str:  # the ports change if the proxy must move
+        return f"""
 [[brokers.static]]
-listen = "127.0.0.1:{static}"
+listen = "127.0.0.1:{p.static_ports[0]}"
 upstream = "127.0.0.1:{broker.server_address[1]}"
 """
-    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=1, extra_config=extra) as p:
+    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=1, extra_config=extra,
+                      static_endpoints=1) as p:
+        static = p.static_ports[0]
         cli = [sys.executable, "-m", "rmqfast", "limits", "--admin", p.admin_url]
         out = subprocess.run([*cli, "set", "--topic", "Live", "--rate", "4", "--burst", "1", "--mode", "shape"],
                              capture_output=True, text=True, timeout=30)

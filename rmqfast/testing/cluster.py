@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rmqfast.testing.ports import CLUSTER_RANGE, PortLease, PortsUnavailable, reserve
+
 ROCKETMQ_VERSION = "5.3.3"
 """Version of the name server/broker (java/cluster/pom.xml) and of the 5.x driver build."""
 ROCKETMQ4_VERSION = "4.9.4"
@@ -422,44 +424,19 @@ def remoting_request(
 
 # --------------------------------------------------------------------------- ports
 
-_port_mutex = threading.Lock()
-_ports_taken: set[int] = set()
+def _pick_ports() -> tuple[PortLease, int, int]:
+    """(lease, namesrv port, broker listen port P) with P-2, P and P+1 reserved too.
 
-
-def _port_free(port: int) -> bool:
-    if not 1024 < port < 65536 or port in _ports_taken:
-        return False
-    for host in ("0.0.0.0", "127.0.0.1"):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        finally:
-            s.close()
-    return True
-
-
-def _pick_ports() -> tuple[int, int]:
-    """(namesrv port, broker listen port P) with P-2, P and P+1 free.
-
-    Picked below the usual ephemeral range (32768+), so outgoing connections made while the
-    JVMs start cannot take them.
+    Reserved below the ephemeral range (32768+), so outgoing connections made while the JVMs
+    start cannot take them, and locked (:mod:`rmqfast.testing.ports`) against every other
+    cluster and proxy our tests start, in this process or another.  A JVM that still cannot
+    bind (another program took a port) is a :class:`_PortClash`: ``start`` retries on new ports.
     """
-    with _port_mutex:
-        for _ in range(2000):
-            ns = random.randrange(20000, 32000)
-            p = random.randrange(20002, 31990)
-            wanted = {ns, p - 2, p, p + 1}
-            if len(wanted) == 4 and all(_port_free(x) for x in wanted):
-                _ports_taken.update(wanted)
-                return ns, p
-    raise ClusterError("could not find free loopback ports for the name server and broker")
-
-
-def _release_ports(ports: Iterable[int]) -> None:
-    with _port_mutex:
-        _ports_taken.difference_update(ports)
+    try:
+        lease = reserve([0, 2, 4, 5], CLUSTER_RANGE)  # ns; P-2, P, P+1 with P = base + 4
+    except PortsUnavailable as exc:
+        raise ClusterError(str(exc)) from None
+    return lease, lease.base, lease.base + 4
 
 
 # --------------------------------------------------------------------------- processes
@@ -629,6 +606,7 @@ class RocketMQCluster:
         self._broker: subprocess.Popen[bytes] | None = None
         self._ns_port = 0
         self._broker_port = 0
+        self._ports_lease: PortLease | None = None
 
     # ------------------------------------------------------------ addresses / paths
 
@@ -750,8 +728,8 @@ class RocketMQCluster:
             self._workdir = Path(tempfile.mkdtemp(prefix=f"rmqfast-cluster{self._id}-"))
             self._owns_workdir = True
         try:
-            for attempt in range(3):
-                self._ns_port, self._broker_port = _pick_ports()
+            for attempt in range(5):
+                self._ports_lease, self._ns_port, self._broker_port = _pick_ports()
                 self._write_files()
                 try:
                     self._start_namesrv()
@@ -759,8 +737,8 @@ class RocketMQCluster:
                     return self
                 except _PortClash:
                     self._kill_all()
-                    _release_ports(self.ports)
-                    if attempt == 2:
+                    self._release_ports()
+                    if attempt == 4:
                         raise
                     shutil.rmtree(self.store_dir, ignore_errors=True)
             return self
@@ -771,12 +749,16 @@ class RocketMQCluster:
     def stop(self) -> None:
         """Kills both JVMs and removes the work dir (unless kept). Idempotent."""
         self._kill_all()
-        if self._ns_port:
-            _release_ports(self.ports)
+        self._release_ports()
         if self._workdir is not None and self._owns_workdir and not self.keep_workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
         self._namesrv = None
         self._broker = None
+
+    def _release_ports(self) -> None:
+        if self._ports_lease is not None:
+            self._ports_lease.release()
+            self._ports_lease = None
 
     def _kill_all(self) -> None:
         for proc in (self._broker, self._namesrv):

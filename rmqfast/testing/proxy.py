@@ -6,53 +6,49 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rmqfast.testing.ports import PortLease, is_bind_error, reserve
 
-def free_port_block(count: int, start: int = 33000, end: int = 40000) -> int:
-    """First port p in [start, end) such that p .. p+count-1 are all free on 127.0.0.1."""
-    p = start + (os.getpid() * 37) % 3000
-    tried = 0
-    while tried < end - start:
-        if p + count >= end:
-            p = start
-        ok = True
-        for q in range(p, p + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", q))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return p
-        p += count
-        tried += count
-    raise RuntimeError(f"no block of {count} free ports in {start}-{end}")
+
+class _BindFailed(RuntimeError):
+    """The proxy exited because a port it was given is in use (taken after it was reserved)."""
+
 
 
 class ProxyProcess:
     """``rmqfast serve`` with a generated config; ``with ProxyProcess(...) as proxy: ...``.
 
-    Ports: a block of free loopback ports holds the name-server listener, the admin endpoint
-    and the automatic broker endpoint range.
+    Ports come from :func:`rmqfast.testing.ports.reserve`: one block below the kernel's ephemeral
+    range, locked against every other user of that module while this object holds it, with
+    the name-server listener (``namesrv_port``), the admin endpoint (``admin_port``), the
+    automatic broker endpoint range (``port_range``) and, if asked for, ``static_ports`` for
+    ``[[brokers.static]]`` endpoints (each with its VIP channel port, ``p - 2``, reserved too).
+    If the proxy still cannot bind one of them (another program took it), :meth:`start`
+    picks a new block, rewrites the config and starts again.
+
+    ``extra_config`` is TOML appended to the config; a callable gets this object and returns
+    it, so it can name ``static_ports``, which change when the proxy is restarted on new ports.
     """
+
+    bind_attempts = 5
 
     def __init__(
         self,
         namesrv_upstreams: list[str],
         *,
         workers: int = 2,
-        extra_config: str = "",
+        extra_config: str | Callable[[ProxyProcess], str] = "",
         range_size: int = 20,
+        static_endpoints: int = 0,
         log_format: str = "json",
         env: dict[str, str] | None = None,
         records: dict[str, Any] | None = None,
@@ -60,22 +56,51 @@ class ProxyProcess:
     ) -> None:
         self.cwd = cwd  # the directory `rmqfast serve` is started from (default: the caller's)
         self.workdir = Path(tempfile.mkdtemp(prefix="rmqfast-proxy-"))
-        base = free_port_block(range_size + 2)
+        self.workers = workers
+        self.range_size = range_size
+        self.static_endpoints = static_endpoints
+        self.namesrv_upstreams = list(namesrv_upstreams)
+        self.extra_config = extra_config
+        self.log_format = log_format
+        self.config_path = self.workdir / "rmqfast.toml"
+        #: ``records={"dir": ..., "sample_rate": ...}`` enables [records] with those keys
+        self.records = records
+        self.records_dir = Path(records["dir"]) if records and "dir" in records else self.workdir / "records"
+        self.log_path = self.workdir / "rmqfast.log"
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._lease: PortLease | None = None
+        self.namesrv_port = self.admin_port = 0
+        self.port_range = (0, 0)
+        self.static_ports: list[int] = []
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Reserve a new block and write the config for it."""
+        if self._lease is not None:
+            self._lease.release()
+        n = self.range_size
+        # ns, admin, range (n), then per static endpoint: VIP channel, a gap, the endpoint
+        offsets = [0, 1, *range(2, 2 + n), *range(2 + n, 2 + n + 3 * self.static_endpoints)]
+        self._lease = lease = reserve(offsets)
+        base = lease.base
         self.namesrv_port = base
         self.admin_port = base + 1
-        self.port_range = (base + 2, base + 1 + range_size)
-        self.config_path = self.workdir / "rmqfast.toml"
-        ups = ", ".join(json.dumps(u) for u in namesrv_upstreams)
-        #: ``records={"dir": ..., "sample_rate": ...}`` enables [records] with those keys
-        self.records_dir = Path(records["dir"]) if records and "dir" in records else self.workdir / "records"
+        self.port_range = (base + 2, base + 1 + n)
+        self.static_ports = [base + 2 + n + 3 * i + 2 for i in range(self.static_endpoints)]
+        self._write_config()
+
+    def _write_config(self) -> None:
+        ups = ", ".join(json.dumps(u) for u in self.namesrv_upstreams)
         records_toml = ""
-        if records is not None:
-            keys = {"enabled": True, **records, "dir": str(self.records_dir)}
+        if self.records is not None:
+            keys = {"enabled": True, **self.records, "dir": str(self.records_dir)}
             records_toml = "\n[records]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+        extra = self.extra_config(self) if callable(self.extra_config) else self.extra_config
         self.config_path.write_text(
             f"""
 [proxy]
-workers = {workers}
+workers = {self.workers}
 state_dir = "{self.workdir / 'state'}"
 drain_timeout = 5
 
@@ -90,15 +115,12 @@ port_range = "{self.port_range[0]}-{self.port_range[1]}"
 listen = "127.0.0.1:{self.admin_port}"
 
 [log]
-format = "{log_format}"
+format = "{self.log_format}"
 level = "info"
 {records_toml}
-{extra_config}
+{extra}
 """
         )
-        self.log_path = self.workdir / "rmqfast.log"
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def namesrv_addr(self) -> str:
@@ -108,22 +130,41 @@ level = "info"
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    def start(self, timeout: float = 30.0) -> ProxyProcess:
-        self._log = open(self.log_path, "ab")
-        env = dict(os.environ, **(self.env or {}))
+    def argv(self) -> list[str]:
+        """The command that starts the proxy (subclasses add flags)."""
         # -P: like the installed `rmqfast` script, the start directory is not on sys.path
-        self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(self.config_path)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-        )
-        self.wait_ready(timeout)
-        return self
+        return [sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(self.config_path)]
+
+    def start(self, timeout: float = 30.0) -> ProxyProcess:
+        """Start and wait for /readyz; on a port another program took, again on new ports."""
+        if self._lease is None:  # stopped before: its ports were given back
+            self._pick_ports()
+        for attempt in range(1, self.bind_attempts + 1):
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed by stop()
+            self._log_offset = self._log.tell()
+            env = dict(os.environ, **(self.env or {}))
+            self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)
+            try:
+                self.wait_ready(timeout)
+                return self
+            except _BindFailed as exc:
+                self._stop_proc()
+                if attempt == self.bind_attempts:
+                    raise RuntimeError(f"rmqfast could not bind its ports {self.bind_attempts} times: {exc}") from None
+                with open(self.log_path, "ab") as f:
+                    f.write(f"--- ProxyProcess: a port was taken ({exc}); restarting on new ports\n".encode())
+                self._pick_ports()
+        raise AssertionError("unreachable")
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                new = self._log_since_start()
+                if is_bind_error(new):
+                    line = next((ln for ln in new.splitlines() if is_bind_error(ln)), "")
+                    raise _BindFailed(line.strip()[:300])
                 raise RuntimeError(f"rmqfast exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 code, body = self.get("/readyz")
@@ -134,6 +175,14 @@ level = "info"
                 last = str(exc)
             time.sleep(0.1)
         raise RuntimeError(f"rmqfast not ready after {timeout}s ({last}):\n{self.log_tail()}")
+
+    def _log_since_start(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_offset", 0))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         try:
@@ -166,8 +215,17 @@ level = "info"
         self.proc.send_signal(signal.SIGHUP)
 
     def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait (SIGKILL after ``timeout``); gives the ports back. Returns the exit code."""
         if self.proc is None:
             return 0
+        self._stop_proc(timeout)
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        return self.proc.returncode
+
+    def _stop_proc(self, timeout: float = 30.0) -> None:
+        assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -176,7 +234,6 @@ level = "info"
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-        return self.proc.returncode
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -199,4 +256,7 @@ level = "info"
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         shutil.rmtree(self.workdir, ignore_errors=True)
