@@ -189,6 +189,9 @@ cdef class ScanStats:
             self._topics[i].length = -1
         self._ntopics = 0
 
+    def __init__(self):
+        pass  # no arguments, as the pure twin (__cinit__ alone would accept and ignore any)
+
     def __dealloc__(self):
         free(self._topics)
         free(self._lat)

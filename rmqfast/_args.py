@@ -90,6 +90,9 @@ def limit_rules(rules: Any) -> list[tuple[bytes, bytes | None, float, float, flo
         tag = None if tag is None else _bytes(f"limit rule {i}: tag", tag)
         nums = [_number(f"limit rule {i}: {k}", v)
                 for k, v in (("rate", rate), ("burst", burst), ("bytes_rate", brate), ("bytes_burst", bburst))]
+        for what, v in (("mode", mode), ("slot", slot)):
+            if isinstance(v, (bool, float)):  # shared code: stricter than a C int conversion
+                raise TypeError(f"limit rule {i}: {what} must be an integer, got {v!r}")
         mode = c_int(f"limit rule {i}: mode", mode, "int")
         if mode not in MODES:
             raise ValueError(f"limit rule {i}: mode {mode} unknown; expected 0 (limit), 1 (reject) or 2 (open)")

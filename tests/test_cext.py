@@ -27,3 +27,5 @@ def test_pure_python_requested():
     assert codec.IMPLEMENTATION == "python"
     assert codec.FrameScanner is codec.FrameScannerPy
     assert codec.FrameScanner.__module__ == "rmqfast.codec._scan_py"
+    assert codec.Pump is None and codec._speedups is None  # not even imported (tests/test_twins.py checks
+    # a fresh interpreter's sys.modules; this one may have loaded it on request for twin tests)

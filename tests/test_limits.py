@@ -245,3 +245,151 @@ def test_config_parsing_and_errors():
     assert len(remove(sec2, "logs-*", None).rules) == 1
     with pytest.raises(ConfigError, match="no limit rule"):
         remove(sec2, "nope", None)
+
+
+# Buckets keyed by rule identity ------------------------------------------------------------------
+
+def _slot_bytes(path, slot: int) -> bytes:
+    from rmqfast._args import SHM_HEADER_BYTES
+    from rmqfast.limits._limiter_py import SLOT_BYTES
+
+    data = path.read_bytes()
+    return data[SHM_HEADER_BYTES + slot * SLOT_BYTES : SHM_HEADER_BYTES + (slot + 1) * SLOT_BYTES]
+
+
+def _spend(lim, topics, t=T0):
+    for topic in topics:
+        while lim.admit(topic, None, 1, 0, t) == -1:  # empty the bucket
+            pass
+
+
+LIVE_RULES = [{"topic": "a", "rate": 1, "burst": 3}, {"topic": "b", "rate": 2, "burst": 3},
+              {"topic": "c", "rate": 3, "burst": 3}, {"topic": "d", "rate": 4, "burst": 3, "tag": "x"}]
+
+
+def _live(tmp_path, rules_raw):
+    """The supervisor's side (file, configuration) and one worker's limiter over it."""
+    from rmqfast.limits import create_shared, open_limiter
+
+    path = create_shared(tmp_path)
+    sec = parse_limits({"global_rate": 1000, "global_burst": 1000, "rule": rules_raw})
+    lim = open_limiter(path)
+    lim.configure(sec.limiter_rules())
+    return path, sec, lim
+
+
+def _reload(path, lim, old, new_raw):
+    """What the supervisor does on SIGHUP (inherit slots, reset changed buckets) and the worker after."""
+    from rmqfast.limits import reset_changed
+
+    new = parse_limits(new_raw)
+    new.inherit_slots(old)
+    reset = reset_changed(path, old, new)
+    lim.configure(LimitsSection.from_dict(new.to_dict()).limiter_rules())  # the worker reads config.json
+    return new, reset
+
+
+def test_deleting_a_middle_rule_keeps_every_other_bucket(tmp_path):
+    path, sec, lim = _live(tmp_path, LIVE_RULES)
+    _spend(lim, [b"a", b"b", b"c"])
+    lim.admit(b"d", b"x", 1, 0, T0)
+    slots = {r.key: r.slot for r in sec.rules}
+    before = {k: _slot_bytes(path, s) for k, s in slots.items()}
+    global_before = _slot_bytes(path, 0)
+    assert all(b != bytes(64) for b in before.values())  # every rule's bucket holds state
+    new, reset = _reload(path, lim, sec, {"global_rate": 1000, "global_burst": 1000,
+                                          "rule": [LIVE_RULES[0], LIVE_RULES[2], LIVE_RULES[3]]})
+    assert reset == [slots[("b", None)]]  # only the removed rule's slot is cleared
+    assert {r.key: r.slot for r in new.rules} == {k: s for k, s in slots.items() if k != ("b", None)}
+    for key in (("a", None), ("c", None), ("d", "x")):
+        assert _slot_bytes(path, slots[key]) == before[key], key  # byte for byte
+    assert _slot_bytes(path, 0) == global_before
+    # and the limiter sees it: c's bucket is still empty (was refilled when slots were positions)
+    assert lim.admit(b"c", None, 1, 0, T0) == 1  # rejected by rule index 1 (c is now second)
+
+
+def test_adding_a_rule_gives_it_a_fresh_bucket_and_touches_no_other(tmp_path):
+    path, sec, lim = _live(tmp_path, LIVE_RULES)
+    _spend(lim, [b"a", b"b", b"c"])
+    before = path.read_bytes()
+    new_rule = {"topic": "e", "rate": 5, "burst": 2}
+    # inserted first: position 1 belonged to "a"; identity keeps "a" on its slot
+    new, reset = _reload(path, lim, sec, {"global_rate": 1000, "global_burst": 1000,
+                                          "rule": [new_rule, *LIVE_RULES]})
+    e_slot = next(r.slot for r in new.rules if r.topic == "e")
+    assert e_slot not in {r.slot for r in sec.rules} and reset == [e_slot]
+    assert path.read_bytes() == before  # the new slot was already zero; nothing else changed
+    assert [lim.admit(b"e", None, 1, 0, T0) for _ in range(3)] == [-1, -1, 0]
+    assert lim.admit(b"a", None, 1, 0, T0) == 1  # a's bucket is still empty
+
+
+def test_changing_a_rate_resets_only_that_bucket(tmp_path):
+    path, sec, lim = _live(tmp_path, LIVE_RULES)
+    _spend(lim, [b"a", b"b", b"c"])
+    slots = {r.topic: r.slot for r in sec.rules}
+    before = {t: _slot_bytes(path, s) for t, s in slots.items()}
+    changed = [dict(r) for r in LIVE_RULES]
+    changed[1]["rate"] = 20
+    new, reset = _reload(path, lim, sec, {"global_rate": 1000, "global_burst": 1000, "rule": changed})
+    assert reset == [slots["b"]] and _slot_bytes(path, slots["b"]) == bytes(64)
+    for t in ("a", "c", "d"):
+        assert _slot_bytes(path, slots[t]) == before[t]
+    assert lim.admit(b"b", None, 1, 0, T0) == -1  # a new rate starts from a full bucket
+    assert lim.admit(b"a", None, 1, 0, T0) == 0
+
+
+def test_admin_changes_keep_slots_and_never_share_one():
+    sec = parse_limits({"rule": LIVE_RULES})
+    slots = {r.key: r.slot for r in sec.rules}
+    sec2 = remove(sec, "b", None)
+    assert {r.key: r.slot for r in sec2.rules} == {k: s for k, s in slots.items() if k != ("b", None)}
+    sec3 = upsert(sec2, LimitRule("f", rate=1))
+    f_slot = next(r.slot for r in sec3.rules if r.topic == "f")
+    assert f_slot not in slots.values()  # not b's freed slot: a worker may still charge it until it reloads
+    sec4 = upsert(sec3, LimitRule("a", rate=7))  # replacing a rule keeps its slot (the reset follows the rate)
+    assert next(r.slot for r in sec4.rules if r.topic == "a") == slots[("a", None)]
+    assert len({r.slot for r in sec4.rules}) == len(sec4.rules)
+    # 1023 rules fill every slot exactly once, even after churn
+    big = parse_limits({"rule": [{"topic": f"t{i}", "rate": 1} for i in range(1023)]})
+    big = upsert(remove(big, "t5", None), LimitRule("new", rate=1))
+    assert sorted(r.slot for r in big.rules) == list(range(1, 1024))
+    with pytest.raises(ConfigError, match="share bucket slot"):
+        LimitsSection(rules=[LimitRule("x", rate=1, slot=3), LimitRule("y", rate=1, slot=3)]).limiter_rules()
+
+
+# One locking per shared file ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_a_limiter_of_the_other_twin_refuses_the_shared_file(tmp_path, kind):
+    from rmqfast.errors import TwinMismatchError
+    from rmqfast.limits import create_shared, open_limiter, shared_implementation
+    from rmqfast.limits.worker import WorkerLimits
+
+    if LimiterC is None:
+        pytest.skip("compiled extension not built")
+    path = create_shared(tmp_path, kind)
+    assert shared_implementation(path) == kind
+    own = open_limiter(path)  # the file's own twin attaches
+    assert codec.is_compiled(own) == (kind == "compiled")
+    with pytest.raises(TwinMismatchError, match=f"created for the '{kind}' limiter.*lose updates"):
+        open_limiter(path, compiled=kind != "compiled")
+    limits = WorkerLimits(path, parse_limits({"rule": [{"topic": "T", "rate": 1}]}))
+    with pytest.raises(TwinMismatchError):
+        limits.limiter_for(kind != "compiled")
+    assert codec.is_compiled(limits.release_limiter()) == (kind == "compiled")
+    # anonymous memory follows the same rule
+    other = LimiterPy if kind == "compiled" else LimiterC
+    with pytest.raises(TwinMismatchError):
+        other(new_shared_memory(kind))
+
+
+def test_a_file_without_the_header_is_refused(tmp_path):
+    from rmqfast.limits import SHM_BYTES, open_limiter
+
+    path = tmp_path / "limits.shm"
+    path.write_bytes(bytes(SHM_BYTES))  # the old layout: buckets from byte 0, no header
+    with pytest.raises(ValueError, match="not a shared limiter bucket file"):
+        open_limiter(path)
+    for L in [LimiterPy] + ([LimiterC] if LimiterC is not None else []):
+        with pytest.raises(ValueError, match="no rmqfast bucket header"):
+            open_limiter(path, compiled=L is not LimiterPy)

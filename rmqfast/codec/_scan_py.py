@@ -35,6 +35,7 @@ import struct
 import time
 from typing import Any
 
+from rmqfast._args import c_int
 from rmqfast.codec._header_py import (
     E_TOPIC_ESCAPED,
     ERRORS,
@@ -112,6 +113,8 @@ _I32 = struct.Struct(">i")
 
 def code_slot(code: int) -> int:
     """Index of ``code`` in the action and counter tables."""
+    if type(code) is not int or not -(1 << 63) <= code < 1 << 63:  # a C long in the compiled twin
+        code = c_int("code", code)
     if 0 <= code < 1024:
         return code
     if 200000 <= code < 200000 + 1023:
@@ -121,6 +124,7 @@ def code_slot(code: int) -> int:
 
 def slot_code(slot: int) -> int | None:
     """Inverse of :func:`code_slot`; ``None`` for the shared 'other' slot."""
+    slot = c_int("slot", slot, "int")
     if slot < 1024:
         return slot
     if slot < OTHER_SLOT:
@@ -154,8 +158,7 @@ class ScanStats:
 
     def set_sampling(self, every: int) -> None:
         """Keep one completed request in ``every`` (0: none) for :meth:`take_samples`."""
-        if every < 0:
-            raise OverflowError(f"sampling interval {every} is negative")
+        every = c_int("sampling interval", every, "uint32")  # OverflowError when negative, as in C
         self._sample_every = self._sample_left = every
 
     def sample(self, t: int, lat: int, slot: int, resp_code: int, topic: bytes, conn: int, req_bytes: int,
@@ -179,7 +182,8 @@ class ScanStats:
 
     def observe(self, slot: int, ns: int, result: int) -> None:
         """A request of code slot ``slot`` ended with ``result`` after ``ns`` nanoseconds."""
-        self._check(slot, result)
+        slot, result = self._check(slot, result)
+        ns = max(c_int("ns", ns), 0)  # a clock step back counts as 0 ns (as in the compiled twin)
         h = self._latency.get(slot)
         if h is None:
             h = self._latency[slot] = [0] * (LATENCY_BUCKETS + 1)
@@ -189,14 +193,16 @@ class ScanStats:
 
     def count_result(self, slot: int, result: int) -> None:
         """A request ended without a timed round trip (oneway, answered by the proxy, unanswered)."""
-        self._check(slot, result)
+        slot, result = self._check(slot, result)
         key = (slot, result)
         self._results[key] = self._results.get(key, 0) + 1
 
     @staticmethod
-    def _check(slot: int, result: int) -> None:
+    def _check(slot: int, result: int) -> tuple[int, int]:
+        slot, result = c_int("slot", slot, "int"), c_int("result", result, "int")
         if not 0 <= slot < CODE_SLOTS or not 0 <= result < len(RESULTS):
             raise ValueError(f"slot {slot} / result {result} out of range")
+        return slot, result
 
     def latencies(self) -> list[tuple[int, tuple[int, ...], int]]:
         """``(slot, bucket counts, sum of ns)`` for every slot with a timed request."""
@@ -258,6 +264,9 @@ class InFlight:
     """
 
     def __init__(self, capacity: int = MAX_TRACKED) -> None:
+        capacity = c_int("capacity", capacity, "ssize")  # the compiled twin's conversion and errors
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._pending: dict[tuple[int, int], tuple[int, int, int, bytes]] = {}
         self._want: set[tuple[int, int]] = set()  # requests whose answer a filter wants
@@ -271,6 +280,10 @@ class InFlight:
 
     def track(self, direction: int, opaque: int, slot: int, now_ns: int, req_bytes: int = 0,
               topic: bytes = b"", want: bool = False) -> bool:
+        # the C types of the compiled twin's arguments: the same conversions and errors
+        direction, opaque = c_int("direction", direction, "int"), c_int("opaque", opaque, "int")
+        slot, now_ns = c_int("slot", slot, "int"), c_int("now_ns", now_ns)
+        req_bytes = c_int("req_bytes", req_bytes)
         key = (direction, opaque)
         if len(self._pending) >= self.capacity and key not in self._pending:
             return False
@@ -286,7 +299,7 @@ class InFlight:
         return (direction, opaque) in self._want
 
     def take(self, direction: int, opaque: int) -> tuple[int, int] | None:
-        e = self.take_full(direction, opaque)
+        e = self.take_full(c_int("direction", direction, "int"), c_int("opaque", opaque, "int"))
         return None if e is None else (e[0], e[1])
 
     def take_full(self, direction: int, opaque: int) -> tuple[int, int, int, bytes] | None:
@@ -295,6 +308,9 @@ class InFlight:
 
     def abandon(self, stats: ScanStats) -> int:
         """The connection closed: every request still waiting ends as ``unanswered``."""
+        if not isinstance(stats, ScanStats):
+            raise TypeError(f"stats must be a {__name__}.ScanStats, "
+                            f"got {type(stats).__module__}.{type(stats).__name__}")
         n = len(self._pending)
         for slot, *_ in self._pending.values():
             stats.count_result(slot, R_UNANSWERED)
@@ -318,6 +334,20 @@ class FrameScanner:
         direction: int = 0,
         limiter: Any = None,
     ) -> None:
+        # the compiled twin's argument types: the same conversions and errors (rmqfast._args)
+        for name, v, cls in (("stats", stats, ScanStats), ("inflight", inflight, InFlight)):
+            if not isinstance(v, cls) and (v is not None or name == "stats"):
+                raise TypeError(f"{name} must be a {__name__}.{cls.__name__}"
+                                f"{'' if name == 'stats' else ' or None'}, got {type(v).__module__}.{type(v).__name__}")
+        if limiter is not None:
+            from rmqfast.limits._limiter_py import Limiter
+
+            if not isinstance(limiter, Limiter):
+                raise TypeError(f"limiter must be a rmqfast.limits._limiter_py.Limiter or None, "
+                                f"got {type(limiter).__module__}.{type(limiter).__name__}")
+        direction = c_int("direction", direction, "int")
+        max_frame_size = c_int("max_frame_size", max_frame_size, "ssize")
+        max_header_size = c_int("max_header_size", max_header_size, "ssize")
         if direction not in (0, 1):
             raise ValueError(f"direction must be 0 (client to upstream) or 1 (upstream to client), got {direction!r}")
         if max_frame_size < 8:
@@ -359,6 +389,9 @@ class FrameScanner:
         self, buf: bytes | bytearray | memoryview, start: int, end: int, now_ns: int = -1
     ) -> tuple[int, int, int]:
         """See the module docstring; ``now_ns`` (monotonic) times requests, read once per call if -1."""
+        # the compiled twin's C argument types: the same conversions and errors
+        start, end = c_int("start", start, "ssize"), c_int("end", end, "ssize")
+        now_ns = c_int("now_ns", now_ns)
         if now_ns < 0 and self.inflight is not None:
             now_ns = time.monotonic_ns()
         mv = memoryview(buf)

@@ -14,8 +14,9 @@ slot 0, every configured rule a slot of its own in 1..1023, tied to its identity
 and tag), not to its position.  A freshly parsed configuration numbers its rules in order; every
 later change (SIGHUP reload: :meth:`LimitsSection.inherit_slots`, admin PUT/DELETE:
 :func:`upsert` / :func:`remove`) keeps the slot of every rule whose topic and tag it keeps and
-gives a new rule a free slot, preferring one no rule of the previous configuration held (a
-worker that has not reloaded yet may still charge it).  The supervisor passes the slots to the
+gives a new rule a free slot: never one a rule of the previous configuration held while
+another is free (a worker that has not reloaded yet may still charge it), and the first above
+every slot in use, so a slot freed by a recent change is reused last.  The supervisor passes the slots to the
 workers with the rules (``config.json``), so every worker charges the same buckets; it resets
 the buckets whose rule is new or changed (:func:`rmqfast.limits.reset_changed`).
 """
@@ -140,8 +141,9 @@ def check_slots(rules: list[LimitRule]) -> None:
 
 def assign_slots(rules: list[LimitRule], previous: list[LimitRule]) -> None:
     """Set ``slot`` of every rule in ``rules``: the slot of the same topic+tag in ``previous``,
-    else its own slot if it has one no other rule keeps, else the lowest free slot that no
-    rule of ``previous`` held (else the lowest free one).  Rules are updated in place."""
+    else its own slot if it has one no other rule keeps and no rule of ``previous`` held, else
+    a free slot, the first above every slot in use (wrapping around), one no rule of
+    ``previous`` held if there is one.  Rules are updated in place."""
     before = {r.key: r.slot for r in previous if r.slot}
     held_before = set(before.values())
     taken: set[int] = set()
@@ -161,8 +163,12 @@ def assign_slots(rules: list[LimitRule], previous: list[LimitRule]) -> None:
             pending.remove(r)
     if not pending:
         return
-    fresh = (s for s in range(1, MAX_RULES + 1) if s not in taken and s not in held_before)
-    reuse = (s for s in range(1, MAX_RULES + 1) if s not in taken and s in held_before)
+    # slots above every slot in use first (round-robin-like: a slot freed by a recent change is
+    # reused last, while a worker that has not reloaded may still charge it), then the rest
+    hi = max(held_before | taken | {0})
+    order = [*range(hi + 1, MAX_RULES + 1), *range(1, hi + 1)]
+    fresh = (s for s in order if s not in taken and s not in held_before)
+    reuse = (s for s in order if s not in taken and s in held_before)
     for r in pending:
         s = next(fresh, 0) or next(reuse, 0)
         if not s:
