@@ -8,14 +8,13 @@
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
 
 import pytest
 
 from rmqfast import codec
 from rmqfast.codec import EV_FORWARD
-from rmqfast.limits import SHM_BYTES, LimiterC, LimiterPy
+from rmqfast.limits import LimiterC, LimiterPy, new_shared_memory
 
 pytest.importorskip("pytest_benchmark")
 
@@ -30,7 +29,7 @@ RULES = [(b"BenchTopic_0", None, 1e9, 1e9, 0, 0, 0, 1), (b"BenchTopic_0", b"TagA
 @pytest.mark.parametrize("tag", [None, b"TagA"], ids=["topic-rule", "tag-rule"])
 @pytest.mark.parametrize("limiter_cls", LIMITERS)
 def test_limiter_decision(benchmark: Any, limiter_cls: Any, tag: bytes | None) -> None:
-    lim = limiter_cls(mmap.mmap(-1, SHM_BYTES))
+    lim = limiter_cls(new_shared_memory("compiled" if codec.is_compiled(limiter_cls) else "python"))
     lim.configure(RULES)
     now = [10**12]
 
@@ -47,7 +46,8 @@ def test_scan_64_sends_with_and_without_limits(benchmark: Any, scanner_impl: tup
     scanner_cls, stats_cls = scanner_impl
     lim = None
     if limited:
-        lim = (LimiterC if scanner_cls is codec.FrameScannerC else LimiterPy)(mmap.mmap(-1, SHM_BYTES))
+        compiled = codec.is_compiled(scanner_cls)
+        lim = (LimiterC if compiled else LimiterPy)(new_shared_memory("compiled" if compiled else "python"))
         lim.configure([(b"BenchTopic_0", None, 1e9, 1e9, 0, 0, 0, 1)])
     buf = bytearray(b"".join(wire.send_request(i, topic="BenchTopic_0") for i in range(64)))
     scanner = scanner_cls(stats_cls(), limiter=lim)
