@@ -393,3 +393,52 @@ def test_a_file_without_the_header_is_refused(tmp_path):
     for L in [LimiterPy] + ([LimiterC] if LimiterC is not None else []):
         with pytest.raises(ValueError, match="no rmqfast bucket header"):
             open_limiter(path, compiled=L is not LimiterPy)
+
+
+def test_the_supervisors_reload_and_admin_changes_keep_unchanged_buckets(tmp_path):
+    """The real supervisor paths (SIGHUP reload, admin change) with a worker's limiter reading
+    config.json, as a worker does after the SIGHUP."""
+    import shutil
+
+    from rmqfast import config as config_mod
+    from rmqfast.config import Config
+    from rmqfast.limits import open_limiter
+    from rmqfast.limits.worker import WorkerLimits
+    from rmqfast.server.supervisor import Supervisor
+
+    def cfg_with(rules_raw):
+        cfg = Config()
+        cfg.proxy.state_dir = str(tmp_path / "state")
+        cfg.limits = parse_limits({"rule": rules_raw})
+        return cfg
+
+    pending = {}
+    sup = Supervisor(cfg_with(LIVE_RULES), lambda: pending["cfg"])
+    try:
+        sup._write_config()
+        worker_cfg = lambda: config_mod.from_json((sup.runtime / "config.json").read_text())  # noqa: E731
+        limits = WorkerLimits(sup.limits_shm, worker_cfg().limits)
+        lim = limits.limiter_for()
+        assert type(lim) is type(open_limiter(sup.limits_shm))  # the supervisor's twin
+        _spend(lim, [b"a", b"b", b"c"])
+        snap = {r.topic: _slot_bytes(sup.limits_shm, r.slot) for r in sup.cfg.limits.rules}
+        # SIGHUP with the middle rule deleted and a new rule first
+        pending["cfg"] = cfg_with([{"topic": "z", "rate": 9}, LIVE_RULES[0], LIVE_RULES[2], LIVE_RULES[3]])
+        sup._reload()
+        assert sup.cfg is pending["cfg"]
+        limits.configure(worker_cfg().limits)
+        slots = {r.topic: r.slot for r in sup.cfg.limits.rules}
+        assert slots["z"] not in {1, 2, 3, 4}
+        for t in ("a", "c", "d"):
+            assert _slot_bytes(sup.limits_shm, slots[t]) == snap[t], t
+        assert lim.admit(b"c", None, 1, 0, T0) == 2 and lim.admit(b"a", None, 1, 0, T0) == 1  # still empty
+        # admin PUT of a changed rate: only that bucket starts full
+        assert sup.change_limits(lambda cur: upsert(cur, LimitRule("c", rate=30, burst=3)), timeout=0) is False
+        sup._apply_limits_update()  # what the main loop does next
+        limits.configure(worker_cfg().limits)
+        assert {r.topic: r.slot for r in sup.cfg.limits.rules} == slots
+        assert _slot_bytes(sup.limits_shm, slots["c"]) == bytes(64)
+        assert _slot_bytes(sup.limits_shm, slots["a"]) == snap["a"]
+        assert lim.admit(b"c", None, 1, 0, T0) == -1 and lim.admit(b"a", None, 1, 0, T0) == 1
+    finally:
+        shutil.rmtree(sup.runtime, ignore_errors=True)
