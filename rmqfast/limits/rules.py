@@ -16,9 +16,10 @@ later change (SIGHUP reload: :meth:`LimitsSection.inherit_slots`, admin PUT/DELE
 :func:`upsert` / :func:`remove`) keeps the slot of every rule whose topic and tag it keeps and
 gives a new rule a free slot: never one a rule of the previous configuration held while
 another is free (a worker that has not reloaded yet may still charge it), and the first above
-every slot in use, so a slot freed by a recent change is reused last.  The supervisor passes the slots to the
-workers with the rules (``config.json``), so every worker charges the same buckets; it resets
-the buckets whose rule is new or changed (:func:`rmqfast.limits.reset_changed`).
+every slot in use, so a slot freed by a recent change is reused last.  The supervisor passes
+the slots to the workers with the rules (``config.json``), so every worker charges the same
+buckets; it resets the buckets whose rule is new, changed or gone
+(:func:`rmqfast.limits.reset_changed`).
 """
 
 from __future__ import annotations
