@@ -13,6 +13,7 @@ import time
 
 import pytest
 from itutil import (
+    BOUND,
     GET_BROKER_CLUSTER_INFO,
     GET_BROKER_CONFIG,
     GET_MAX_OFFSET,
@@ -196,15 +197,16 @@ def test_bad_input_closes_only_that_connection(proxy: ProxyProcess) -> None:
                 local = "{}:{}".format(*s.getsockname())
                 s.sendall(data)
                 t0 = time.monotonic()
-                got = wait_closed(s, timeout=5.0)
+                # at once, not after proxy.frame_timeout (30 s): 15 s leaves room for a loaded machine
+                got = wait_closed(s, timeout=15.0)
                 assert got == b"", f"{name}: the proxy answered {got[:60]!r} instead of closing"
-                assert time.monotonic() - t0 < 5.0
+                assert time.monotonic() - t0 < 15.0
             clients[name] = (local, role, err)
 
         for name, (local, role, err) in clients.items():
             recs = wait_until(
                 lambda local=local: log_records(proxy, PROTOCOL_ERROR_MSG, client=local),
-                5.0,
+                BOUND,
                 f"protocol-error log line for {name}",
             )
             assert len(recs) == 1, recs  # one line per bad connection
@@ -244,7 +246,7 @@ def test_truncated_frame_then_close(proxy: ProxyProcess) -> None:
             local = "{}:{}".format(*s.getsockname())
             s.sendall(frame[: len(frame) // 2])
             s.shutdown(socket.SHUT_WR)
-            assert wait_closed(s, timeout=5.0) == b""
+            assert wait_closed(s) == b""
         # a healthy request afterwards on a new connection
         with connect(addr) as s:
             if addr == endpoint:
@@ -298,7 +300,7 @@ def test_metrics_after_traffic(proxy: ProxyProcess) -> None:
     # the drivers have exited: their sessions are gone (no leaked sessions in the gauge)
     wait_until(
         lambda: metric(proxy.metrics(), "rmqfast_connections_active") == 0,
-        10,
+        BOUND,
         "rmqfast_connections_active to return to 0",
     )
     assert metric(m, "rmqfast_worker_up") == 2

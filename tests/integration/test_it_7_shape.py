@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from itutil import metric, unique, wait_metric, wait_until
+from itutil import BOUND, metric, unique, wait_metric, wait_until
 
 from rmqfast.testing import RocketMQCluster, start_driver
 from rmqfast.testing.javaclient import run_driver
@@ -85,7 +85,7 @@ def test_shaped_sends_succeed_at_once_and_arrive_in_order_at_the_rate(cluster: R
     assert metric(m, "rmqfast_limit_admitted_total", topic=topic) == N - len(shaped_sends)
     assert metric(m, "rmqfast_limit_rejected_total", topic=topic) == 0
     # the backlog gauges are published once a second
-    wait_until(lambda: metric(p.metrics(), "rmqfast_limit_shaped_backlog_messages", topic=topic) == 0, 5,
+    wait_until(lambda: metric(p.metrics(), "rmqfast_limit_shaped_backlog_messages", topic=topic) == 0, BOUND,
                "an empty backlog")
 
 

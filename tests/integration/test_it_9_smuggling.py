@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from itutil import (
+    BOUND,
     GET_BROKER_CONFIG,
     GET_NAMESRV_CONFIG,
     NO_PERMISSION,
@@ -135,7 +136,7 @@ def test_smuggled_update_broker_config_is_refused(
     assert reserved(cluster) == broker_config["fileReservedTime"], f"{name}: the broker's config changed"
     if got == "closed":
         wait_until(lambda: [r for r in log_records(proxy, PROTOCOL_ERROR_MSG) if "header" in str(r.get("error", ""))],
-                   10.0, "a log line naming the refused header")
+                   BOUND, "a log line naming the refused header")
 
 
 @pytest.mark.parametrize("name", sorted(JSON_VARIANTS))
