@@ -184,7 +184,8 @@ level = "info"
         except OSError:
             return ""
 
-    def get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    def get(self, path: str, timeout: float = 30.0) -> tuple[int, bytes]:
+        """GET on the admin endpoint: (status, body). The timeout is generous: a loaded machine is slow."""
         try:
             with urllib.request.urlopen(self.admin_url + path, timeout=timeout) as r:
                 return r.status, r.read()
