@@ -187,7 +187,7 @@ def test_connection_count_is_bounded(serve, monkeypatch: pytest.MonkeyPatch) -> 
     srv, _ = serve()
     idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:  # the four are accepted (each holds a slot) before the fifth arrives
             code, body = request(srv.port, "GET", "/healthz")
             if code == 503 or time.monotonic() > deadline:
@@ -196,7 +196,7 @@ def test_connection_count_is_bounded(serve, monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while request(srv.port, "GET", "/healthz")[0] != 200:  # slots come back as the idle ones close
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -58,7 +58,7 @@ def test_rotation_by_bytes_and_atomic_rename(tmp_path: Path) -> None:
     w = RotatingWriter(tmp_path, "agg-test", COLS[:4], rotate_bytes=2000, rotate_seconds=3600, batch_rows=100)
     for i in range(1000):
         w.add((i, i, float(i), f"s{i}"))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound for a hang of the writer thread
     while len(w.files_written) < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
     # while a file is open only its hidden temporary exists
@@ -80,7 +80,7 @@ def test_rotation_by_time(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("sample-t-*"))  # not due yet: nothing visible
     time.sleep(0.35)
     w.tick()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while not w.files_written and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(w.files_written) == 1

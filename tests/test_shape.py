@@ -388,7 +388,7 @@ mode = "shape"
         shaped = [a for a in answers if "shaped" in (a.remark or "")]
         assert len(shaped) == 22 and all(a.ext_fields["queueOffset"] == "-1" for a in shaped)
         assert [a.ext_fields["msgId"] for a in shaped] == keys[len(keys) - len(shaped):]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a bound for a hang; the rate is checked below
         while len(broker.got) < 25 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [k for _t, k in broker.got] == keys  # every message, in send order
@@ -444,7 +444,7 @@ mode = "shape"
         later = sync_sends(static, "Ordered", keys[20:], first_opaque=100)
         assert all(a.code == C.SUCCESS for a in first + later)
         assert all("shaped" in (a.remark or "") for a in later), [a.remark for a in later]
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a bound for a hang, not a speed target
         while len(broker.got) < len(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
         got = [k for _t, k in broker.got]
@@ -494,7 +494,7 @@ upstream = "127.0.0.1:{broker.server_address[1]}"
         time.sleep(0.6)
         pid = p.worker_pids()[0]
         os.kill(pid, signal.SIGKILL)  # mid-release: about 2 of 11 delivered so far
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # restart + release: slow on a loaded machine
         while time.monotonic() < deadline:
             with broker.lock:
                 got = list(dict.fromkeys(k for _t, k in broker.got))
