@@ -22,10 +22,12 @@ from libc.stdint cimport int8_t
 from libc.stdlib cimport realloc
 from libc.string cimport memchr
 
-DEF MAX_JSON_DEPTH = 32
+DEF MAX_JSON_DEPTH_C = 32
+MAX_JSON_DEPTH = MAX_JSON_DEPTH_C
 
-# Error codes of the header walk; messages live in _ERRORS (same text as the Python twin).
-cdef enum:
+# Error codes of the header walk; messages live in _ERRORS (same text as the Python twin).  A
+# cpdef enum, so that the twin-constant test sees the codes from Python too.
+cpdef enum HeaderErrorCode:
     E_OK = 0
     E_UNTERMINATED_STRING
     E_VALUE_EXPECTED
@@ -59,6 +61,10 @@ cdef enum:
     E_BIN_TRAILING
     E_BIN_DUP_KEY
     E_TOPIC_ESCAPED
+
+for _code in HeaderErrorCode:     # the codes as module constants too, like the Python twin's
+    globals()[_code.name] = int(_code)
+del _code
 
 _ERRORS = (
     "",
@@ -380,7 +386,7 @@ cdef Py_ssize_t skip_value(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int dep
             return -E_VALUE_EXPECTED
         c = h[i]
         if c == 123 or c == 91:
-            if depth0 + depth + 1 > MAX_JSON_DEPTH:
+            if depth0 + depth + 1 > MAX_JSON_DEPTH_C:
                 return -E_TOO_DEEP
             if c == 123:
                 objects |= (<uint64_t>1) << depth
