@@ -81,6 +81,10 @@ class BrokersSection:
 class PolicySection:
     allow_codes: list[int] = field(default_factory=list)
     deny_codes: list[int] = field(default_factory=list)
+    # "read-only-admin": also let through the read-only admin codes (rmqfast.codec.admincodes)
+    preset: str = ""
+    # broker addresses inside messages: "rewrite" (records and send answers), "records", "off"
+    message_addresses: str = "rewrite"
 
 
 @dataclass
@@ -401,7 +405,7 @@ _KNOWN = {
     },
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
-    "policy": {"allow_codes", "deny_codes"},
+    "policy": {"allow_codes", "deny_codes", "preset", "message_addresses"},
     "admin": {"listen", "token"},
     "limits": {"global_rate", "global_burst", "global_bytes_rate", "global_bytes_burst", "rule"},
     "log": {"format", "level"},
@@ -640,6 +644,13 @@ def from_dict(raw: dict[str, Any]) -> Config:
         cfg.policy.allow_codes = _codes("policy.allow_codes", po.get("allow_codes", []))
     with errs.check():
         cfg.policy.deny_codes = _codes("policy.deny_codes", po.get("deny_codes", []))
+    with errs.check():
+        if "preset" in po:
+            cfg.policy.preset = _choice("policy.preset", po["preset"], ("", "read-only-admin"))
+    with errs.check():
+        if "message_addresses" in po:
+            cfg.policy.message_addresses = _choice(
+                "policy.message_addresses", po["message_addresses"], ("rewrite", "records", "off"))
 
     ad = _section(errs, raw, "admin")
     with errs.check():

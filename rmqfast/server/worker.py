@@ -32,8 +32,10 @@ from rmqfast import config as config_mod
 from rmqfast import log as log_mod
 from rmqfast.codec import IMPLEMENTATION, ScanStats, slot_code
 from rmqfast.codec import codes as C
+from rmqfast.codec.admincodes import preset_codes
 from rmqfast.config import Config, HostPort
 from rmqfast.log import ctx
+from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
 from rmqfast.proxy.policy import Session as PolicySession
@@ -131,17 +133,22 @@ class Worker:
             else:
                 self.replication.reconfigure(self.cfg)
             broker_filters.append(self.replication.filter)
+        # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
+        self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
+        ns_allow = [*pol.allow_codes, *preset_codes(pol.preset, "namesrv")]
+        broker_allow = [*pol.allow_codes, *preset_codes(pol.preset, "broker")]
         self.chains = {
             "namesrv": FilterChain(
                 [
-                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied),
                     RewriteRoutes(self.registry, self._rewritten),
                 ]
             ),
             "broker": FilterChain(
                 [
-                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, pol.allow_codes, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied),
                     *broker_filters,
+                    self.message_addresses,
                 ]
             ),
         }

@@ -1,0 +1,174 @@
+"""Broker addresses inside messages point at this proxy's endpoints (issue 14).
+
+Where a client learns a broker address from a message, and what happens to it here:
+
+=====================================  ===============================================  ============
+where                                  what a client does with it                       handling
+=====================================  ===============================================  ============
+STOREHOST of each record in pull (11),  Go ``sendMessageBack`` (orderly retry limit) and   rewritten
+lite pull (361), pop (200050), peek     Java's fallback send it CONSUMER_SEND_MSG_BACK;
+(200052), query (12), view (33)         the offset message id clients compute from it
+answers
+``msgId`` of send answers (10, 310,     ``SendResult.offsetMsgId``: ``viewMessage`` /      rewritten
+320, 324, 325): the offset message id   ``queryMsgById`` connect to the address in it
+CONSUMER_SEND_MSG_BACK (36) and         sent to the endpoint the client learnt above:     accepted
+VIEW_MESSAGE_BY_ID (33) requests        the 1:1 relay already takes them to that           as they are
+                                        endpoint's broker (their headers carry offsets,
+                                        not addresses)
+=====================================  ===============================================  ============
+
+Rewrites are same-length byte patches (:mod:`rmqfast.codec.msgaddr`): frame sizes, body CRCs
+and what consumers see as the message identity (UNIQ_KEY, keys, body, properties) stay as the
+broker sent them.  Only the answers to the codes above reach Python (the request is marked, the
+scanner hands back only its answer, by opaque, in C); every other frame stays in C.
+``policy.message_addresses = "records"`` leaves send answers alone (sends then stay in C),
+``"off"`` disables the filter.
+
+Pull answers from a 5.x broker may carry records whose STOREHOST is another broker (a slave
+serving reads, a message moved by escape bridging): each address gets its own endpoint, like
+route addresses do.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.msgaddr import format_host, header_field_span, host_bytes, patch_offset_ids, patch_store_hosts
+from rmqfast.log import ctx
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, rewrite, slots_of
+
+if TYPE_CHECKING:
+    from rmqfast.proxy.endpoints import EndpointRegistry
+
+log = logging.getLogger("rmqfast.addresses")
+
+#: Answers whose body is a sequence of store records.
+RECORD_CODES = frozenset({
+    C.PULL_MESSAGE, C.LITE_PULL_MESSAGE, C.POP_MESSAGE, C.PEEK_MESSAGE, C.QUERY_MESSAGE, C.VIEW_MESSAGE_BY_ID,
+})
+#: Answers carrying the offset message id in their ``msgId`` header field.
+SEND_CODES = frozenset({
+    C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2,
+})
+MODES = ("rewrite", "records", "off")
+
+_PENDING = "msgaddr_opaques"
+_MAX_PENDING = 10000
+
+
+def advertised_ipv4(host: str) -> str | None:
+    """The IPv4 address records can carry for ``host`` (resolved once when it is a name)."""
+    try:
+        host_bytes(host, 0)
+        return host
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return str(infos[0][4][0]) if infos else None
+
+
+class RewriteMessageAddresses(Filter):
+    """Map the broker addresses in pull/pop/query/view records and send answers to proxy endpoints."""
+
+    name = "message-addresses"
+    wants_marked_responses = True
+
+    def __init__(self, registry: EndpointRegistry, mode: str = "rewrite") -> None:
+        if mode not in MODES:
+            raise ValueError(f"policy.message_addresses must be one of {', '.join(MODES)}; got {mode!r}")
+        self.registry = registry
+        self.mode = mode
+        self.codes = frozenset() if mode == "off" else RECORD_CODES | (SEND_CODES if mode == "rewrite" else frozenset())
+        self._slots = slots_of(self.codes)
+        self._map: dict[bytes, bytes] = {}  # real ip4+port -> endpoint ip4+port
+        self._warned: set[str] = set()
+        self.ip = advertised_ipv4(registry.advertise_host)
+        self.rewritten = 0  # answers changed (tests and metrics read it)
+        if self.ip is None and mode != "off":
+            log.error(
+                "broker addresses inside messages are left as the broker wrote them: the advertised host "
+                "is not an IPv4 address and does not resolve to one (records hold 4-byte addresses); "
+                "set proxy.advertise_host to an IPv4 address",
+                extra=ctx(advertise_host=registry.advertise_host),
+            )
+            self._slots = set()
+
+    def request_slots(self) -> set[int]:
+        return self._slots
+
+    # The mapping ---------------------------------------------------------------------------------
+
+    def mapping(self, raw: bytes) -> bytes | None:
+        """8 bytes ip4+port of a real broker -> those of its endpoint; None: leave it."""
+        new = self._map.get(raw)
+        if new is not None:
+            return None if new == raw else new
+        real = format_host(raw)
+        if self.registry.is_proxy_address(real):
+            self._map[raw] = raw
+            return None
+        adv = self.registry.advertised(real)
+        if adv is None or self.ip is None:
+            if real not in self._warned:
+                self._warned.add(real)
+                log.warning("a message names a broker with no proxy endpoint; its address is left as is",
+                            extra=ctx(broker=real))
+            return None
+        port = int(adv.rpartition(":")[2])
+        new = host_bytes(self.ip, port)
+        self._map[raw] = new
+        return new
+
+    # Filter --------------------------------------------------------------------------------------
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        if frame.code in self.codes and not frame.is_oneway:
+            pending: dict[int, int] = session.state.setdefault(_PENDING, {})
+            if len(pending) > _MAX_PENDING:  # answers that never came (replied locally, lost)
+                pending.clear()
+            pending[frame.opaque] = frame.code
+            frame.want_response = True
+        return None
+
+    def on_response(self, session: Session, frame: Frame) -> Verdict | None:
+        pending: dict[int, int] | None = session.state.get(_PENDING)
+        if not pending:
+            return None
+        code = pending.pop(frame.opaque, None)
+        if code is None or frame.code != C.SUCCESS:
+            return None
+        data = frame.data
+        if code in SEND_CODES:
+            span = header_field_span(data, "msgId")
+            if span is None:
+                return None
+            value = data[span[0] : span[1]].decode("ascii", "replace")
+            new_value = patch_offset_ids(value, self.mapping)
+            if new_value is None:
+                return None
+            out = bytearray(data)
+            out[span[0] : span[1]] = new_value.encode("ascii")
+        else:
+            start = 8 + frame.header_length
+            if start >= len(data):
+                return None
+            try:
+                patched, _ = patch_store_hosts(data, self.mapping, start)
+            except ValueError as exc:
+                log.warning("answer body is not a sequence of store records; relayed unchanged",
+                            extra=ctx(code=code, error=str(exc), upstream=session.upstream_addr))
+                return None
+            if patched is None:
+                return None
+            out = patched
+        self.rewritten += 1
+        return rewrite(bytes(out))
+
+    def on_close(self, session: Session) -> None:
+        session.state.pop(_PENDING, None)
