@@ -167,7 +167,9 @@ level = "info"
                     raise _BindFailed(line.strip()[:300])
                 raise RuntimeError(f"rmqfast exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                code, body = self.get("/readyz")
+                # short per attempt: a program squatting on the admin port accepts and never
+                # answers, and the proxy's exit (a bind error) must be seen while we wait
+                code, body = self.get("/readyz", timeout=min(3.0, max(0.1, deadline - time.monotonic())))
                 if code == 200:
                     return
                 last = body.decode()
