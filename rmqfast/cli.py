@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from rmqfast.bench import main as bench_main
+        from rmqfast.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     ap = build_parser()

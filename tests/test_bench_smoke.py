@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from rmqfast import bench, codec
+from rmqfast import codec
+from rmqfast.bench import cli as bench_cli
+from rmqfast.bench.cbuild import Tools, build_tools
+from rmqfast.bench.loadgen import run_loadgen
+from rmqfast.bench.nullbroker import NullBroker
+from rmqfast.bench.procfs import memory_kib
+from rmqfast.bench.scenarios import Scenario
+from rmqfast.bench.targets import RmqfastTarget
 from rmqfast.codec import codes as C
 from rmqfast.codec.codes import SERIALIZE_ROCKETMQ
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
@@ -24,12 +31,12 @@ from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="needs a C compiler")
 
 # A little of everything: several topics, a quarter pulls (answered with store records).
-SMOKE = bench.Scenario("smoke", conns=4, inflight=8, topics=3, pull_pct=25)
+SMOKE = Scenario("smoke", conns=4, inflight=8, topics=3, pull_pct=25)
 
 
 @pytest.fixture(scope="module")
-def tools() -> bench.Tools:
-    return bench.build_tools()
+def tools() -> Tools:
+    return build_tools()
 
 
 def _assert_clean(res: dict, *, pulls: bool = True) -> None:
@@ -42,25 +49,25 @@ def _assert_clean(res: dict, *, pulls: bool = True) -> None:
         assert res["bytes_in"] > res["responses"] * 100  # pull answers carry records
 
 
-def test_loadgen_direct_and_through_rmqfast(tools: bench.Tools) -> None:
+def test_loadgen_direct_and_through_rmqfast(tools: Tools) -> None:
     pure = codec.IMPLEMENTATION == "python"  # the RMQFAST_NO_EXTENSIONS=1 test run checks the pure relay
-    with bench.NullBroker(tools) as broker:
-        direct = bench.run_loadgen(tools, broker.port, SMOKE, warmup=0.2, duration=1.0)
+    with NullBroker(tools) as broker:
+        direct = run_loadgen(tools, broker.port, SMOKE, warmup=0.2, duration=1.0)
         _assert_clean(direct)
 
-        target = bench.RmqfastTarget(broker.port, workers=2, pure=pure, name="rmqfast")
+        target = RmqfastTarget(broker.port, workers=2, pure=pure, name="rmqfast")
         target.start()
         try:
-            via = bench.run_loadgen(tools, target.port, SMOKE, warmup=0.2, duration=1.0,
+            via = run_loadgen(tools, target.port, SMOKE, warmup=0.2, duration=1.0,
                                     cpu_groups={"target": target.pids()})
             _assert_clean(via)
             assert via["cpu"]["target"]["user_s"] + via["cpu"]["target"]["sys_s"] > 0
-            assert all(bench.memory_kib(pid).get("VmRSS", 0) > 0 for pid in target.worker_pids())
+            assert all(memory_kib(pid).get("VmRSS", 0) > 0 for pid in target.worker_pids())
             assert len(target.worker_pids()) == 2
         finally:
             target.stop()
 
-        opened = bench.run_loadgen(tools, broker.port, bench.Scenario("open", conns=2, rate=2000), warmup=0.1,
+        opened = run_loadgen(tools, broker.port, Scenario("open", conns=2, rate=2000), warmup=0.1,
                                    duration=0.5)
         _assert_clean(opened, pulls=False)
         assert opened["mode"] == "open" and 1800 <= opened["send_rate"] <= 2200
@@ -69,8 +76,8 @@ def test_loadgen_direct_and_through_rmqfast(tools: bench.Tools) -> None:
     assert stats["responses"] >= direct["responses"] + via["responses"] + opened["responses"]
 
 
-def test_bench_main_writes_results(tools: bench.Tools, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = bench.main(["--targets", "direct", "--scenarios", "send-64x1", "--rounds", "1", "--warmup", "0.1",
+def test_bench_main_writes_results(tools: Tools, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bench_cli.main(["--targets", "direct", "--scenarios", "send-64x1", "--rounds", "1", "--warmup", "0.1",
                      "--duration", "0.3", "--results", str(tmp_path)])
     assert rc == 0
     (path,) = tmp_path.glob("bench-*.jsonl")
@@ -83,7 +90,7 @@ def test_bench_main_writes_results(tools: bench.Tools, tmp_path: Path, capsys: p
     assert run["machine"]["cores"] and run["machine"]["kernel"] and run["machine"]["python"]
     assert len({r["run_id"] for r in records}) == 1
     assert "send-64x1" in capsys.readouterr().out
-    assert bench.main(["--report", str(path)]) == 0  # re-reads the results file
+    assert bench_cli.main(["--report", str(path)]) == 0  # re-reads the results file
     assert "send-64x1" in capsys.readouterr().out
 
 
@@ -102,14 +109,14 @@ def _read_frames(sock: socket.socket, count: int) -> list[bytes]:
     return frames
 
 
-def test_nullbroker_answers_like_a_broker(tools: bench.Tools) -> None:
+def test_nullbroker_answers_like_a_broker(tools: Tools) -> None:
     """Its answers decode with rmqfast's exact codec and carry what a Java client reads."""
     send = RemotingCommand(code=C.SEND_MESSAGE_V2, opaque=41, version=435,
                            ext_fields={"a": "PG", "b": "T", "e": "3", "i": "TAGS\x01A\x02"}, body=b"x" * 100)
     beat = RemotingCommand(code=C.HEART_BEAT, opaque=42, serialize_type=SERIALIZE_ROCKETMQ)  # binary header
     oneway = RemotingCommand(code=C.SEND_MESSAGE_V2, opaque=43, flag=C.FLAG_ONEWAY, ext_fields={"b": "T"})
     pull = RemotingCommand(code=C.PULL_MESSAGE, opaque=44, ext_fields={"topic": "T", "queueId": "0"})
-    with bench.NullBroker(tools, pull_msgs=2, pull_body=10) as broker:
+    with NullBroker(tools, pull_msgs=2, pull_body=10) as broker:
         with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as s:
             s.sendall(encode(send) + encode(beat) + encode(oneway) + encode(pull))
             answers = [decode_frame(f) for f in _read_frames(s, 3)]

@@ -33,7 +33,7 @@ _PRODUCTION_IMPORTS = """
 import sys
 from pathlib import Path
 import rmqfast.codec, rmqfast.limits, rmqfast.limits.worker, rmqfast.limits.shaper
-import rmqfast.proxy.relay, rmqfast.server.worker, rmqfast.server.supervisor, rmqfast.bench, rmqfast.cli
+import rmqfast.proxy.relay, rmqfast.server.worker, rmqfast.server.supervisor, rmqfast.bench.run, rmqfast.cli
 from rmqfast.limits import create_shared, parse_limits
 from rmqfast.limits.worker import WorkerLimits
 rt = Path(sys.argv[1])

@@ -1,0 +1,57 @@
+"""The null-broker bench's scenarios and its two modes (short, full)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rmqfast.bench.nullbroker import PULL_BODY, PULL_MSGS
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One traffic shape for the load generator."""
+
+    name: str
+    conns: int
+    inflight: int = 1
+    rate: float = 0.0  # > 0: open loop at this many requests/s in total
+    body: int = 1024
+    topics: int = 8
+    pull_pct: int = 0
+    what: str = ""
+
+    @property
+    def open_loop(self) -> bool:
+        return self.rate > 0
+
+    def loadgen_args(self) -> list[str]:
+        return ["--conns", str(self.conns), "--inflight", str(self.inflight), "--rate", f"{self.rate:g}",
+                "--body", str(self.body), "--topics", str(self.topics), "--pull-pct", str(self.pull_pct)]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("send-16x32", 16, 32, what="1 KiB sends, 16 connections x 32 in flight (throughput)"),
+        Scenario("send-64x1", 64, 1, what="1 KiB sends, 64 connections x 1 in flight (sync clients)"),
+        Scenario("open-60k", 16, rate=60000, what="1 KiB sends, open loop at 60,000/s over 16 connections (latency)"),
+        Scenario("pull-16x4", 16, 4, pull_pct=100,
+                 what=f"pulls answered with {PULL_MSGS} x {PULL_BODY} B records, 16 connections x 4 in flight"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Defaults of a run: rounds, seconds per run, which scenarios and targets."""
+
+    rounds: int
+    warmup: float
+    duration: float
+    scenarios: tuple[str, ...]
+    targets: tuple[str, ...]
+
+
+SHORT = Mode(1, 0.5, 2.0, ("send-16x32", "send-64x1", "open-60k"), ("direct", "haproxy", "rmqfast", "rmqfast-pure"))
+FULL = Mode(3, 2.0, 8.0, tuple(SCENARIOS), ("direct", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-pure"))
+ALL_TARGETS = ("direct", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-pure")

@@ -1,0 +1,128 @@
+"""What a bench target is, and the ``direct`` and rmqfast targets (HAProxy: ``haproxy.py``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from rmqfast.bench.common import BenchError
+from rmqfast.bench.nullbroker import NullBroker
+from rmqfast.testing.proxy import ProxyProcess
+
+
+class Target(Protocol):
+    name: str
+
+    @property
+    def port(self) -> int: ...
+
+    def pids(self) -> list[int]: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class DirectTarget:
+    """The load generator talks to the null broker itself: the ceiling."""
+
+    def __init__(self, broker: NullBroker) -> None:
+        self.name = "direct"
+        self.broker = broker
+
+    @property
+    def port(self) -> int:
+        return self.broker.port
+
+    def pids(self) -> list[int]:
+        return []  # the null broker's CPU is recorded for every target anyway
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class BenchProxy(ProxyProcess):
+    """``rmqfast serve`` with one static broker endpoint (``--broker``) to the null broker.
+
+    The port block ProxyProcess reserves holds namesrv (base), admin (base + 1), the
+    endpoint's VIP channel (base + 2) and the endpoint (base + 4); the automatic range is
+    disabled, so no name-server traffic is needed.
+    """
+
+    def __init__(self, broker_port: int, *, workers: int, pure: bool) -> None:
+        env = {"RMQFAST_NO_EXTENSIONS": "1" if pure else "0"}
+        super().__init__([f"127.0.0.1:{broker_port}"], workers=workers, range_size=3, env=env)
+        self.upstream = f"127.0.0.1:{broker_port}"
+
+    @property
+    def endpoint_port(self) -> int:
+        return self.port_range[1]  # a property: start() moves to new ports if one was taken
+
+    def argv(self) -> list[str]:
+        # ProxyProcess's command plus the --broker flags.
+        return [*super().argv(), "--broker", f"127.0.0.1:{self.endpoint_port}={self.upstream}",
+                "--broker-port-range", ""]
+
+    def codecs(self) -> set[str]:
+        """The scanner implementation each worker reported at start ("compiled"/"python")."""
+        return {str(r["codec"]) for r in self.log_records() if r.get("msg") == "worker ready" and "codec" in r}
+
+
+class RmqfastTarget:
+    """rmqfast (compiled, or pure Python with ``pure=True``) in front of the null broker."""
+
+    def __init__(self, broker_port: int, *, workers: int, pure: bool, name: str) -> None:
+        self.name = name
+        self.pure = pure
+        self.broker_port = broker_port
+        self.workers = workers
+        self.proxy: BenchProxy | None = None
+        self._workers: list[int] = []
+
+    @property
+    def port(self) -> int:
+        assert self.proxy is not None
+        return self.proxy.endpoint_port
+
+    def start(self) -> None:
+        # Created here, not in __init__: ProxyProcess picks its port block when constructed,
+        # and two proxies constructed before either binds would get the same block.
+        self.proxy = BenchProxy(self.broker_port, workers=self.workers, pure=self.pure)
+        self.proxy.start()
+        deadline = time.monotonic() + 10
+        codecs: set[str] = set()
+        while time.monotonic() < deadline:  # the log line may lag readiness a little
+            codecs = self.proxy.codecs()
+            if len(codecs) == 1 and len(self.proxy.worker_pids()) == self.workers:
+                break
+            time.sleep(0.1)
+        want = "python" if self.pure else "compiled"
+        if codecs != {want}:
+            self.stop()
+            hint = "" if self.pure else " (is the Cython extension built? pip install -e .)"
+            raise BenchError(
+                f"{self.name}: workers run the {sorted(codecs) or 'unknown'} scanner, expected {want}{hint}")
+        self._workers = self.proxy.worker_pids()
+
+    def worker_pids(self) -> list[int]:
+        return list(self._workers)
+
+    def pids(self) -> list[int]:
+        sup = [self.proxy.proc.pid] if self.proxy and self.proxy.proc else []
+        return sup + self._workers
+
+    def info(self) -> dict[str, Any]:
+        return {"workers": len(self._workers), "codec": "python" if self.pure else "compiled"}
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.__exit__()
+            self.proxy = None
