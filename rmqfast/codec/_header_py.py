@@ -1,4 +1,4 @@
-"""Pure-Python twin of the header walk compiled from ``ext/_header_walk.pxi``.
+"""Pure-Python twin of the header walk compiled from ``ext/header_walk.pxi``.
 
 One reading of a header
 -----------------------

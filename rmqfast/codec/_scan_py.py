@@ -1,4 +1,4 @@
-"""Pure-Python reference of the frame scanner compiled from ``ext/_speedups.pyx``.
+"""Pure-Python reference of the frame scanner compiled from ``ext/scanner.pxi``.
 
 Theory of operation
 -------------------

@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled ``Limiter`` (ext/_speedups.pyx): same GCRA, same rules.
+"""Pure-Python twin of the compiled ``Limiter`` (ext/limiter.pxi): same GCRA, same rules.
 
 The compiled limiter updates the shared buckets with a 64-bit compare-and-swap; Python has no
 atomic operations on shared memory, so this twin does each read-modify-write under an

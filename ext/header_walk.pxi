@@ -1,4 +1,4 @@
-# Included by _speedups.pyx: the header walk, the C twin of the walk in rmqfast/codec/_scan_py.py.
+# Included by _speedups.pyx. The header walk, the C twin of rmqfast/codec/_header_py.py.
 #
 # One reading of a header.  What the scanner decides from a header (code, flag, opaque, topic,
 # properties) must be what the broker reads.  The brokers decode JSON headers with fastjson, which
@@ -18,9 +18,7 @@
 #     or with b/topic/i/properties twice.
 # No RocketMQ client (Java, Go, C++) produces any of these.
 
-from libc.stdint cimport int8_t
-from libc.stdlib cimport realloc
-from libc.string cimport memchr
+
 
 DEF MAX_JSON_DEPTH_C = 32
 MAX_JSON_DEPTH = MAX_JSON_DEPTH_C

@@ -1,0 +1,298 @@
+# Included by _speedups.pyx. Pump: one direction of a relayed connection, receive -> scan -> send in
+# C (twin: the relay's Python pump).
+
+# --------------------------------------------------------------------------------------------
+# The relay pump: one direction of a relayed connection, receive -> scan -> send in C.
+#
+# rmqfast.proxy.relay drives it from a greenlet: ``step`` works until it must wait (for
+# readability, writability or the write lock), or until a frame needs policy, and says which.
+# Python only waits on libev watchers and handles policy frames, so a receive buffer full of
+# frames costs one Python call, not one per frame.  Without the extension the relay runs the
+# same loop in Python (Session._pump_py) over either scanner.
+#
+# Frame-atomic writes: the pump forwards partial frames, so the destination stream is often in
+# the middle of a frame.  ``at_boundary`` says whether it is not; the relay writes its own
+# answers (NO_PERMISSION, SYSTEM_BUSY, ...) to the destination only then.  When an answer is
+# queued, the relay sets ``hold``: the pump forwards up to the end of the current frame and
+# returns P_BOUNDARY so the relay can write the queue before the next frame starts.
+#
+# Memory: the buffer holds a whole frame only when a policy needs it whole (or a header is
+# larger than the buffer).  The bigger buffer is an anonymous mapping of the frame's size
+# (pages cost memory only once bytes arrive; unmapped when the frame is done, where malloc
+# would keep a 16 MiB hole in its heap), filled at most ``base_cap`` bytes per receive; the
+# bytes it holds beyond the base size are charged to a BufferBudget shared by the pumps of the
+# process, and P_OVER_BUDGET says the budget is exhausted.  It goes back to the base buffer as
+# soon as the bytes still buffered fit.
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t c_recv "recv"(int fd, void* buf, size_t n, int flags)
+    ssize_t c_send "send"(int fd, const void* buf, size_t n, int flags)
+    enum: MSG_NOSIGNAL
+
+cdef extern from "<sys/mman.h>" nogil:
+    void* c_mmap "mmap"(void* addr, size_t length, int prot, int flags, int fd, long offset)
+    int c_munmap "munmap"(void* addr, size_t length)
+    enum: PROT_READ
+    enum: PROT_WRITE
+    enum: MAP_PRIVATE
+    enum: MAP_ANONYMOUS
+    void* MAP_FAILED
+
+
+P_WAIT_READ = 0
+P_WAIT_WRITE = 1
+P_WAIT_LOCK = 2
+P_POLICY = 3
+P_EOF = 4
+P_OS_ERROR = 5
+P_PROTOCOL_ERROR = 6
+P_YIELD = 7
+P_BOUNDARY = 8      # ``hold`` is set and the destination stream is at a frame boundary
+P_OVER_BUDGET = 9   # a frame held whole took the BufferBudget past its limit
+
+cdef enum:
+    PH_SCAN = 0      # scan [pos, filled)
+    PH_FLUSH = 1     # send [start, fwd), then act on the pending scan event
+    PH_READ = 2      # compact, then receive more
+    PH_POLICY = 3    # frame [start, pend_b) is with Python until consume()
+
+DEF READS_BEFORE_YIELD = 16
+DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
+
+
+def scanner_skip(FrameScanner scanner not None):
+    """Bytes of the current frame the scanner has not seen yet (0: it stopped at a frame
+    boundary).  The Python pump's view of ``FrameScanner._skip``."""
+    return scanner._skip
+
+
+cdef class BufferBudget:
+    """Bytes the pumps of one process hold beyond their base buffers (frames held whole).
+
+    A pump charges the bytes it holds beyond its base buffer as they arrive (at most one base
+    buffer per receive) and returns P_OVER_BUDGET once ``used`` exceeds ``limit``.  The pure-Python
+    pump uses the same two attributes (``rmqfast.proxy.relay.PyBufferBudget``).
+    """
+
+    cdef public Py_ssize_t limit
+    cdef public Py_ssize_t used
+
+    def __init__(self, Py_ssize_t limit=64 * 1024 * 1024):
+        if limit < 0:
+            raise ValueError(f"buffer budget must not be negative, got {limit}")
+        self.limit = limit
+        self.used = 0
+
+
+@cython.no_gc_clear  # __dealloc__ gives the grown buffer back to the budget
+cdef class Pump:
+    """Receive from ``src_fd``, scan, forward to ``dst_fd``; see the section comment."""
+
+    cdef FrameScanner scanner
+    cdef uint8_t* base   # mapped, base_cap bytes
+    cdef uint8_t* buf    # base, or a mapping of cap bytes for a frame larger than base_cap
+    cdef Py_ssize_t cap, base_cap, filled, start, pos, fwd, pend_b, scan_end
+    cdef int pend_ev, phase, reads
+    cdef int src, dst
+    cdef bint readable
+    cdef int64_t now     # when the bytes being scanned arrived
+    cdef readonly int errno_value
+    cdef readonly Py_ssize_t frame_start, frame_end
+    cdef readonly BufferBudget budget
+    cdef readonly Py_ssize_t need   # size of the frame being held (after P_OVER_BUDGET)
+    cdef Py_ssize_t charged         # bytes charged to the budget
+    cdef public bint hold           # a local answer waits: stop at the next frame boundary
+
+    def __cinit__(self, FrameScanner scanner not None, int src_fd, int dst_fd, Py_ssize_t size,
+                  BufferBudget budget=None):
+        if size < 64:
+            raise ValueError(f"pump buffer of {size} bytes is too small (at least 64)")
+        # mapped, not malloc'd: given back to the kernel when the connection ends (glibc keeps
+        # freed blocks of this size in its heap once a larger mapping was freed)
+        self.base = <uint8_t*>c_mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if <void*>self.base == MAP_FAILED:
+            self.base = NULL
+            raise MemoryError(f"cannot map a pump buffer of {size} bytes")
+        self.buf = self.base
+        self.scanner = scanner
+        self.budget = budget
+        self.cap = self.base_cap = size
+        self.src = src_fd
+        self.dst = dst_fd
+        self.phase = PH_READ
+        self.readable = True
+        self.now = -1
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            self._release_big()
+            c_munmap(self.base, self.base_cap)
+
+    cdef void _release_big(self) noexcept:
+        if self.buf != self.base:
+            c_munmap(self.buf, self.cap)
+            self.buf = self.base
+            self.cap = self.base_cap
+        self._charge(0)
+
+    cdef bint _charge(self, Py_ssize_t held) noexcept:
+        """Charge ``held`` bytes (instead of the previous charge); True when over the budget."""
+        if self.budget is None:
+            return False
+        self.budget.used += held - self.charged
+        self.charged = held
+        return held > 0 and self.budget.used > self.budget.limit
+
+    @property
+    def buffered(self):
+        """Bytes received and not yet forwarded (a test and debugging aid)."""
+        return self.filled - self.start
+
+    @property
+    def capacity(self):
+        """The buffer's current size (base size unless a frame is held whole)."""
+        return self.cap
+
+    @property
+    def at_boundary(self):
+        """Whether the bytes written to the destination so far end at a frame boundary (a
+        local answer written now cannot land inside a forwarded frame)."""
+        if self.phase == PH_FLUSH and self.start < self.fwd:
+            return False
+        return self.scanner._skip == 0
+
+    @property
+    def stalled_since(self):
+        """Monotonic ns of the last receive while the source is in the middle of a frame and
+        the pump waits for its next bytes; 0 when it is not (a frame-completion deadline)."""
+        if self.phase == PH_READ and (self.filled > self.start or self.scanner._skip > 0):
+            return self.now
+        return 0
+
+    def frame(self):
+        """The bytes of the frame that needs policy (after ``step`` returned P_POLICY)."""
+        if self.phase != PH_POLICY:
+            raise RuntimeError("no frame is waiting for policy")
+        return (<char*>self.buf)[self.frame_start:self.frame_end]
+
+    def consume(self):
+        """Python has dealt with the policy frame: skip it and go on scanning."""
+        if self.phase != PH_POLICY:
+            raise RuntimeError("no frame is waiting for policy")
+        self.start = self.pos = self.pend_b
+        self.phase = PH_SCAN
+
+    cdef int _fit(self, Py_ssize_t rest) except -1:
+        """After compaction ([0, rest) buffered, pend_b bytes needed): map a buffer for a frame
+        held whole, or go back to the base buffer.  1 when the budget is exhausted."""
+        cdef Py_ssize_t n
+        cdef uint8_t* grown
+        if self.pend_b > self.cap:
+            n = (self.pend_b + BIG_ALIGN - 1) // BIG_ALIGN * BIG_ALIGN
+            grown = <uint8_t*>c_mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if <void*>grown == MAP_FAILED:
+                raise MemoryError(f"cannot map {n} bytes for a frame held whole")
+            memcpy(grown, self.buf, rest)
+            if self.buf != self.base:
+                c_munmap(self.buf, self.cap)
+            self.buf = grown
+            self.cap = n
+            self.need = self.pend_b
+        elif self.buf != self.base and rest <= self.base_cap and self.pend_b <= self.base_cap:
+            memcpy(self.base, self.buf, rest)
+            self._release_big()
+            return 0
+        if self.buf != self.base and self._charge(rest - self.base_cap if rest > self.base_cap else 0):
+            return 1
+        return 0
+
+    def step(self, bint may_send):
+        cdef tuple t
+        cdef ssize_t n
+        cdef Py_ssize_t space, rest, end
+        while True:
+            if self.phase == PH_SCAN:
+                end = self.filled
+                if self.hold:
+                    # A local answer waits: scan no further than the end of the current frame.
+                    if self.scanner._skip == 0:
+                        return P_BOUNDARY
+                    if self.pos + self.scanner._skip < end:
+                        end = self.pos + self.scanner._skip
+                self.scan_end = end
+                t = self.scanner._scan(self.buf, self.pos, end, self.now)
+                self.pend_ev = t[0]
+                self.fwd = t[1]
+                self.pend_b = t[2]
+                self.phase = PH_FLUSH
+            if self.phase == PH_FLUSH:
+                while self.start < self.fwd:
+                    if not may_send:
+                        return P_WAIT_LOCK
+                    n = c_send(self.dst, self.buf + self.start, self.fwd - self.start, MSG_NOSIGNAL)
+                    if n < 0:
+                        if errno == EAGAIN:
+                            return P_WAIT_WRITE
+                        if errno == EINTR:
+                            continue
+                        self.errno_value = errno
+                        return P_OS_ERROR
+                    self.start += n
+                    if self.start < self.fwd:
+                        return P_WAIT_WRITE
+                if self.pend_ev == 1:
+                    self.frame_start = self.fwd
+                    self.frame_end = self.pend_b
+                    self.start = self.fwd
+                    self.phase = PH_POLICY
+                    return P_POLICY
+                if self.pend_ev == 2:
+                    return P_PROTOCOL_ERROR
+                if self.scan_end < self.filled and self.pend_b == 0:
+                    # The scan stopped at the end of a frame for a local answer: go on from there.
+                    self.pos = self.fwd
+                    self.phase = PH_SCAN
+                    continue
+                # Forward: the bytes from fwd on are an incomplete frame head of pend_b bytes.
+                rest = self.filled - self.start
+                if rest and self.start:
+                    memmove(self.buf, self.buf + self.start, rest)
+                self.filled = rest
+                self.start = self.pos = 0
+                if self._fit(rest):
+                    return P_OVER_BUDGET
+                self.phase = PH_READ
+            if self.phase == PH_POLICY:
+                raise RuntimeError("step() called before consume() of the policy frame")
+            # PH_READ
+            if self.hold and self.scanner._skip == 0:
+                return P_BOUNDARY
+            if not self.readable:
+                # The last read drained the socket: wait for readiness rather than fail a recv.
+                self.readable = True
+                self.reads = 0
+                return P_WAIT_READ
+            if self.reads >= READS_BEFORE_YIELD:
+                self.reads = 0
+                return P_YIELD
+            space = self.cap - self.filled
+            if self.buf != self.base and space > self.base_cap:
+                space = self.base_cap  # a held frame is charged as it arrives: bounded steps
+            n = c_recv(self.src, self.buf + self.filled, space, 0)
+            if n < 0:
+                if errno == EAGAIN:
+                    self.reads = 0
+                    return P_WAIT_READ
+                if errno == EINTR:
+                    continue
+                self.errno_value = errno
+                return P_OS_ERROR
+            if n == 0:
+                return P_EOF
+            self.reads += 1
+            self.now = monotonic_ns()
+            self.readable = n == space
+            self.filled += n
+            self.phase = PH_SCAN
+            if self.buf != self.base and self.filled > self.base_cap and self._charge(self.filled - self.base_cap):
+                return P_OVER_BUDGET

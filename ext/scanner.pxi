@@ -1,0 +1,224 @@
+# Included by _speedups.pyx. FrameScanner: walks the frames of a receive buffer (twin:
+# rmqfast/codec/_scan_py.FrameScanner).
+
+cdef class FrameScanner:
+    """Walks Remoting frames in receive buffers; see ``rmqfast/codec/_scan_py.py``."""
+
+    cdef readonly ScanStats stats
+    cdef public bint response_policy
+    cdef readonly Py_ssize_t max_frame_size
+    cdef readonly Py_ssize_t max_header_size
+    cdef uint8_t _actions[CODE_SLOTS_C]
+    cdef Py_ssize_t _skip
+    cdef public uint64_t requests
+    cdef public uint64_t responses
+    cdef public str error
+    cdef public int code
+    cdef public int flag
+    cdef public int opaque
+    cdef readonly InFlight inflight
+    cdef readonly int direction
+    cdef public Limiter limiter
+    cdef public int limited      # rule index when the last EV_POLICY was a send over its limit, else -1
+    cdef public int conn_id      # the relay's connection id, carried into sampled records
+
+    def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
+                 Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
+                 Py_ssize_t max_header_size=DEFAULT_MAX_HEADER,
+                 InFlight inflight=None, int direction=0, Limiter limiter=None):
+        if direction != 0 and direction != 1:
+            raise ValueError(f"direction must be 0 (client to upstream) or 1 (upstream to client), got {direction!r}")
+        if max_frame_size < 8:
+            raise ValueError(f"max_frame_size must be at least 8, got {max_frame_size!r}")
+        if max_header_size < 1:
+            raise ValueError(f"max_header_size must be positive, got {max_header_size!r}")
+        self.stats = stats
+        self.inflight = inflight
+        self.direction = direction
+        self.limiter = limiter
+        self.limited = -1
+        self.response_policy = response_policy
+        self.max_frame_size = max_frame_size
+        self.max_header_size = max_header_size
+        cdef int i
+        for i in range(CODE_SLOTS_C):
+            self._actions[i] = 0
+        if actions is not None:
+            self.set_actions(actions)
+        self._skip = 0
+        self.requests = 0
+        self.responses = 0
+        self.error = ""
+        self.code = 0
+        self.flag = 0
+        self.opaque = 0
+
+    def set_actions(self, const uint8_t[:] actions):
+        if actions.shape[0] != CODE_SLOTS_C:
+            raise ValueError(f"action table must have {CODE_SLOTS_C} entries, got {actions.shape[0]}")
+        cdef int i
+        for i in range(CODE_SLOTS_C):
+            self._actions[i] = actions[i]
+
+    def scan(self, buf, Py_ssize_t start, Py_ssize_t end, int64_t now_ns=-1):
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        try:
+            if start < 0 or end > view.len or start > end:
+                raise ValueError(f"scan range [{start}:{end}] outside a buffer of {view.len} bytes")
+            return self._scan(<const uint8_t*>view.buf, start, end, now_ns)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef tuple _scan(self, const uint8_t* p, Py_ssize_t start, Py_ssize_t end, int64_t now):
+        cdef Py_ssize_t pos = start, avail, take, total
+        cdef int32_t length, mark
+        cdef int stype, err, slot
+        cdef Py_ssize_t hlen
+        cdef bint policy, is_response, limit_check
+        cdef int limited, topic_idx = -1
+        cdef Py_ssize_t ts = -1, tl = 0, ps = -1, pl = 0
+        cdef bint tesc = False, pesc = False
+        cdef HeaderInfo info
+        cdef ScanStats stats = self.stats
+        if now < 0 and self.inflight is not None:
+            now = monotonic_ns()
+        if self._skip:
+            take = self._skip if self._skip < end - pos else end - pos
+            self._skip -= take
+            pos += take
+            if self._skip:
+                return (0, end, 0)
+        while pos < end:
+            avail = end - pos
+            if avail < 4:
+                return (0, pos, 8)
+            length = rd_i32(p + pos)
+            if length < 4:
+                return self._fail(pos, f"frame length {length} is shorter than the 4-byte header-length word")
+            total = <Py_ssize_t>length + 4
+            if total > self.max_frame_size:
+                return self._fail(pos, f"frame of {total} bytes exceeds the limit of {self.max_frame_size} bytes")
+            if avail < 8:
+                return (0, pos, 8)
+            mark = rd_i32(p + pos + 4)
+            stype = (mark >> 24) & 0xFF
+            hlen = mark & 0xFFFFFF
+            if stype > 1:
+                return self._fail(pos, f"unknown serialize type {stype} (0 = JSON, 1 = ROCKETMQ)")
+            if hlen > length - 4:
+                return self._fail(pos, f"header length {hlen} exceeds frame length {length}")
+            if hlen > self.max_header_size:
+                return self._fail(pos, f"header of {hlen} bytes exceeds the limit of {self.max_header_size} bytes")
+            if avail < 8 + hlen:
+                return (0, pos, 8 + hlen)
+            header_info_clear(&info)
+            if stype == 0:
+                err = parse_json_header(p + pos + 8, hlen, &info)
+            else:
+                err = parse_binary_header(p + pos + 8, hlen, &info)
+            if err != E_OK:
+                return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[err]}")
+            slot = code_slot(info.code)
+            is_response = info.flag & 1
+            limit_check = False
+            ts = -1
+            ps = -1
+            if is_response:
+                policy = self.response_policy or (
+                    self.inflight is not None and self.inflight.nwant > 0
+                    and self.inflight.wants_c(self.direction ^ 1, info.opaque))
+            else:
+                # The topic and properties the broker reads for this request code.
+                if info.code == SEND_V2 or info.code == SEND_BATCH:
+                    ts, tl, tesc = info.b_start, info.b_len, info.b_esc
+                    ps, pl, pesc = info.i_start, info.i_len, info.i_esc
+                elif info.code == SEND_V1:
+                    ts, tl, tesc = info.t_start, info.t_len, info.t_esc
+                    ps, pl, pesc = info.pr_start, info.pr_len, info.pr_esc
+                elif info.code == PULL or info.code == LITE_PULL:
+                    ts, tl, tesc = info.t_start, info.t_len, info.t_esc
+                if ts >= 0 and tesc:
+                    return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
+                policy = self._actions[slot] == 1
+                if self.limiter is not None and self.limiter.active and ts >= 0 and \
+                        (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
+                    # a limited send is decided whole (a rejected one is never relayed)
+                    limit_check = self.limiter.applies(p + pos + 8 + ts, <int>tl)
+            if (policy or info.code == SEND_BATCH or limit_check) and avail < total:
+                return (0, pos, total)
+            stats.frames += 1
+            stats.bytes += total
+            if is_response:
+                stats._resp_counts[slot] += 1
+                self.responses += 1
+            else:
+                stats._req_counts[slot] += 1
+                stats._req_bytes[slot] += total
+                if not info.flag & 2:
+                    self.requests += 1
+                topic_idx = self._count_topic(p + pos, hlen, total, info.code, ts, tl)
+            limited = -1
+            if limit_check:
+                if now < 0:
+                    now = monotonic_ns()
+                limited = self.limiter.decide(
+                    p + pos + 8 + ts, <int>tl,
+                    p + pos + 8 + ps if ps >= 0 else NULL, pl, pesc,
+                    <int64_t>count_batch(p + pos + 8 + hlen, total - 8 - hlen) if info.code == SEND_BATCH else 1,
+                    total, now)
+                if limited >= 0:
+                    policy = True
+            if self.inflight is not None:
+                self._time(slot, info.code, info.flag, info.opaque, now, policy, total, topic_idx)
+            if policy:
+                self.limited = limited
+                self.code = info.code
+                self.flag = info.flag
+                self.opaque = info.opaque
+                return (1, pos, pos + total)
+            if avail < total:
+                self._skip = total - avail
+                return (0, end, 0)
+            pos += total
+        return (0, pos, 0)
+
+    cdef void _time(self, int slot, int32_t code, int flag, int32_t opaque, int64_t now, bint policy,
+                    Py_ssize_t total, int topic_idx) except *:
+        cdef int started_slot
+        cdef int32_t topic
+        cdef int64_t started, req_bytes, lat
+        if flag & 1:
+            if self.inflight.take_c(self.direction ^ 1, opaque, &started_slot, &started, &req_bytes, &topic):
+                lat = now - started if now > started else 0
+                self.stats.observe_c(started_slot, lat, result_index(code))
+                self.stats.sample_c(started, lat, started_slot, code, topic, self.conn_id, req_bytes, total)
+        elif policy:
+            return  # the relay tracks it if it forwards it
+        elif flag & 2:
+            self.stats._res[slot * NRESULTS_C + R_ONEWAY_C] += 1
+        elif not self.inflight.track_c(self.direction, opaque, slot, now, total, topic_idx):
+            self.stats.untracked += 1
+
+    cdef int _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, int code, Py_ssize_t s,
+                          Py_ssize_t n) noexcept:
+        """Count a send or pull under its topic (at ``s``, -1: none); the topic's index in the table (-1: none)."""
+        cdef TopicEntry* e
+        if s < 0 or not (code == SEND_V2 or code == SEND_BATCH or code == SEND_V1 or code == PULL or code == LITE_PULL):
+            return -1
+        e = self.stats.topic_slot(f + 8 + s, <int>n)
+        e.nbytes += total
+        if code == PULL or code == LITE_PULL:
+            e.pulls += 1
+        else:
+            e.sends += 1
+            if code == SEND_BATCH:
+                e.messages += count_batch(f + 8 + hlen, total - 8 - hlen)
+            else:
+                e.messages += 1
+        return <int>(e - self.stats._topics)
+
+    cdef tuple _fail(self, Py_ssize_t pos, str message):
+        self.error = message
+        self.stats.protocol_errors += 1
+        return (2, pos, 0)
