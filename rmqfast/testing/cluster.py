@@ -1,7 +1,8 @@
 """A throw-away Apache RocketMQ cluster (one name server, one broker) on loopback, for tests.
 
-Stdlib only. The jars come from Maven Central through ``mvn`` (see ``java/pom.xml``);
-:func:`ensure_jars` builds them once and skips Maven while its inputs are unchanged.
+The jars come from Maven Central through ``mvn`` (:mod:`rmqfast.testing.maven`); the JVMs
+are started and killed by :mod:`rmqfast.testing.jvm`; admin requests go through
+:mod:`rmqfast.testing.remoting`; ports are leased from :mod:`rmqfast.testing.ports`.
 
 Typical use::
 
@@ -37,392 +38,42 @@ Facts about the broker this module relies on (RocketMQ 5.3.3 and 4.9.4, Java 17)
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import fcntl
-import hashlib
 import itertools
 import json
 import os
-import random
 import re
 import shutil
 import signal
 import socket
-import struct
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
+from rmqfast.codec.codes import (
+    GET_BROKER_CLUSTER_INFO,
+    GET_ROUTEINFO_BY_TOPIC,
+    SUCCESS,
+    TOPIC_NOT_EXIST,
+    UPDATE_AND_CREATE_TOPIC,
+    UPDATE_BROKER_CONFIG,
+)
+from rmqfast.testing.errors import ClusterError, HarnessError, ToolMissingError
+from rmqfast.testing.jvm import jvm_module_opts, kill_group, spawn_jvm
+from rmqfast.testing.logtail import file_tail, read_bytes
+from rmqfast.testing.maven import BrokerVersion, JarPaths, ensure_jars
 from rmqfast.testing.ports import CLUSTER_RANGE, PortLease, PortsUnavailable, reserve
+from rmqfast.testing.remoting import remoting_request
+from rmqfast.testing.tools import java_executable
 
-ROCKETMQ_VERSION = "5.3.3"
-"""Version of the name server/broker (java/cluster/pom.xml) and of the 5.x driver build."""
-ROCKETMQ4_VERSION = "4.9.4"
-"""Version of the optional 4.x broker (profile ``rocketmq4``) and of the 4.x driver build."""
+# The cluster, and the names older code imported from this module before the harness was split
+# (errors, jars, the Remoting client): they stay importable from here.
+__all__ = ["ClusterError", "HarnessError", "JarPaths", "RocketMQCluster", "ToolMissingError", "ensure_jars",
+           "remoting_request"]
 
-BrokerVersion = Literal["5", "4"]
-
-DEFAULT_JAVA_DIR = Path(__file__).resolve().parents[2] / "java"
-
-# RocketMQ request codes used here (see org.apache.rocketmq.remoting.protocol.RequestCode).
-UPDATE_AND_CREATE_TOPIC = 17
-UPDATE_BROKER_CONFIG = 25
-GET_ROUTEINFO_BY_TOPIC = 105
-GET_BROKER_CLUSTER_INFO = 106
-SUCCESS = 0
-TOPIC_NOT_EXIST = 17
-
-
-class HarnessError(RuntimeError):
-    """Base of every error of the test harness."""
-
-
-class ToolMissingError(HarnessError):
-    """``java`` or ``mvn`` is not installed / not on PATH."""
-
-
-class MavenBuildError(HarnessError):
-    """Maven failed to build the Java side; the message has the tail of its output."""
-
-
-class ClusterError(HarnessError):
-    """The name server or broker failed to start, died, or did not become ready in time."""
-
-
-# --------------------------------------------------------------------------- tools
-
-
-def java_executable() -> str:
-    """``$RMQFAST_JAVA``, else ``$JAVA_HOME/bin/java``, else ``java`` on PATH."""
-    explicit = os.environ.get("RMQFAST_JAVA")
-    if explicit:
-        if not shutil.which(explicit):
-            raise ToolMissingError(f"RMQFAST_JAVA={explicit!r} is not an executable")
-        return explicit
-    home = os.environ.get("JAVA_HOME")
-    if home and (Path(home) / "bin" / "java").is_file():
-        return str(Path(home) / "bin" / "java")
-    found = shutil.which("java")
-    if not found:
-        raise ToolMissingError(
-            "java not found: install a JDK 17+ (Debian: apt-get install -y openjdk-17-jdk-headless)"
-            " or set JAVA_HOME / RMQFAST_JAVA"
-        )
-    return found
-
-
-def mvn_executable() -> str:
-    """``$RMQFAST_MVN``, else ``mvn`` on PATH."""
-    explicit = os.environ.get("RMQFAST_MVN")
-    if explicit:
-        if not shutil.which(explicit):
-            raise ToolMissingError(f"RMQFAST_MVN={explicit!r} is not an executable")
-        return explicit
-    found = shutil.which("mvn")
-    if not found:
-        raise ToolMissingError(
-            "mvn not found: install Maven 3.6+ (Debian: apt-get install -y maven)"
-            " or set RMQFAST_MVN"
-        )
-    return found
-
-
-def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return b""
-
-
-def _file_tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"<cannot read {path}: {e}>"
-    return _tail(data, lines)
-
-
-# --------------------------------------------------------------------------- jars
-
-
-@dataclass(frozen=True)
-class JarPaths:
-    """Where the built Java artifacts are. ``cluster4_lib`` is set when the 4.x broker is built."""
-
-    java_dir: Path
-    cluster_lib: Path
-    driver5_classes: Path
-    driver5_lib: Path
-    driver4_classes: Path
-    driver4_lib: Path
-    cluster4_lib: Path | None = None
-
-    def cluster_classpath(self, version: BrokerVersion = "5") -> str:
-        """Classpath (wildcard form) of the name server/broker/tools jars."""
-        if version == "4":
-            if self.cluster4_lib is None:
-                raise HarnessError("the 4.x broker was not built: call ensure_jars(rocketmq4=True)")
-            return f"{self.cluster4_lib}/*"
-        return f"{self.cluster_lib}/*"
-
-    def driver_classpath(self, client: str) -> str:
-        """Classpath of RmqDriver built against client ``"5"`` or ``"4"``."""
-        if client == "5":
-            return f"{self.driver5_classes}{os.pathsep}{self.driver5_lib}/*"
-        if client == "4":
-            return f"{self.driver4_classes}{os.pathsep}{self.driver4_lib}/*"
-        raise ValueError(f"client must be '5' or '4', not {client!r}")
-
-
-def _jar_paths(java_dir: Path, with4: bool) -> JarPaths:
-    drv = java_dir / "driver" / "target"
-    return JarPaths(
-        java_dir=java_dir,
-        cluster_lib=java_dir / "cluster" / "target" / "lib",
-        driver5_classes=drv / "client5" / "classes",
-        driver5_lib=drv / "client5" / "lib",
-        driver4_classes=drv / "client4" / "classes",
-        driver4_lib=drv / "client4" / "lib",
-        cluster4_lib=(java_dir / "cluster" / "target" / "lib4") if with4 else None,
-    )
-
-
-def _inputs_digest(paths: Iterable[Path]) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(str(p).encode())
-        h.update(b"\0")
-        h.update(p.read_bytes())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def _main_inputs(java_dir: Path) -> list[Path]:
-    files = [
-        java_dir / "pom.xml",
-        java_dir / "cluster" / "pom.xml",
-        java_dir / "driver" / "pom-client5.xml",
-        java_dir / "driver" / "pom-client4.xml",
-    ]
-    files += sorted((java_dir / "driver" / "src").rglob("*.java"))
-    return files
-
-
-def _has_jars(d: Path) -> bool:
-    return d.is_dir() and any(d.glob("*.jar"))
-
-
-def _run_maven(args: Sequence[str], cwd: Path, timeout: float) -> None:
-    cmd = [mvn_executable(), "-B", "-Dstyle.color=never", *args]
-    started = time.monotonic()
-    try:
-        proc = subprocess.run(
-            cmd,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode("utf-8", "replace") if isinstance(e.stdout, bytes) else ""
-        raise MavenBuildError(
-            f"`{' '.join(cmd)}` (in {cwd}) did not finish within {timeout:.0f} s.\n"
-            f"Last output:\n{_tail(out, 40)}\n"
-            "Check that Maven Central is reachable (or ~/.m2 is populated) and retry."
-        ) from None
-    out = proc.stdout.decode("utf-8", "replace")
-    if proc.returncode != 0:
-        raise MavenBuildError(
-            f"`{' '.join(cmd)}` (in {cwd}) failed with exit code {proc.returncode} after "
-            f"{time.monotonic() - started:.0f} s.\nLast output:\n{_tail(out, 60)}\n"
-            "What to do: check Maven Central is reachable (repo.maven.apache.org) and that the "
-            "versions in java/**/pom.xml exist there; re-run the command by hand for the full log."
-        )
-
-
-@contextlib.contextmanager
-def _build_lock(java_dir: Path) -> Iterator[None]:
-    """Serialises builds of one java dir across processes (e.g. pytest-xdist workers)."""
-    tag = hashlib.sha256(str(java_dir.resolve()).encode()).hexdigest()[:16]
-    lock_path = Path(tempfile.gettempdir()) / f"rmqfast-mvn-{tag}.lock"
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-_ensured: dict[tuple[Path, bool], JarPaths] = {}
-_ensure_mutex = threading.Lock()
-
-
-def ensure_jars(
-    java_dir: Path | None = None,
-    *,
-    rocketmq4: bool = False,
-    force: bool = False,
-    timeout: float = 1800.0,
-) -> JarPaths:
-    """Builds java/ (cluster jars + both driver builds) unless already built from the same inputs.
-
-    ``rocketmq4=True`` also builds the 4.9.x broker (``mvn -Procketmq4`` into
-    ``cluster/target/lib4``). Raises :class:`ToolMissingError` without java/mvn and
-    :class:`MavenBuildError` (with Maven's output tail) when the build fails. A first build on an
-    empty ``~/.m2`` downloads ~150 MB from Maven Central.
-    """
-    jd = (java_dir or Path(os.environ.get("RMQFAST_JAVA_DIR", DEFAULT_JAVA_DIR))).resolve()
-    key = (jd, rocketmq4)
-    with _ensure_mutex:
-        if not force and key in _ensured:
-            return _ensured[key]
-        if not (jd / "pom.xml").is_file():
-            raise HarnessError(f"{jd} has no pom.xml: is this the rmqfast repository's java/ dir?")
-        java_executable()  # fail early with a clear message
-        paths = _jar_paths(jd, rocketmq4)
-        with _build_lock(jd):
-            stamp = jd / "cluster" / "target" / "rmqfast-inputs.sha256"
-            digest = _inputs_digest(_main_inputs(jd))
-            outputs_ok = (
-                _has_jars(paths.cluster_lib)
-                and _has_jars(paths.driver5_lib)
-                and _has_jars(paths.driver4_lib)
-                and (paths.driver5_classes / "io/rmqfast/driver/RmqDriver.class").is_file()
-                and (paths.driver4_classes / "io/rmqfast/driver/RmqDriver.class").is_file()
-            )
-            if force or not outputs_ok or not stamp.is_file() or stamp.read_text() != digest:
-                # stale jars of another version would end up on the classpath: start clean
-                for d in (paths.cluster_lib, paths.driver5_lib, paths.driver4_lib):
-                    shutil.rmtree(d, ignore_errors=True)
-                stamp.unlink(missing_ok=True)
-                _run_maven(["-q", "-f", str(jd / "pom.xml"), "package"], jd, timeout)
-                stamp.parent.mkdir(parents=True, exist_ok=True)
-                stamp.write_text(digest)
-            if rocketmq4:
-                assert paths.cluster4_lib is not None
-                stamp4 = jd / "cluster" / "target" / "rmqfast-inputs4.sha256"
-                digest4 = _inputs_digest([jd / "cluster" / "pom.xml"])
-                if (
-                    force
-                    or not _has_jars(paths.cluster4_lib)
-                    or not stamp4.is_file()
-                    or stamp4.read_text() != digest4
-                ):
-                    shutil.rmtree(paths.cluster4_lib, ignore_errors=True)
-                    stamp4.unlink(missing_ok=True)
-                    _run_maven(
-                        ["-q", "-f", str(jd / "cluster" / "pom.xml"), "-Procketmq4", "package"],
-                        jd,
-                        timeout,
-                    )
-                    stamp4.write_text(digest4)
-        _ensured[key] = paths
-        return paths
-
-
-# --------------------------------------------------------------------------- remoting
-
-
-@dataclass
-class RemotingResponse:
-    """A decoded JSON-header Remoting response."""
-
-    code: int
-    remark: str | None
-    ext_fields: dict[str, str]
-    body: bytes
-    header: dict[str, object] = field(repr=False)
-
-    def body_text(self) -> str:
-        return self.body.decode("utf-8", "replace")
-
-
-_opaque = itertools.count(random.randrange(1, 1 << 20))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def remoting_request(
-    addr: str,
-    code: int,
-    ext_fields: Mapping[str, object] | None = None,
-    body: bytes = b"",
-    *,
-    timeout: float = 5.0,
-) -> RemotingResponse:
-    """Sends one request with a JSON header to ``addr`` ("host:port") and returns the response.
-
-    Deliberately independent of rmqfast's codec: it is the harness's reference client.
-    Frame: int32 total length (= 4 + header length + body length), int32 serialize type (high
-    byte, 0 = JSON) | header length, JSON header, body.
-    """
-    host, _, port = addr.rpartition(":")
-    opaque = next(_opaque) & 0x7FFFFFFF
-    header: dict[str, object] = {
-        "code": code,
-        "flag": 0,
-        "language": "JAVA",
-        "opaque": opaque,
-        "serializeTypeCurrentRPC": "JSON",
-        "version": 401,
-    }
-    if ext_fields:
-        header["extFields"] = {
-            k: ("true" if v is True else "false" if v is False else str(v))
-            for k, v in ext_fields.items()
-            if v is not None
-        }
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    frame = struct.pack(">ii", 4 + len(hb) + len(body), len(hb)) + hb + body
-    with socket.create_connection((host, int(port)), timeout=timeout) as s:
-        s.settimeout(timeout)
-        s.sendall(frame)
-        while True:
-            (total,) = struct.unpack(">i", _recv_exact(s, 4))
-            data = _recv_exact(s, total)
-            (mark,) = struct.unpack(">i", data[:4])
-            stype, hlen = (mark >> 24) & 0xFF, mark & 0xFFFFFF
-            if stype != 0:
-                raise HarnessError(f"{addr} answered with serialize type {stype}, expected JSON")
-            resp = json.loads(data[4 : 4 + hlen])
-            if resp.get("opaque") != opaque:
-                continue  # not ours (should not happen on a fresh connection)
-            return RemotingResponse(
-                code=int(resp.get("code", -1)),
-                remark=resp.get("remark"),
-                ext_fields=dict(resp.get("extFields") or {}),
-                body=data[4 + hlen :],
-                header=resp,
-            )
-
-
-# --------------------------------------------------------------------------- ports
 
 def _pick_ports() -> tuple[PortLease, int, int]:
     """(lease, namesrv port, broker listen port P) with P-2, P and P+1 reserved too.
@@ -439,7 +90,7 @@ def _pick_ports() -> tuple[PortLease, int, int]:
     return lease, lease.base, lease.base + 4
 
 
-# --------------------------------------------------------------------------- processes
+
 
 _LOGBACK_XML = """<?xml version="1.0" encoding="UTF-8"?>
 <!-- written by rmqfast.testing.cluster: one plain log file per JVM -->
@@ -455,96 +106,6 @@ _LOGBACK_XML = """<?xml version="1.0" encoding="UTF-8"?>
 </configuration>
 """
 
-_live_procs: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
-
-
-def _kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for p in list(_live_procs):
-        _kill_group(p)
-
-
-def _load_prctl() -> object | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# resolved in the parent: nothing may be imported between fork and exec
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _preexec() -> None:  # pragma: no cover - runs in the child
-    os.setsid()
-    # die with the parent (thread) even if it is SIGKILLed
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # type: ignore[operator]
-
-
-def spawn_jvm(
-    cmd: Sequence[str],
-    *,
-    cwd: Path,
-    env: Mapping[str, str],
-    stdout_path: Path,
-) -> subprocess.Popen[bytes]:
-    """Starts a JVM in its own process group, stdout+stderr appended to ``stdout_path``.
-
-    On Linux the child gets PR_SET_PDEATHSIG when started from the main thread (the signal is
-    tied to the creating *thread*), so JVMs do not outlive a killed test run.
-    """
-    out = open(stdout_path, "ab")
-    try:
-        use_pdeathsig = _PRCTL is not None and (
-            threading.current_thread() is threading.main_thread()
-        )
-        proc = subprocess.Popen(
-            list(cmd),
-            cwd=cwd,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_preexec if use_pdeathsig else None,
-            start_new_session=not use_pdeathsig,
-        )
-    finally:
-        out.close()
-    _live_procs.add(proc)
-    return proc
-
-
-def _jvm_module_opts() -> list[str]:
-    # RocketMQ (4.x especially) reaches into NIO internals to unmap files.
-    return [
-        "--add-opens=java.base/java.nio=ALL-UNNAMED",
-        "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED",
-        "--add-exports=java.base/sun.nio.ch=ALL-UNNAMED",
-        "--add-opens=java.base/java.lang=ALL-UNNAMED",
-        # 4.9.x MappedFile.clean() calls jdk.internal.ref.Cleaner#clean reflectively (on restart
-        # after a kill, IndexService.load destroys the last index file: without this it aborts)
-        "--add-exports=java.base/jdk.internal.ref=ALL-UNNAMED",
-        "--add-opens=java.base/jdk.internal.ref=ALL-UNNAMED",
-    ]
-
-
-# --------------------------------------------------------------------------- cluster
 
 _cluster_ids = itertools.count(1)
 
@@ -763,7 +324,7 @@ class RocketMQCluster:
     def _kill_all(self) -> None:
         for proc in (self._broker, self._namesrv):
             if proc is not None:
-                _kill_group(proc)
+                kill_group(proc)
         for proc in (self._broker, self._namesrv):
             if proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -775,13 +336,13 @@ class RocketMQCluster:
         if proc is None or proc.poll() is not None:
             return
         if graceful:
-            _kill_group(proc, signal.SIGTERM)
+            kill_group(proc, signal.SIGTERM)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
         else:
-            _kill_group(proc)
+            kill_group(proc)
         proc.wait(timeout=15)
 
     def start_broker(self, timeout: float | None = None) -> None:
@@ -801,7 +362,7 @@ class RocketMQCluster:
     def stop_namesrv(self) -> None:
         """Kills the name server (the broker keeps running and retries registration)."""
         if self._namesrv is not None and self._namesrv.poll() is None:
-            _kill_group(self._namesrv)
+            kill_group(self._namesrv)
             self._namesrv.wait(timeout=15)
 
     def start_namesrv(self, timeout: float | None = None) -> None:
@@ -817,7 +378,7 @@ class RocketMQCluster:
         self._namesrv = self._spawn("namesrv")
         while True:
             self._check_alive(self._namesrv, "name server", self.namesrv_stdout)
-            with contextlib.suppress(OSError, ValueError, HarnessError):
+            with contextlib.suppress(OSError, ValueError):
                 r = remoting_request(self.namesrv_addr, GET_BROKER_CLUSTER_INFO, timeout=2.0)
                 if r.code == SUCCESS:
                     return
@@ -837,7 +398,7 @@ class RocketMQCluster:
             if self._broker_registered():
                 return
             now = time.monotonic()
-            if booted_at is None and b"boot success" in _read_bytes(self.broker_stdout):
+            if booted_at is None and b"boot success" in read_bytes(self.broker_stdout):
                 booted_at = now
             if booted_at is not None and now - booted_at > 1.0 and now - last_nudge > 2.0:
                 # 5.x registers at boot only if its name-server availability scan already ran;
@@ -855,7 +416,7 @@ class RocketMQCluster:
         """UPDATE_BROKER_CONFIG with brokerPermission (unchanged: 6 = read+write) makes the broker
         call registerBrokerAll at once (AdminBrokerProcessor#updateBrokerConfig)."""
         perm = _conf_value(self._broker_conf().get("brokerPermission", 6))
-        with contextlib.suppress(OSError, ValueError, HarnessError):
+        with contextlib.suppress(OSError, ValueError):
             remoting_request(
                 self.broker_addr, UPDATE_BROKER_CONFIG, body=f"brokerPermission={perm}\n".encode()
             )
@@ -879,7 +440,7 @@ class RocketMQCluster:
         rc = proc.poll()
         if rc is None:
             return
-        out = _file_tail(stdout, 80)
+        out = file_tail(stdout, 80)
         if "Address already in use" in out or "BindException" in out:
             raise _PortClash(f"{what} could not bind its port(s)\n{out}")
         raise ClusterError(f"the {what} exited with code {rc} during startup\n{self.log_tail()}")
@@ -973,7 +534,7 @@ class RocketMQCluster:
             f"-Drocketmq.log.root={self.log_dir}",
             "-Drocketmq.broker.diskSpaceWarningLevelRatio=0.98",
             "-Drocketmq.broker.diskSpaceCleanForciblyRatio=0.97",
-            *_jvm_module_opts(),
+            *jvm_module_opts(),
         ]
         if self.fast_start:
             opts.append("-XX:TieredStopAtLevel=1")
@@ -1015,7 +576,7 @@ class RocketMQCluster:
         parts = []
         for p in (self.namesrv_stdout, self.namesrv_log, self.broker_stdout, self.broker_log):
             if p.exists():
-                text = _file_tail(p, lines)
+                text = file_tail(p, lines)
                 # 5.x prints logback's status lines on stdout: not interesting
                 text = "\n".join(x for x in text.splitlines() if "|-INFO in " not in x)
                 parts.append(f"----- {p.name} (last {lines} lines) -----\n{text}")
@@ -1037,7 +598,7 @@ class RocketMQCluster:
             return None
         if r.code != SUCCESS:
             raise ClusterError(f"GET_ROUTEINFO_BY_TOPIC {topic} failed: {r.code} {r.remark}")
-        text = r.body_text()
+        text = r.body.decode("utf-8", "replace")
         try:
             parsed: dict[str, object] = json.loads(text)
         except ValueError:
@@ -1130,33 +691,3 @@ def _port_bindable(port: int) -> bool:
         return False
     finally:
         s.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rmqfast.testing [--version 5|4] [--build-only] [--keep]``:
-    builds the jars, starts a cluster, prints its addresses and waits for Ctrl-C."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m rmqfast.testing", description=main.__doc__)
-    ap.add_argument("--version", choices=["5", "4"], default="5")
-    ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--keep", action="store_true", help="keep the work dir")
-    ns = ap.parse_args(argv)
-    t0 = time.monotonic()
-    jars = ensure_jars(rocketmq4=ns.version == "4")
-    print(f"jars ready in {time.monotonic() - t0:.1f} s: {jars.java_dir}", flush=True)
-    if ns.build_only:
-        return 0
-    t0 = time.monotonic()
-    with RocketMQCluster(version=ns.version, jars=jars, keep_workdir=ns.keep) as c:
-        print(
-            f"cluster up in {time.monotonic() - t0:.1f} s\n"
-            f"  namesrv  {c.namesrv_addr}\n  broker   {c.broker_addr} "
-            f"(vip {c.broker_vip_addr}, ha {c.broker_ha_port})\n  workdir  {c.workdir}\n"
-            "Ctrl-C to stop.",
-            flush=True,
-        )
-        with contextlib.suppress(KeyboardInterrupt):
-            while c.broker_running and c.namesrv_running:
-                time.sleep(1)
-    return 0

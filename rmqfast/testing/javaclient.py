@@ -36,17 +36,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from rmqfast.testing.cluster import (
-    ROCKETMQ4_VERSION,
-    ROCKETMQ_VERSION,
-    HarnessError,
-    JarPaths,
-    _file_tail,
-    _kill_group,
-    _live_procs,
-    ensure_jars,
-    java_executable,
-)
+from rmqfast.testing.errors import HarnessError
+from rmqfast.testing.jvm import kill_group, live_procs
+from rmqfast.testing.logtail import file_tail
+from rmqfast.testing.maven import ROCKETMQ4_VERSION, ROCKETMQ_VERSION, JarPaths, ensure_jars
+from rmqfast.testing.tools import java_executable
 
 Client = Literal["5", "4"]
 CLIENT_VERSIONS: dict[str, str] = {"5": ROCKETMQ_VERSION, "4": ROCKETMQ4_VERSION}
@@ -181,7 +175,7 @@ class DriverProcess:
                 stderr=err,
                 start_new_session=True,
             )
-        _live_procs.add(self._proc)
+        live_procs.add(self._proc)
         self._result: dict[str, Any] | None = None
 
     @property
@@ -210,7 +204,7 @@ class DriverProcess:
                     f"driver exited ({self._proc.returncode}) before logging /{pattern}/",
                     returncode=self._proc.returncode,
                     result=self._read_result(),
-                    stderr_tail=_file_tail(self.stderr_path, 40),
+                    stderr_tail=file_tail(self.stderr_path, 40),
                     cmd=self.cmd,
                 )
             if time.monotonic() > deadline:
@@ -218,7 +212,7 @@ class DriverProcess:
                     f"driver did not log /{pattern}/ within {timeout:.0f} s",
                     returncode=None,
                     result=None,
-                    stderr_tail=_file_tail(self.stderr_path, 40),
+                    stderr_tail=file_tail(self.stderr_path, 40),
                     cmd=self.cmd,
                 )
             time.sleep(0.05)
@@ -245,14 +239,14 @@ class DriverProcess:
             self.kill()
             raise DriverError(
                 f"driver {self.cmd[self.cmd.index(MAIN_CLASS) + 1]} did not finish within "
-                f"{timeout:.0f} s (killed)\n{_file_tail(self.stderr_path, 40)}",
+                f"{timeout:.0f} s (killed)\n{file_tail(self.stderr_path, 40)}",
                 returncode=None,
                 result=None,
-                stderr_tail=_file_tail(self.stderr_path, 40),
+                stderr_tail=file_tail(self.stderr_path, 40),
                 cmd=self.cmd,
             ) from None
         res = self._read_result()
-        tail = _file_tail(self.stderr_path, 40)
+        tail = file_tail(self.stderr_path, 40)
         if res is None:
             raise DriverError(
                 f"driver exited with {rc} without printing a JSON result\n{tail}",
@@ -274,7 +268,7 @@ class DriverProcess:
         return res
 
     def kill(self) -> None:
-        _kill_group(self._proc, signal.SIGKILL)
+        kill_group(self._proc, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=10)
 
