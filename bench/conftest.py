@@ -6,6 +6,7 @@ to run it: ``pytest bench/`` (add ``--benchmark-json=FILE`` to keep the numbers)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -87,6 +88,24 @@ if codec.FrameScannerC is not None:
 def scanner_impl(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     """(FrameScanner, ScanStats) of the compiled scanner (when built) and of the pure one."""
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def scan_forward(benchmark: Any) -> Callable[[Any, bytearray, int], None]:
+    """``scan_forward(scanner, buf, frames)`` benchmarks one scan of ``buf`` that forwards it
+    whole (EV_FORWARD up to its end), with the frames and bytes per call in ``extra_info``."""
+
+    def run(scanner: Any, buf: bytearray, frames: int) -> None:
+        end = len(buf)
+
+        def scan() -> None:
+            ev, a, _ = scanner.scan(buf, 0, end)
+            assert ev == codec.EV_FORWARD and a == end
+
+        benchmark.extra_info.update(frames=frames, bytes=end)
+        benchmark(scan)
+
+    return run
 
 
 def pytest_benchmark_update_machine_info(config: Any, machine_info: dict[str, Any]) -> None:

@@ -20,43 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import socketserver
-import threading
 import time
-from pathlib import Path
 
+from rmqfast.bench.procfs import memory_kib
 from rmqfast.codec import codes as C
-from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.codec.command import RemotingCommand, encode
 from rmqfast.testing.proxy import ProxyProcess
+from rmqfast.testing.standins import FakeNameServer
 from rmqfast.testing.wire import read_frame
 
 UPDATE_NAMESRV_CONFIG = 318
 
 
-class _Handler(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        while True:
-            try:
-                data = read_frame(self.request)
-            except OSError:
-                return
-            if data is None:
-                return
-            cmd = decode_frame(data)
-            code = 22 if cmd.code == C.GET_KV_CONFIG else C.SUCCESS  # 22: QUERY_NOT_FOUND
-            self.request.sendall(encode(make_response(cmd, code, remark="stand-in")))
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    rss = memory_kib(pid).get("VmRSS")
+    if rss is None:
+        raise RuntimeError(f"no VmRSS for pid {pid} (has the worker exited?)")
+    return rss
 
 
 def roundtrips(port: int, n: int) -> None:
@@ -115,9 +95,8 @@ def main() -> None:
     ap.add_argument("--modes", default="close,stall", help="rounds to run: close, stall (stall needs frame_timeout)")
     args = ap.parse_args()
 
-    srv = _Server(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    proxy = ProxyProcess([f"127.0.0.1:{srv.server_address[1]}"], workers=1)
+    srv = FakeNameServer()
+    proxy = ProxyProcess([srv.addr], workers=1)
     extra = f"frame_timeout = {args.frame_timeout}\n" if args.frame_timeout >= 0 else ""
     if args.budget:
         extra += f"buffer_budget = {args.budget}\n"
@@ -152,7 +131,7 @@ def main() -> None:
                 results.append(row)
                 print(f"round {r} {mode:5}: during {during / 1024:6.1f} MiB, after {after / 1024:6.1f} MiB "
                       f"({refused} connections already closed by the proxy when measured)")
-    srv.shutdown()
+    srv.close()
     print(json.dumps({"baseline_mib": round(base / 1024, 1), "budget": args.budget,
                       "frame_timeout": args.frame_timeout, "rounds": results}))
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from rmqfast.codec import ACTION_POLICY, CODE_SLOTS, EV_FORWARD, EV_POLICY, code_slot
+from rmqfast.codec import ACTION_POLICY, CODE_SLOTS, EV_POLICY, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch
 from rmqfast.codec.command import decode_frame
@@ -30,32 +30,18 @@ pytest.importorskip("pytest_benchmark")
 
 
 @pytest.mark.parametrize("frames", [1, 64])
-def test_scan_send_requests(benchmark: Any, scanner_impl: tuple[Any, Any], wire: Any, frames: int) -> None:
+def test_scan_send_requests(scan_forward: Any, scanner_impl: tuple[Any, Any], wire: Any, frames: int) -> None:
     scanner_cls, stats_cls = scanner_impl
     buf = bytearray(b"".join(wire.send_request(i, topic=f"BenchTopic_{i % 8}") for i in range(frames)))
     scanner = scanner_cls(stats_cls())
-    end = len(buf)
-
-    def scan() -> None:
-        ev, a, _ = scanner.scan(buf, 0, end)
-        assert ev == EV_FORWARD and a == end
-
-    benchmark.extra_info.update(frames=frames, bytes=end)
-    benchmark(scan)
+    scan_forward(scanner, buf, frames)
 
 
-def test_scan_send_responses(benchmark: Any, scanner_impl: tuple[Any, Any], wire: Any) -> None:
+def test_scan_send_responses(scan_forward: Any, scanner_impl: tuple[Any, Any], wire: Any) -> None:
     scanner_cls, stats_cls = scanner_impl
     buf = bytearray(b"".join(wire.send_response(i) for i in range(64)))
     scanner = scanner_cls(stats_cls())
-    end = len(buf)
-
-    def scan() -> None:
-        ev, a, _ = scanner.scan(buf, 0, end)
-        assert ev == EV_FORWARD and a == end
-
-    benchmark.extra_info.update(frames=64, bytes=end)
-    benchmark(scan)
+    scan_forward(scanner, buf, 64)
 
 
 def test_scan_send_requests_policy(benchmark: Any, scanner_impl: tuple[Any, Any], wire: Any) -> None:

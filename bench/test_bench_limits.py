@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from rmqfast import codec
-from rmqfast.codec import EV_FORWARD
 from rmqfast.limits import LimiterC, LimiterPy, new_shared_memory
 
 pytest.importorskip("pytest_benchmark")
@@ -41,7 +40,7 @@ def test_limiter_decision(benchmark: Any, limiter_cls: Any, tag: bytes | None) -
 
 
 @pytest.mark.parametrize("limited", [False, True], ids=["no-limits", "limited"])
-def test_scan_64_sends_with_and_without_limits(benchmark: Any, scanner_impl: tuple[Any, Any], wire: Any,
+def test_scan_64_sends_with_and_without_limits(scan_forward: Any, scanner_impl: tuple[Any, Any], wire: Any,
                                                limited: bool) -> None:
     scanner_cls, stats_cls = scanner_impl
     lim = None
@@ -51,11 +50,4 @@ def test_scan_64_sends_with_and_without_limits(benchmark: Any, scanner_impl: tup
         lim.configure([(b"BenchTopic_0", None, 1e9, 1e9, 0, 0, 0, 1)])
     buf = bytearray(b"".join(wire.send_request(i, topic="BenchTopic_0") for i in range(64)))
     scanner = scanner_cls(stats_cls(), limiter=lim)
-    end = len(buf)
-
-    def scan() -> None:
-        ev, a, _ = scanner.scan(buf, 0, end)
-        assert ev == EV_FORWARD and a == end
-
-    benchmark.extra_info.update(frames=64, bytes=end)
-    benchmark(scan)
+    scan_forward(scanner, buf, 64)
