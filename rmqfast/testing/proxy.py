@@ -135,8 +135,12 @@ level = "info"
         # -P: like the installed `rmqfast` script, the start directory is not on sys.path
         return [sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(self.config_path)]
 
-    def start(self, timeout: float = 30.0) -> ProxyProcess:
-        """Start and wait for /readyz; on a port another program took, again on new ports."""
+    def start(self, timeout: float = 120.0) -> ProxyProcess:
+        """Start and wait for /readyz; on a port another program took, again on new ports.
+
+        ``timeout`` bounds a hang, it is no speed target: a worker took over 30 s to become ready
+        at a load average of 25 on 2 cores (RocksDB, deliver processes, gevent start).
+        """
         if self._lease is None:  # stopped before: its ports were given back
             self._pick_ports()
         for attempt in range(1, self.bind_attempts + 1):
@@ -156,7 +160,7 @@ level = "info"
                 self._pick_ports()
         raise AssertionError("unreachable")
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:

@@ -79,9 +79,14 @@ def test_which_clients_retry_system_busy(limited, client, record_property):
     record_property("attempts_per_failed_message", attempts_per_failure)
     print(f"client {client}: {failed} failed messages, {rejected:.0f} SYSTEM_BUSY answers "
           f"({attempts_per_failure:.2f} attempts each)")
-    # 5.x retries SYSTEM_BUSY (3 attempts per failed message); 4.9.4 throws at once (1 attempt)
-    expected = 3 if client == "5" else 1
-    assert attempts_per_failure == pytest.approx(expected, abs=0.01), (rejected, failed)
+    # 5.x retries SYSTEM_BUSY (3 attempts per failed message); 4.9.4 throws at once (1 attempt).
+    # A slow client (a loaded machine) may see a token refill between attempts: a message that
+    # succeeds on its 2nd or 3rd attempt adds 1-2 answers without a failure, so 5.x is bounded
+    # by the messages that did not fail; 4.9.4 has no retries, so its count is exact.
+    if client == "5":
+        assert 3 * failed <= rejected <= 3 * failed + 2 * (10 - failed), (rejected, failed)
+    else:
+        assert rejected == failed, (rejected, failed)
 
 
 def test_live_limit_change_takes_effect(limited):

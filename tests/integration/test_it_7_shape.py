@@ -70,7 +70,11 @@ def test_shaped_sends_succeed_at_once_and_arrive_in_order_at_the_rate(cluster: R
     store_span = (stored[-1] - stored[0]) / 1000
     expected = (N - BURST) / RATE
     print(f"sends over {send_span:.2f} s; stored over {store_span:.2f} s (expected ~{expected:.1f} s)")
-    assert send_span < 0.6 * store_span, (send_span, store_span)
+    # held back (answered only once released), every message but the last would be stored before
+    # the last send was born; a backlog at the last send proves the answers came first, however
+    # slowly a loaded machine lets the producer send
+    waiting = sum(1 for s in stored if s > max(born))
+    assert waiting >= 3, (waiting, send_span, store_span)
     # the admitted + released rate: within 20 % of the limit
     rate = (N - BURST) / store_span
     assert 0.8 * RATE <= rate <= 1.2 * RATE, (rate, store_span)
