@@ -274,32 +274,36 @@ func consumePush(r *result, retry bool) {
 	}
 	deadline := time.After(time.Duration(*timeoutMs) * time.Millisecond)
 	var dlq *collector
-	var dc rocketmq.PushConsumer
 	if retry {
-		// the dead-letter queue of the group, read by another group
+		// The dead-letter queue of the group, read by another group.  Its topic exists only once
+		// the first message reached it, and a consumer whose Start found no route is finished:
+		// start a fresh one (own instance name) until one starts.
 		dlq = newCollector(*expect)
-		dc, err = rocketmq.NewPushConsumer(
-			consumer.WithNameServer([]string{*ns}), consumer.WithGroupName(grp+"-dlq-reader"),
-			consumer.WithConsumeFromWhere(consumer.ConsumeFromFirstOffset))
-		if err == nil {
-			err = dc.Subscribe("%DLQ%"+grp, consumer.MessageSelector{}, func(ctx context.Context, msgs ...*primitive.MessageExt) (consumer.ConsumeResult, error) {
-				for _, m := range msgs {
-					dlq.add(m)
-				}
-				return consumer.ConsumeSuccess, nil
-			})
-		}
-		if err != nil {
-			r.Error = err.Error()
-			emit(r, 1)
-		}
-		// The DLQ topic only exists once the first message reached it; keep (re)starting the reader.
 		go func() {
-			for {
-				if e := dc.Start(); e == nil {
-					return
+			for attempt := 0; ; attempt++ {
+				d, e := rocketmq.NewPushConsumer(
+					consumer.WithNameServer([]string{*ns}), consumer.WithGroupName(grp+"-dlq-reader"),
+					consumer.WithInstance(fmt.Sprintf("dlq-%d", attempt)),
+					consumer.WithConsumeFromWhere(consumer.ConsumeFromFirstOffset))
+				if e == nil {
+					e = d.Subscribe("%DLQ%"+grp, consumer.MessageSelector{}, func(ctx context.Context, msgs ...*primitive.MessageExt) (consumer.ConsumeResult, error) {
+						for _, m := range msgs {
+							dlq.add(m)
+						}
+						return consumer.ConsumeSuccess, nil
+					})
 				}
-				time.Sleep(500 * time.Millisecond)
+				if e == nil {
+					if e = d.Start(); e == nil {
+						return // the process exits when the scenario ends
+					}
+					_ = d.Shutdown()
+				}
+				select {
+				case <-dlq.done:
+					return
+				case <-time.After(500 * time.Millisecond):
+				}
 			}
 		}()
 		col = dlq
@@ -311,9 +315,6 @@ func consumePush(r *result, retry bool) {
 		r.Error = "timed out"
 	}
 	_ = c.Shutdown()
-	if dc != nil {
-		_ = dc.Shutdown()
-	}
 	col.mu.Lock()
 	if retry {
 		r.DLQ = col.msgs

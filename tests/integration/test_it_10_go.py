@@ -106,6 +106,9 @@ def test_go_retry_until_dead_letter_queue(godriver: Path, proxy: ProxyProcess, c
     the pulled record): it reaches the broker only because that address is a proxy endpoint."""
     topic, group, n, max_re = unique("go_dlq"), unique("godlq"), 3, 2
     cluster.create_topic(topic, queues=2)
+    # made now rather than by the first send-back: the Go client looks routes up every 30 s
+    cluster.create_topic(f"%RETRY%{group}", queues=1)
+    cluster.create_topic(f"%DLQ%{group}", queues=1)
     sent = run_godriver("produce", proxy.namesrv_addr, topic=topic, count=n, mode="sync", prefix="d", timeout=90)
     assert sent["ok"], sent
     proc = start_godriver("retry-dlq", proxy.namesrv_addr, topic=topic, group=group, expect=n,
