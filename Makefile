@@ -15,11 +15,12 @@ $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# Java 17 and Maven run the real RocketMQ and its Java clients in the tests and the demo.
+# Java 17 and Maven run the real RocketMQ and its Java clients in the tests and the demo;
+# Chromium renders the Spark report in a headless browser in its test.
 system-deps:
-	@command -v java >/dev/null && command -v mvn >/dev/null || { \
-	  echo "installing Java 17 and Maven from Debian's packages"; \
-	  apt-get update -q && apt-get install -y -q openjdk-17-jdk-headless maven; }
+	@command -v java >/dev/null && command -v mvn >/dev/null && command -v chromium >/dev/null || { \
+	  echo "installing Java 17, Maven and Chromium from Debian's packages"; \
+	  apt-get update -q && apt-get install -y -q openjdk-17-jdk-headless maven chromium; }
 
 install: $(PYTHON) system-deps
 	$(PIP) install --quiet -e '.[test]'
