@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from types import TracebackType
 
@@ -73,10 +74,14 @@ class ConnectionWatch:
     """Remote ports the descendants of this process whose command line contains one of
     ``marks`` (the client programs, not the proxy or the cluster) connect to."""
 
-    def __init__(self, marks: tuple[str, ...] = (GO_DRIVER, JAVA_DRIVER, MQADMIN), interval: float = 0.02) -> None:
+    def __init__(self, marks: tuple[str, ...] = (GO_DRIVER, JAVA_DRIVER, MQADMIN), interval: float = 0.003,
+                 refresh: float = 0.05) -> None:
         self.marks = marks
         self.interval = interval
+        self.refresh = refresh  # how often the process tree is scanned for new clients
         self._cmd: dict[int, bool] = {}
+        self._clients: set[int] = set()
+        self._refreshed = 0.0
         self.ports: Counter[int] = Counter()  # remote port -> samples it was seen in
         self.pids: set[int] = set()
         self._stop = threading.Event()
@@ -96,34 +101,48 @@ class ConnectionWatch:
             self.sample()
             self._stop.wait(self.interval)
 
-    def sample(self) -> None:
-        me = os.getpid()
-        pids = set()
-        for pid in descendants(me):
+    def _refresh_clients(self) -> None:
+        clients = set()
+        for pid in descendants(os.getpid()):
             if not self._cmd.get(pid):  # re-read until it matches: a fresh fork has not exec'd yet
                 cmd = _cmdline(pid)
                 self._cmd[pid] = any(m in cmd for m in self.marks)
             if self._cmd[pid]:
-                pids.add(pid)
+                clients.add(pid)
+        self._clients = clients
+        self._refreshed = time.monotonic()
+
+    def sample(self) -> None:
+        if time.monotonic() - self._refreshed >= self.refresh:
+            self._refresh_clients()
+        pids = self._clients
         if not pids:
             return
-        table = _tcp_remote_ports()
+        # the fd lists first, then the table: a socket opened in between is seen next time,
+        # one closed in between is still in the table read after
+        socks: dict[int, list[str]] = {}
         for pid in pids:
             try:
                 fds = os.listdir(f"/proc/{pid}/fd")
             except OSError:
                 continue
-            seen = False
+            inodes = []
             for fd in fds:
                 try:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 except OSError:
                     continue
                 if target.startswith("socket:["):
-                    port = table.get(target[8:-1])
-                    if port:  # 0: listening or unconnected
-                        self.ports[port] += 1
-                        seen = True
+                    inodes.append(target[8:-1])
+            socks[pid] = inodes
+        table = _tcp_remote_ports()
+        for pid, inodes in socks.items():
+            seen = False
+            for inode in inodes:
+                port = table.get(inode)
+                if port:  # 0: listening or unconnected
+                    self.ports[port] += 1
+                    seen = True
             if seen:
                 self.pids.add(pid)
 

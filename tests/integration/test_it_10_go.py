@@ -112,7 +112,7 @@ def test_go_retry_until_dead_letter_queue(godriver: Path, proxy: ProxyProcess, c
     sent = run_godriver("produce", proxy.namesrv_addr, topic=topic, count=n, mode="sync", prefix="d", timeout=90)
     assert sent["ok"], sent
     proc = start_godriver("retry-dlq", proxy.namesrv_addr, topic=topic, group=group, expect=n,
-                          max_reconsume=max_re, orderly=orderly, timeout_ms=50000)
+                          max_reconsume=max_re, orderly=orderly, timeout_ms=50000, linger_ms=500)
     res = proc.result(timeout=90, check=False)
     assert res["ok"], (res.get("error"), res.get("attempts"), proc.stderr_tail())
     assert {r["body"] for r in res["dlq"]} == {f"d-{i}" for i in range(n)}
