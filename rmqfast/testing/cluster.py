@@ -294,7 +294,7 @@ class RocketMQCluster:
                 self._write_files()
                 try:
                     self._start_namesrv()
-                    self.start_broker()
+                    self._start_broker(first=True)
                     return self
                 except _PortClash:
                     self._kill_all()
@@ -347,12 +347,18 @@ class RocketMQCluster:
 
     def start_broker(self, timeout: float | None = None) -> None:
         """(Re)starts the broker on the same ports and store; waits until it is registered."""
+        self._start_broker(timeout)
+
+    def _start_broker(self, timeout: float | None = None, *, first: bool = False) -> None:
         if self.broker_running:
             raise ClusterError("broker already running")
         if not self.namesrv_running:
             raise ClusterError("the name server is not running")
         deadline = time.monotonic() + (timeout or self.start_timeout)
         for port in (self._broker_port - 2, self._broker_port, self._broker_port + 1):
+            if first and not _port_bindable(port):
+                # reserved and free a moment ago: another program took it, start() moves on
+                raise _PortClash(f"broker port {port} was taken before the broker started")
             # a killed broker's sockets are released at once, but wait a little anyway
             while not _port_bindable(port) and time.monotonic() < deadline:
                 time.sleep(0.1)
