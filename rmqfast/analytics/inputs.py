@@ -28,13 +28,14 @@ class Inputs:
     incomplete: list[str] = field(default_factory=list)
     corrupt: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
     ignored: int = 0
+    total_bytes: int = 0  # of the files to read (local inputs only; 0 for remote ones)
 
     def problems(self) -> list[tuple[str, str]]:
         return [(p, "incomplete (temporary file of a writer: still open, or left by a crash); skipped")
                 for p in self.incomplete] + [(p, f"corrupt: {why}; skipped") for p, why in self.corrupt]
 
 
-def _is_local(uri: str) -> bool:
+def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file:")
 
 
@@ -55,6 +56,7 @@ def _classify(inp: Inputs, path: str, name: str, reader: Any) -> None:
         return
     if name.startswith("bench-") and name.endswith(".jsonl"):
         inp.bench.append(path)
+        _add_size(inp, path)
         return
     if name.startswith("agg-"):
         target = inp.agg
@@ -72,6 +74,15 @@ def _classify(inp: Inputs, path: str, name: str, reader: Any) -> None:
         inp.ignored += 1
         return
     target.append(path)
+    _add_size(inp, path)
+
+
+def _add_size(inp: Inputs, path: str) -> None:
+    if is_local(path):
+        try:
+            inp.total_bytes += os.path.getsize(_local_path(path))
+        except OSError:
+            pass  # reported when Spark reads it
 
 
 def _check_local(path: str) -> str | None:
@@ -91,7 +102,7 @@ def find_inputs(roots: list[str], spark: Any = None) -> Inputs:
     """Walk every root (a directory or a single file) and classify what is there."""
     inp = Inputs()
     for root in roots:
-        if _is_local(root):
+        if is_local(root):
             base = _local_path(root)
             if os.path.isfile(base):
                 _classify(inp, os.path.abspath(base), os.path.basename(base), _check_local)

@@ -18,7 +18,7 @@ from rmqfast.records.schema import AGG_COLUMNS, LAT_BOUNDS_US, LAT_COLUMNS, SAMP
 #: percentile_approx accuracy: the returned value's rank is within N / ACCURACY of the exact
 #: rank (Spark's documented guarantee: relative error 1 / accuracy).
 ACCURACY = 10000
-QUANTILES = (0.5, 0.99, 0.999)
+QUANTILES = (0.5, 0.9, 0.99, 0.999)
 BUCKETS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
 MAX_POINTS = 240
 TOP_N = 20
@@ -37,6 +37,24 @@ class Result:
 
 def _rows(df: Any) -> Rows:
     return [r.asDict() for r in df.collect()]
+
+
+def regroup(rows: Rows, keys: tuple[str, ...] | list[str], sums: tuple[str, ...] | list[str],
+            where: Any = None) -> Rows:
+    """Sum ``sums`` of ``rows`` by ``keys`` on the driver (the rows are one collected Spark
+    result; regrouping them here costs no Spark job), sorted by the keys' text."""
+    acc: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows:
+        if where is not None and not where(r):
+            continue
+        k = tuple(r[x] for x in keys)
+        a = acc.get(k)
+        if a is None:
+            a = acc[k] = dict(zip(keys, k, strict=True))
+            a.update((c, 0) for c in sums)
+        for c in sums:
+            a[c] += r[c] or 0
+    return sorted(acc.values(), key=lambda r: tuple(str(r[k]) for k in keys))
 
 
 def bucket_for(span_s: float) -> int:
@@ -79,6 +97,44 @@ def _bucket_col(ts: Any, b: int) -> Any:
     return (F.floor(ts / b) * b).cast("long")
 
 
+#: Non-success answers that are a normal part of the protocol, by (role, response code): they
+#: are counted and plotted apart from errors.  A client asks the name server for a topic's route
+#: before the topic exists (auto-created on the first send); pulls and offset queries of a new
+#: consumer find nothing yet.
+EXPECTED_ANSWERS: dict[tuple[str, int], str] = {
+    ("namesrv", 17): "route query for a topic that does not exist yet (created on the first send)",
+    ("broker", 19): "pull found no new message",
+    ("broker", 20): "pull to be retried at once",
+    ("broker", 22): "no committed offset yet (new consumer group)",
+    ("broker", 25): "consumer's subscription newer than the broker's (consumer starting)",
+}
+
+
+def expected_col(role: Any, code: Any) -> Any:
+    """A boolean column: (role, response code) is an expected answer, not an error."""
+    from pyspark.sql import functions as F
+
+    cond = F.lit(False)
+    for r, c in EXPECTED_ANSWERS:
+        cond = cond | ((role == r) & (code == c))
+    return cond
+
+
+#: The aggregate tables need these keys of each row kind; other keys are nulled before the one
+#: grouping so that it returns no more rows than the tables themselves hold.
+AGG_KEYS: dict[str, tuple[str, ...]] = {
+    "topic": ("bucket", "role", "topic"),
+    "worker": ("bucket", "host", "worker", "role"),
+    "request": ("role", "code"),
+    "response": ("bucket", "role", "code"),
+    "limiter": ("bucket", "topic"),
+    "spill": ("bucket", "host", "worker"),
+    "latency": ("role", "code", "topic"),
+}
+AGG_SUMS = ("count", "bytes", "messages", "pulls", "errors", "expected", "limiter_passed", "limiter_rejected",
+            "limiter_shaped", "spill_written", "spill_delivered")
+
+
 # Sampled per-request records -------------------------------------------------------------
 
 
@@ -96,29 +152,30 @@ def sample_jobs(spark: Any, df: Any, res: Result, method: str = "hist") -> None:
     b = bucket_for(float(st["t1"]) - float(st["t0"]))
     res.bucket_s["sample"] = b
     res.counts["sample_estimated_requests"] = int(round(st["est"] or 0))
-    df = df.withColumn("bucket", _bucket_col(F.col("ts"), b)).withColumn(
-        "is_error", (F.col("result") != "ok").cast("int"))
-    # scan 1: everything keyed by time, into one compact table (cached), re-aggregated below
+    expected = (F.col("result") == "error") & expected_col(F.col("role"), F.col("resp_code"))
+    df = (df.withColumn("bucket", _bucket_col(F.col("ts"), b))
+          .withColumn("result", F.when(expected, F.lit("expected")).otherwise(F.col("result")))
+          .withColumn("is_error", (~F.col("result").isin("ok", "expected")).cast("int")))
+    # scan 1: everything keyed by time, collected once (small: buckets x topics x workers x
+    # results x codes) and regrouped on the driver into four tables
     keys = ["bucket", "topic", "host", "worker", "result", "code"]
-    base = (df.groupBy(*keys).agg(F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
-                                  F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
-                                  F.sum(F.col("w") * F.col("resp_size")).alias("est_resp_bytes"),
-                                  F.sum(F.col("w") * F.col("is_error")).alias("est_errors"))
-            .cache())
     sums = ["records", "est_requests", "est_req_bytes", "est_resp_bytes", "est_errors"]
+    base = _rows(df.groupBy(*keys).agg(F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
+                                        F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
+                                        F.sum(F.col("w") * F.col("resp_size")).alias("est_resp_bytes"),
+                                        F.sum(F.col("w") * F.col("is_error")).alias("est_errors")))
 
-    def regroup(*ks: str) -> Rows:
-        rows = _rows(base.groupBy(*ks).agg(*(F.sum(c).alias(c) for c in sums)))
-        for r in rows:
-            if "bucket" in ks:
+    def table(*ks: str) -> Rows:
+        rows = regroup(base, ks, sums)
+        if "bucket" in ks:
+            for r in rows:
                 r["req_per_s"] = r["est_requests"] / b
-        return sorted(rows, key=lambda r: tuple(str(r[k]) for k in ks))
+        return rows
 
-    res.tables["sample_throughput_topic"] = regroup("bucket", "topic")
-    res.tables["sample_throughput_worker"] = regroup("bucket", "host", "worker")
-    res.tables["sample_results_over_time"] = regroup("bucket", "result")
-    res.tables["sample_results_by_code"] = regroup("code", "result")
-    base.unpersist()
+    res.tables["sample_throughput_topic"] = table("bucket", "topic")
+    res.tables["sample_throughput_worker"] = table("bucket", "host", "worker")
+    res.tables["sample_results_over_time"] = table("bucket", "result")
+    res.tables["sample_results_by_code"] = table("code", "result")
     # scan 2: clients
     clients = _rows(df.groupBy("client").agg(F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
                                              F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
@@ -185,7 +242,8 @@ def _latency_hist(df: Any) -> dict[str, Rows]:
                 d["topic"] = key
             qv = [_bin_quantile(a["bins"], a["n"], q) for q in QUANTILES]
             d.update(records=a["n"], est_requests=a["w"], est_errors=a["e"], est_req_bytes=a["rb"],
-                     p50_us=qv[0], p99_us=qv[1], p999_us=qv[2], mean_us=a["ls"] / a["n"] if a["n"] else None,
+                     **{f"p{_qname(q)}_us": v for q, v in zip(QUANTILES, qv, strict=True)},
+                     mean_us=a["ls"] / a["n"] if a["n"] else None,
                      max_us=a["mx"], error_rate=a["e"] / a["w"] if a["w"] else 0.0)
             lst.append(d)
         out[g] = lst
@@ -227,7 +285,7 @@ def _latency_approx(spark: Any, df: Any) -> dict[str, Rows]:
         g = names[r.pop("gid")]
         d = {k: v for k, v in r.items() if not (k == "topic" and g in ("code", "all"))
              and not (k == "code" and g in ("topic", "all"))}
-        d.update(p50_us=q[0], p99_us=q[1], p999_us=q[2])
+        d.update({f"p{_qname(qq)}_us": v for qq, v in zip(QUANTILES, q, strict=True)})
         d["error_rate"] = (d["est_errors"] / d["est_requests"]) if d["est_requests"] else 0.0
         out[g].append(d)
     return out
@@ -259,9 +317,11 @@ def hist_quantile(buckets: list[int], q: float) -> float | None:
 
 
 def agg_jobs(spark: Any, df: Any, res: Result) -> None:
+    """Every aggregate table from one grouping (one Spark job after the span is known), split
+    and summed further on the driver: a report over few rows costs few Spark jobs."""
     from pyspark.sql import functions as F
 
-    df = df.fillna(0).cache()
+    df = df.fillna(0)
     st = df.agg(F.count(F.lit(1)).alias("n"), F.min("ts").alias("t0"), F.max("ts").alias("t1")).collect()[0]
     n = int(st["n"])
     res.counts["agg_rows"] = n
@@ -270,50 +330,59 @@ def agg_jobs(spark: Any, df: Any, res: Result) -> None:
         return
     b = bucket_for(float(st["t1"]) - float(st["t0"]))
     res.bucket_s["agg"] = b
-    df = df.withColumn("bucket", _bucket_col(F.col("ts"), b))
     kind = F.col("kind")
+    is_expected = (kind == "response") & expected_col(F.col("role"), F.col("code"))
+    df = (df.withColumn("bucket", _bucket_col(F.col("ts"), b))
+          .withColumn("expected", F.when(is_expected, F.col("count")).otherwise(F.lit(0)).cast("long"))
+          .withColumn("errors", F.when(is_expected, F.lit(0)).otherwise(F.col("errors")).cast("long")))
+    keyed = [F.when(kind.isin(*[k for k, ks in AGG_KEYS.items() if key in ks]), F.col(key)).alias(key)
+             for key in ("bucket", "host", "worker", "role", "topic", "code")]
+    rows = _rows(df.groupBy(kind, *keyed).agg(
+        *(F.sum(c).alias(c) for c in AGG_SUMS + LAT_COLUMNS),
+        F.max_by("spill_backlog", "ts").alias("spill_backlog"),  # a level: the last one in the bucket
+        F.max("delivery_lag_ms").alias("delivery_lag_ms")))
+    by_kind: dict[str, Rows] = {}
+    for r in rows:
+        by_kind.setdefault(r["kind"], []).append(r)
 
-    def table(name: str, where: Any, keys: list[str], sums: list[str], order: list[str] | None = None) -> Rows:
-        g = df.where(where).groupBy(*keys).agg(*(F.sum(c).alias(c) for c in sums))
-        rows = _rows(g)
-        rows.sort(key=lambda r: tuple(str(r[k]) for k in (order or keys)))
+    def table(name: str, k: str, keys: tuple[str, ...], sums: tuple[str, ...]) -> Rows:
+        out = regroup(by_kind.get(k, []), keys, sums)
         if "bucket" in keys:
-            for r in rows:
+            for r in out:
                 for c in sums:
                     r[f"{c}_per_s"] = r[c] / b
-        res.tables[name] = rows
-        return rows
+        res.tables[name] = out
+        return out
 
-    table("agg_throughput_topic", kind == "topic", ["bucket", "role", "topic"], ["count", "messages", "pulls", "bytes"])
-    table("agg_throughput_worker", kind == "worker", ["bucket", "host", "worker", "role"], ["count", "bytes", "errors"])
-    table("agg_requests_by_code", kind == "request", ["role", "code"], ["count", "bytes"])
-    table("agg_responses_by_code", kind == "response", ["role", "code"], ["count", "errors"])
-    table("agg_errors_over_time", kind == "response", ["bucket", "role"], ["count", "errors"])
-    totals = _rows(df.where(kind == "topic").groupBy("topic").agg(
-        F.sum("count").alias("sends"), F.sum("messages").alias("messages"), F.sum("pulls").alias("pulls"),
-        F.sum("bytes").alias("bytes")).orderBy(F.desc("messages"), F.desc("bytes")).limit(TOP_N))
-    res.tables["agg_top_topics"] = totals
-    table("agg_limiter_over_time", kind == "limiter", ["bucket", "topic"],
-          ["limiter_passed", "limiter_rejected", "limiter_shaped"])
+    table("agg_throughput_topic", "topic", ("bucket", "role", "topic"), ("count", "messages", "pulls", "bytes"))
+    table("agg_throughput_worker", "worker", ("bucket", "host", "worker", "role"), ("count", "bytes", "errors"))
+    table("agg_requests_by_code", "request", ("role", "code"), ("count", "bytes"))
+    table("agg_responses_by_code", "response", ("role", "code"), ("count", "errors", "expected"))
+    table("agg_errors_over_time", "response", ("bucket", "role"), ("count", "errors", "expected"))
+    table("agg_expected_over_time", "response", ("bucket", "role", "code"), ("expected",))
+    res.tables["agg_expected_over_time"] = [r for r in res.tables["agg_expected_over_time"] if r["expected"]]
+    totals = regroup(by_kind.get("topic", []), ("topic",), ("count", "messages", "pulls", "bytes"))
+    totals.sort(key=lambda r: (-r["messages"], -r["bytes"]))
+    res.tables["agg_top_topics"] = [{"topic": r["topic"], "sends": r["count"], "messages": r["messages"],
+                                     "pulls": r["pulls"], "bytes": r["bytes"]} for r in totals[:TOP_N]]
+    table("agg_limiter_over_time", "limiter", ("bucket", "topic"),
+          ("limiter_passed", "limiter_rejected", "limiter_shaped"))
     # spill: levels, not deltas -> the last level of each worker in the bucket, summed over workers
-    sp = (df.where(kind == "spill").groupBy("bucket", "host", "worker")
-          .agg(F.max_by("spill_backlog", "ts").alias("spill_backlog"),
-               F.max("delivery_lag_ms").alias("delivery_lag_ms"),
-               F.sum("spill_written").alias("spill_written"), F.sum("spill_delivered").alias("spill_delivered"))
-          .groupBy("bucket").agg(F.sum("spill_backlog").alias("spill_backlog"),
-                                 F.max("delivery_lag_ms").alias("delivery_lag_ms"),
-                                 F.sum("spill_written").alias("spill_written"),
-                                 F.sum("spill_delivered").alias("spill_delivered")))
-    res.tables["agg_spill_over_time"] = sorted(_rows(sp), key=lambda r: r["bucket"])
-    lat = _rows(df.where(kind == "latency").groupBy("role", "code", "topic").agg(
-        *(F.sum(c).alias(c) for c in LAT_COLUMNS)))
+    spill: dict[int, dict[str, Any]] = {}
+    for r in by_kind.get("spill", []):
+        a = spill.setdefault(r["bucket"], {"bucket": r["bucket"], "spill_backlog": 0, "delivery_lag_ms": 0,
+                                           "spill_written": 0, "spill_delivered": 0})
+        a["spill_backlog"] += r["spill_backlog"] or 0
+        a["delivery_lag_ms"] = max(a["delivery_lag_ms"], r["delivery_lag_ms"] or 0)
+        a["spill_written"] += r["spill_written"] or 0
+        a["spill_delivered"] += r["spill_delivered"] or 0
+    res.tables["agg_spill_over_time"] = [spill[k] for k in sorted(spill)]
     out = []
-    for r in lat:
+    for r in regroup(by_kind.get("latency", []), ("role", "code", "topic"), LAT_COLUMNS):
         hb = [int(r[c]) for c in LAT_COLUMNS]
         out.append({"role": r["role"], "code": r["code"], "topic": r["topic"], "count": sum(hb),
                     **{f"p{_qname(q)}_us": hist_quantile(hb, q) for q in QUANTILES}})
     res.tables["agg_latency_hist"] = sorted(out, key=lambda r: (r["role"], r["code"], r["topic"]))
-    df.unpersist()
 
 
 def _qname(q: float) -> str:
