@@ -83,8 +83,10 @@ class PolicySection:
     deny_codes: list[int] = field(default_factory=list)
     # "read-only-admin": also let through the read-only admin codes (rmqfast.codec.admincodes)
     preset: str = ""
-    # broker addresses inside messages: "rewrite" (records and send answers), "records", "off"
-    message_addresses: str = "rewrite"
+    # broker addresses inside messages (rmqfast.proxy.addresses): "records" (store hosts in pull,
+    # pop, query and view answers), "all" (also the offset msgId of send answers: sends then leave
+    # the compiled path), "off"
+    message_addresses: str = "records"
 
 
 @dataclass
@@ -650,7 +652,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     with errs.check():
         if "message_addresses" in po:
             cfg.policy.message_addresses = _choice(
-                "policy.message_addresses", po["message_addresses"], ("rewrite", "records", "off"))
+                "policy.message_addresses", po["message_addresses"], ("records", "all", "off"))
 
     ad = _section(errs, raw, "admin")
     with errs.check():

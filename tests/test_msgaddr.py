@@ -154,7 +154,7 @@ def test_filter_rewrites_pull_answer(stype: int) -> None:
 
 
 def test_filter_rewrites_send_answer_and_skips_others() -> None:
-    f = RewriteMessageAddresses(FakeRegistry())  # type: ignore[arg-type]
+    f = RewriteMessageAddresses(FakeRegistry(), "all")  # type: ignore[arg-type]
     s = FakeSession()
     mid = record(1).msg_id
     req = frame_of(RemotingCommand(code=C.SEND_MESSAGE_V2, opaque=3, ext_fields={"b": "T"}))

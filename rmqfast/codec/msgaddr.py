@@ -29,6 +29,7 @@ Mapping = Callable[[bytes], "bytes | None"]
 
 _I32 = struct.Struct(">i")
 _I16 = struct.Struct(">h")
+_HEAD = struct.Struct(">iI")  # TOTALSIZE, MAGICCODE
 _MAGIC_V1 = 0xDAA320A7
 _MAGIC_V2 = 0xDAA320AB
 _BORNHOST_V6 = 0x10
@@ -69,33 +70,46 @@ def store_host_offset(body: bytes | bytearray | memoryview, pos: int) -> int:
 
 
 def patch_store_hosts(
-    body: bytes | bytearray, mapping: Mapping, start: int = 0
+    body: bytes | bytearray, mapping: Mapping, start: int = 0, cache: dict[bytes, bytes] | None = None
 ) -> tuple[bytearray | None, int]:
     """Replace mapped STOREHOSTs in the store records that fill ``body[start:]``.
 
     ``start`` lets a caller pass a whole frame and the offset of its body (one copy less).
-    Returns ``(patched copy of body or None when nothing changed, records seen)``.  Raises ValueError
-    when the body is not a sequence of records (the caller then relays it unchanged and logs:
-    a body it cannot walk is not one it may patch).
+    ``cache`` (real -> replacement, identity for "leave it") is consulted before ``mapping``:
+    the hot path is one dict lookup per record.  Returns ``(patched copy of body or None when
+    nothing changed, records seen)``.  Raises ValueError when the body is not a sequence of
+    records (the caller then relays it unchanged and logs: a body it cannot walk is not one it
+    may patch).
     """
+    if not isinstance(body, bytes):  # slices must be hashable (cache keys)
+        body = bytes(body)
     n = len(body)
     pos = start
     out: bytearray | None = None
     seen = 0
+    head = _HEAD.unpack_from
+    i32 = _I32.unpack_from
+    get = (cache if cache is not None else {}).get
     while pos < n:
         if n - pos < _MIN_RECORD:
-            raise ValueError(f"record {seen} at byte {pos} is cut off ({n - pos} bytes left, a record needs "
-                             f"at least {_MIN_RECORD})")
-        total = _I32.unpack_from(body, pos)[0]
-        magic = _I32.unpack_from(body, pos + 4)[0] & 0xFFFFFFFF
+            raise ValueError(f"record {seen} at body byte {pos - start} is cut off ({n - pos} bytes left, a "
+                             f"record needs at least {_MIN_RECORD})")
+        total, magic = head(body, pos)
         if magic != _MAGIC_V1 and magic != _MAGIC_V2:
-            raise ValueError(f"record {seen} at byte {pos} has magic code {magic:#010x}, not a message")
+            raise ValueError(f"record {seen} at body byte {pos - start} has magic code {magic:#010x}, "
+                             "not a message")
         if total < _MIN_RECORD or total > n - pos:
-            raise ValueError(f"record {seen} at byte {pos} claims {total} bytes; {n - pos} are left")
-        at = store_host_offset(body, pos)
-        if at >= 0:
-            new = mapping(bytes(body[at : at + 8]))
-            if new is not None:
+            raise ValueError(f"record {seen} at body byte {pos - start} claims {total} bytes; {n - pos} are left")
+        sys_flag = i32(body, pos + _SYSFLAG_POS)[0]
+        if not sys_flag & _STOREHOST_V6:
+            at = pos + (_BORNHOST_POS + 16 if not sys_flag & _BORNHOST_V6 else _BORNHOST_POS + 28)
+            raw = body[at : at + 8]
+            new = get(raw)
+            if new is None:
+                new = mapping(raw)
+                if new is None:
+                    new = raw
+            if new != raw:
                 if out is None:
                     out = bytearray(body)
                 out[at : at + 8] = new

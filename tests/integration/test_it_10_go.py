@@ -47,14 +47,13 @@ def offset_id_addr(mid: str) -> str:
     return format_host(bytes.fromhex(mid[:16]))
 
 
-def assert_proxy_addresses(proxy: ProxyProcess, received: list[dict], offset_ids: list[str] = ()) -> None:
-    """Every broker address the client learnt from a message names a proxy endpoint."""
+def assert_proxy_addresses(proxy: ProxyProcess, received: list[dict]) -> None:
+    """Every broker address the client learnt from a consumed message names a proxy endpoint.
+    (Send answers keep the broker's offset id under the default policy.message_addresses =
+    "records"; test_it_11_addresses covers "all".)"""
     for r in received:
         assert in_port_range(proxy, r["store_host"]), r
         assert offset_id_addr(r["offset_msg_id"]) == r["store_host"], r
-    for mid in offset_ids:
-        for one in mid.split(","):
-            assert in_port_range(proxy, offset_id_addr(one)), mid
 
 
 @pytest.mark.parametrize("mode", ["sync", "batch", "ordered"])
@@ -64,7 +63,6 @@ def test_go_sends_and_push_consumer(godriver: Path, proxy: ProxyProcess, cluster
     cluster.create_topic(topic, queues=4)
     sent = run_godriver("produce", proxy.namesrv_addr, topic=topic, count=COUNT, mode=mode, prefix="m", timeout=90)
     assert sent["ok"] and sent["sent"] == COUNT and sent["failed"] == 0, sent
-    assert_proxy_addresses(proxy, [], sent["offset_msg_ids"])
     got = run_godriver("consume-push", proxy.namesrv_addr, topic=topic, group=unique("gogrp"), expect=COUNT,
                        orderly=(mode == "ordered"), timeout_ms=45000, timeout=90)
     bodies = Counter(r["body"] for r in got["received"])

@@ -48,8 +48,10 @@ def offset_id_addr(mid: str) -> str:
 
 @pytest.fixture(scope="module")
 def admin_proxy(cluster: RocketMQCluster) -> Iterator[ProxyProcess]:
-    """A proxy with ``policy.preset = "read-only-admin"``."""
-    with ProxyProcess([cluster.namesrv_addr], extra_config='[policy]\npreset = "read-only-admin"\n') as p:
+    """A proxy with ``policy.preset = "read-only-admin"`` and ``message_addresses = "all"``
+    (send answers' offset ids rewritten too)."""
+    extra = '[policy]\npreset = "read-only-admin"\nmessage_addresses = "all"\n'
+    with ProxyProcess([cluster.namesrv_addr], extra_config=extra) as p:
         yield p
 
 
@@ -69,8 +71,8 @@ def test_java_send_back_and_addresses_through_proxy_only(proxy: ProxyProcess, cl
     assert watch.pids, "no client connection was seen at all"
     sent = {s["idx"]: s for s in res["sent"]}
     assert sorted(sent) == list(range(COUNT)), res.get("failed")
-    for s in sent.values():
-        assert in_port_range(proxy, offset_id_addr(s["offset_msg_id"])), s
+    for s in sent.values():  # the default ("records") leaves send answers as the broker wrote them
+        assert offset_id_addr(s["offset_msg_id"]) == cluster.broker_addr, s
     received = [d for d in res["consumed"]["received"] if d["run"] == res["run_id"]]
     acked = Counter(d["idx"] for d in received if d["acked"])
     assert sorted(acked) == list(range(COUNT)) and set(acked.values()) == {1}, acked
@@ -82,6 +84,25 @@ def test_java_send_back_and_addresses_through_proxy_only(proxy: ProxyProcess, cl
         s = sent[d["idx"]]
         assert d["body"] == s["body"] and d["keys"] == s["keys"]
         assert d["msg_id"] == s["msg_id"]  # UNIQ_KEY, also for the copy from the retry topic
+
+
+@pytest.mark.parametrize("mode", ["sync", "batch"])
+def test_go_send_answers_name_proxy_endpoints(godriver: Path, admin_proxy: ProxyProcess, cluster: RocketMQCluster,
+                                             mode: str) -> None:
+    """With ``message_addresses = "all"`` the offset ids in send answers (a batch: one per
+    message, comma-separated) name the proxy's endpoint; the commit-log offsets are the broker's."""
+    topic = unique(f"go_ids_{mode}")
+    cluster.create_topic(topic, queues=1)
+    sent = run_godriver("produce", admin_proxy.namesrv_addr, topic=topic, count=16, mode=mode, timeout=90)
+    assert sent["ok"], sent
+    ids = [one for mid in sent["offset_msg_ids"] for one in mid.split(",")]
+    assert len(ids) == 16, sent["offset_msg_ids"]
+    assert all(in_port_range(admin_proxy, offset_id_addr(i)) for i in ids), ids
+    offsets = [int(i[16:], 16) for i in ids]
+    assert offsets == sorted(offsets) and len(set(offsets)) == 16
+    got = run_godriver("consume-pull", admin_proxy.namesrv_addr, topic=topic, group=unique("goids"), expect=16,
+                       timeout_ms=45000, timeout=90)
+    assert sorted(r["offset_msg_id"] for r in got["received"]) == sorted(ids)  # both sides agree
 
 
 def test_mqadmin_query_msg_by_offset_id_through_proxy(admin_proxy: ProxyProcess, cluster: RocketMQCluster) -> None:
