@@ -193,3 +193,19 @@ def test_read_only_admin_preset_has_no_write_codes() -> None:
     with pytest.raises(ValueError, match="unknown"):
         preset_codes("admin", "broker")
     assert set(PRESETS) == {"read-only-admin"}
+
+
+def test_config_keys_parse_roundtrip_and_refuse_unknown_values() -> None:
+    from rmqfast import config
+
+    base = {"namesrv": {"listen": "127.0.0.1:19876", "upstreams": ["10.0.0.1:9876"]}}
+    cfg = config.from_dict(base)
+    assert (cfg.policy.preset, cfg.policy.message_addresses) == ("", "records")
+    cfg = config.from_dict({**base, "policy": {"preset": "read-only-admin", "message_addresses": "all"}})
+    assert (cfg.policy.preset, cfg.policy.message_addresses) == ("read-only-admin", "all")
+    again = config.from_json(cfg.to_json())  # what the supervisor hands its workers
+    assert again.policy == cfg.policy
+    with pytest.raises(config.ConfigError, match="policy.preset.*read-only-admin"):
+        config.from_dict({**base, "policy": {"preset": "admin"}})
+    with pytest.raises(config.ConfigError, match="policy.message_addresses.*records, all, off"):
+        config.from_dict({**base, "policy": {"message_addresses": "rewrite"}})
