@@ -21,6 +21,10 @@ system-deps:
 	@command -v java >/dev/null && command -v mvn >/dev/null && command -v chromium >/dev/null || { \
 	  echo "installing Java 17, Maven and Chromium from Debian's packages"; \
 	  apt-get update -q && apt-get install -y -q openjdk-17-jdk-headless maven chromium; }
+	@# Go builds the rocketmq-client-go driver of the integration tests (godriver/, via the Go module proxy)
+	@command -v go >/dev/null || test -x /usr/local/go/bin/go || { \
+	  echo "installing Go from Debian's packages"; \
+	  apt-get update -q && apt-get install -y -q golang-go; }
 
 install: $(PYTHON) system-deps
 	$(PIP) install --quiet -e '.[test]'
