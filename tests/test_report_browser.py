@@ -27,6 +27,8 @@ pytest.importorskip("matplotlib")
 from spark_helpers import spark  # noqa: E402, F401
 
 from rmqfast.analytics import analyze  # noqa: E402
+from rmqfast.analytics.inputs import find_inputs  # noqa: E402
+from rmqfast.analytics.jobs import run_all  # noqa: E402
 from rmqfast.analytics.report import chart_series  # noqa: E402
 from rmqfast.analytics.synth import _adder, write_aggregates, write_samples  # noqa: E402
 
@@ -95,7 +97,7 @@ def report(tmp_path_factory: pytest.TempPathFactory, spark: Any) -> dict[str, An
     _write_demo_like_records(d)
     out = d.parent / "browser-report"
     summary = analyze([str(d)], out, spark=spark, quiet=True)
-    return {"out": out, "summary": summary, "html": (out / "report.html").read_text()}
+    return {"dir": d, "out": out, "summary": summary, "html": (out / "report.html").read_text()}
 
 
 def test_report_renders_in_headless_chromium(report: dict[str, Any]) -> None:
@@ -155,3 +157,19 @@ def test_chart_series_gaps_and_silent_series() -> None:
     a = drawn["a"]
     assert a[0] == 2.0 and math.isnan(a[1]) and math.isnan(a[2]) and a[3] == 4.0  # a level: line broken
     assert chart_series([{"bucket": 5, "k": "z", "v": 0}], lambda r: r["k"], "v", 1)[1] == {}
+
+
+def test_small_and_large_paths_give_the_same_tables(report: dict[str, Any], spark: Any) -> None:  # noqa: F811
+    """Small inputs regroup one collected table on the driver, large ones regroup in Spark: same
+    tables either way."""
+    inputs = find_inputs([str(report["dir"])])
+    small = run_all(spark, inputs, small=True).tables
+    large = run_all(spark, inputs, small=False).tables
+    assert small.keys() == large.keys()
+    for name in small:
+        a, b = small[name], large[name]
+        assert len(a) == len(b), name
+        for ra, rb in zip(a, b, strict=True):
+            assert ra.keys() == rb.keys(), name
+            for k, v in ra.items():  # float sums may differ in the last bits (order of addition)
+                assert v == (pytest.approx(rb[k]) if isinstance(v, float) else rb[k]), (name, k, ra, rb)

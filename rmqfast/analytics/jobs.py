@@ -138,10 +138,19 @@ AGG_SUMS = ("count", "bytes", "messages", "pulls", "errors", "expected", "limite
 # Sampled per-request records -------------------------------------------------------------
 
 
-def sample_jobs(spark: Any, df: Any, res: Result, method: str = "hist") -> None:
+def sample_jobs(spark: Any, df: Any, res: Result, method: str = "hist", small: bool = False) -> None:
+    """``small``: few input bytes, so the time-keyed table is collected once and regrouped on
+    the driver (one Spark job instead of four); otherwise it can hold ~10^5 rows, which are
+    cheaper to regroup in Spark from a cached copy than to ship to Python."""
     from pyspark.sql import functions as F
 
-    df = df.withColumn("w", F.when(F.col("sample_rate") > 0, 1.0 / F.col("sample_rate")).otherwise(1.0))
+    expected = (F.col("result") == "error") & expected_col(F.col("role"), F.col("resp_code"))
+    df = (df.withColumn("w", F.when(F.col("sample_rate") > 0, 1.0 / F.col("sample_rate")).otherwise(1.0))
+          .withColumn("result", F.when(expected, F.lit("expected")).otherwise(F.col("result")))
+          .withColumn("is_error", (~F.col("result").isin("ok", "expected")).cast("int")))
+    if small and method == "hist":
+        _sample_jobs_small(df, res)
+        return
     st = df.agg(F.count(F.lit(1)).alias("n"), F.min("ts").alias("t0"), F.max("ts").alias("t1"),
                 F.sum("w").alias("est")).collect()[0]
     n = int(st["n"])
@@ -152,21 +161,25 @@ def sample_jobs(spark: Any, df: Any, res: Result, method: str = "hist") -> None:
     b = bucket_for(float(st["t1"]) - float(st["t0"]))
     res.bucket_s["sample"] = b
     res.counts["sample_estimated_requests"] = int(round(st["est"] or 0))
-    expected = (F.col("result") == "error") & expected_col(F.col("role"), F.col("resp_code"))
-    df = (df.withColumn("bucket", _bucket_col(F.col("ts"), b))
-          .withColumn("result", F.when(expected, F.lit("expected")).otherwise(F.col("result")))
-          .withColumn("is_error", (~F.col("result").isin("ok", "expected")).cast("int")))
-    # scan 1: everything keyed by time, collected once (small: buckets x topics x workers x
-    # results x codes) and regrouped on the driver into four tables
+    df = df.withColumn("bucket", _bucket_col(F.col("ts"), b))
+    # scan 1: everything keyed by time (buckets x topics x workers x results x codes), then
+    # regrouped into four tables
     keys = ["bucket", "topic", "host", "worker", "result", "code"]
-    sums = ["records", "est_requests", "est_req_bytes", "est_resp_bytes", "est_errors"]
-    base = _rows(df.groupBy(*keys).agg(F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
-                                        F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
-                                        F.sum(F.col("w") * F.col("resp_size")).alias("est_resp_bytes"),
-                                        F.sum(F.col("w") * F.col("is_error")).alias("est_errors")))
+    sums = list(SAMPLE_SUMS)
+    base_df = df.groupBy(*keys).agg(F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
+                                    F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
+                                    F.sum(F.col("w") * F.col("resp_size")).alias("est_resp_bytes"),
+                                    F.sum(F.col("w") * F.col("is_error")).alias("est_errors"))
+    base = _rows(base_df) if small else None
+    if base is None:
+        base_df = base_df.cache()
 
     def table(*ks: str) -> Rows:
-        rows = regroup(base, ks, sums)
+        if base is not None:
+            rows = regroup(base, ks, sums)
+        else:
+            rows = sorted(_rows(base_df.groupBy(*ks).agg(*(F.sum(c).alias(c) for c in sums))),
+                          key=lambda r: tuple(str(r[k]) for k in ks))
         if "bucket" in ks:
             for r in rows:
                 r["req_per_s"] = r["est_requests"] / b
@@ -176,11 +189,13 @@ def sample_jobs(spark: Any, df: Any, res: Result, method: str = "hist") -> None:
     res.tables["sample_throughput_worker"] = table("bucket", "host", "worker")
     res.tables["sample_results_over_time"] = table("bucket", "result")
     res.tables["sample_results_by_code"] = table("code", "result")
+    if base is None:
+        base_df.unpersist()
     # scan 2: clients
     clients = _rows(df.groupBy("client").agg(F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
                                              F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
                                              F.sum(F.col("w") * F.col("is_error")).alias("est_errors")))
-    clients.sort(key=lambda r: -r["est_requests"])
+    clients.sort(key=lambda r: (-r["est_requests"], str(r["client"])))  # ties: by name
     res.counts["clients"] = len(clients)
     res.tables["sample_top_clients"] = clients[:TOP_N]
     # scan 3: latency
@@ -188,12 +203,81 @@ def sample_jobs(spark: Any, df: Any, res: Result, method: str = "hist") -> None:
         groups = _latency_approx(spark, df)
     else:
         groups = _latency_hist(df)
+    _latency_tables(res, groups)
+
+
+def _latency_tables(res: Result, groups: dict[str, Rows]) -> None:
     res.tables["latency_by_code_topic"] = sorted(groups["code_topic"], key=lambda r: (r["code"], r["topic"]))
     res.tables["latency_by_code"] = sorted(groups["code"], key=lambda r: r["code"])
-    topics = sorted(groups["topic"], key=lambda r: -r["est_requests"])
+    topics = sorted(groups["topic"], key=lambda r: (-r["est_requests"], str(r["topic"])))
     res.tables["latency_by_topic"] = topics
     res.tables["sample_top_topics"] = topics[:TOP_N]
     res.tables["latency_overall"] = groups["all"]
+
+
+SAMPLE_SUMS = ("records", "est_requests", "est_req_bytes", "est_resp_bytes", "est_errors")
+
+
+def _sample_jobs_small(df: Any, res: Result) -> None:
+    """The sampled-record tables of a small input from one Spark job: one grouping by second
+    and every key any table needs (at most one row per record), and the rest on the driver.
+    Gives the same tables as the general path (tests/test_report_browser.py compares them)."""
+    from pyspark.sql import functions as F
+
+    lbin = F.when(F.col("latency_us") >= 0, F.floor(
+        F.log(F.greatest(F.col("latency_us"), F.lit(1)).cast("double")) * LOG_BINS).cast("int"))
+    rows = _rows(df.groupBy(F.floor(F.col("ts")).cast("long").alias("sec"), "topic", "host", "worker", "result",
+                            "code", "client", lbin.alias("lbin")).agg(
+        F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
+        F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
+        F.sum(F.col("w") * F.col("resp_size")).alias("est_resp_bytes"),
+        F.sum(F.col("w") * F.col("is_error")).alias("est_errors"), F.sum("latency_us").alias("ls"),
+        F.max("latency_us").alias("mx"), F.min("latency_us").alias("mn"),
+        F.min("ts").alias("t0"), F.max("ts").alias("t1")))
+    n = sum(r["records"] for r in rows)
+    res.counts["sample_records"] = n
+    if n == 0:
+        res.notes.append("sampled records: none")
+        return
+    b = bucket_for(float(max(r["t1"] for r in rows)) - float(min(r["t0"] for r in rows)))
+    res.bucket_s["sample"] = b
+    res.counts["sample_estimated_requests"] = int(round(sum(r["est_requests"] for r in rows)))
+    for r in rows:
+        r["bucket"] = r["sec"] // b * b  # = floor(ts / b) * b, b being whole seconds
+
+    def table(*ks: str) -> Rows:
+        out = regroup(rows, ks, SAMPLE_SUMS)
+        if "bucket" in ks:
+            for r in out:
+                r["req_per_s"] = r["est_requests"] / b
+        return out
+
+    res.tables["sample_throughput_topic"] = table("bucket", "topic")
+    res.tables["sample_throughput_worker"] = table("bucket", "host", "worker")
+    res.tables["sample_results_over_time"] = table("bucket", "result")
+    res.tables["sample_results_by_code"] = table("code", "result")
+    clients = regroup(rows, ("client",), ("records", "est_requests", "est_req_bytes", "est_errors"))
+    clients.sort(key=lambda r: (-r["est_requests"], str(r["client"])))  # ties: by name
+    res.counts["clients"] = len(clients)
+    res.tables["sample_top_clients"] = clients[:TOP_N]
+    bins: dict[tuple[Any, Any, int], dict[str, Any]] = {}
+    for r in rows:
+        if r["lbin"] is None:
+            continue
+        a = bins.get((r["code"], r["topic"], r["lbin"]))
+        if a is None:
+            bins[(r["code"], r["topic"], r["lbin"])] = {
+                "code": r["code"], "topic": r["topic"], "lbin": r["lbin"], "n": r["records"], "w": r["est_requests"],
+                "e": r["est_errors"], "rb": r["est_req_bytes"], "ls": r["ls"], "mx": r["mx"], "mn": r["mn"]}
+        else:
+            a["n"] += r["records"]
+            a["w"] += r["est_requests"]
+            a["e"] += r["est_errors"]
+            a["rb"] += r["est_req_bytes"]
+            a["ls"] += r["ls"]
+            a["mx"] = max(a["mx"], r["mx"])
+            a["mn"] = min(a["mn"], r["mn"])
+    _latency_tables(res, _hist_groups(list(bins.values())))
 
 
 #: ``--percentiles hist`` (default): latencies are counted in logarithmic bins LOG_BINS per
@@ -209,10 +293,14 @@ def _latency_hist(df: Any) -> dict[str, Rows]:
 
     lat = df.where(F.col("latency_us") >= 0).withColumn(
         "lbin", F.floor(F.log(F.greatest(F.col("latency_us"), F.lit(1)).cast("double")) * LOG_BINS).cast("int"))
-    rows = _rows(lat.groupBy("code", "topic", "lbin").agg(
+    return _hist_groups(_rows(lat.groupBy("code", "topic", "lbin").agg(
         F.count(F.lit(1)).alias("n"), F.sum("w").alias("w"), F.sum(F.col("w") * F.col("is_error")).alias("e"),
         F.sum(F.col("w") * F.col("req_size")).alias("rb"), F.sum("latency_us").alias("ls"),
-        F.max("latency_us").alias("mx"), F.min("latency_us").alias("mn")))
+        F.max("latency_us").alias("mx"), F.min("latency_us").alias("mn"))))
+
+
+def _hist_groups(rows: Rows) -> dict[str, Rows]:
+    """Rows keyed (code, topic, lbin) with n, w, e, rb, ls, mx, mn -> the four latency tables."""
     groups: dict[str, dict[Any, dict[str, Any]]] = {"code_topic": {}, "code": {}, "topic": {}, "all": {}}
     for r in rows:
         for g, key in (("code_topic", (r["code"], r["topic"])), ("code", r["code"]), ("topic", r["topic"]),
@@ -399,32 +487,41 @@ P99_RISE = 0.25
 
 
 def bench_jobs(spark: Any, paths: list[str], res: Result) -> None:
+    """Benchmark JSON lines (small: thousands of lines): read once (one schema-inference job and
+    one collect) and split on the driver."""
     from pyspark.sql import functions as F
 
     raw = (spark.read.option("mode", "PERMISSIVE").option("columnNameOfCorruptRecord", "_corrupt_record")
-           .json(paths).withColumn("_file", F.input_file_name()).cache())
-    if "_corrupt_record" in raw.columns:
-        for b in _rows(raw.where(F.col("_corrupt_record").isNotNull()).groupBy("_file").count()):
-            res.problems.append((b["_file"], f"{b['count']} corrupt benchmark line(s) skipped"))
-        raw = raw.where(F.col("_corrupt_record").isNull())
-    if "kind" not in raw.columns:
-        res.notes.append("benchmark files: no readable lines")
-        return
+           .json(paths).withColumn("_file", F.input_file_name()))
     cols = set(raw.columns)
     want = ["run_id", "mode", "scenario", "target", "rps", "p50_us", "p99_us", "p999_us", "cpu_us_per_req",
             "cores", "errors", "runs"]
-    summ = raw.where(F.col("kind") == "summary").select(*[F.col(c) if c in cols else F.lit(None).alias(c)
-                                                         for c in want])
-    if "machine" in cols:
-        commits = raw.where(F.col("kind") == "summary").select(
-            "run_id", F.col("machine.git_commit").alias("git_commit")).distinct()
-        summ = summ.join(commits, "run_id", "left")
-    rows = _rows(summ)
+    check_cols = ["name", "value", "goal", "met"]
+    sel = [F.col(c) if c in cols else F.lit(None).alias(c) for c in ["kind", *want, *check_cols, "_corrupt_record"]]
+    sel.append(F.col("machine.git_commit").alias("git_commit") if "machine" in cols
+               else F.lit(None).alias("git_commit"))
+    lines = _rows(raw.select(*sel, "_file"))
+    bad: dict[str, int] = {}
+    for r in lines:
+        if r["_corrupt_record"] is not None:
+            bad[r["_file"]] = bad.get(r["_file"], 0) + 1
+    for f, n in sorted(bad.items()):
+        res.problems.append((f, f"{n} corrupt benchmark line(s) skipped"))
+    lines = [r for r in lines if r["_corrupt_record"] is None]
+    if "kind" not in cols or not any(r["kind"] for r in lines):
+        res.notes.append("benchmark files: no readable lines")
+        return
+    summaries = [r for r in lines if r["kind"] == "summary"]
+    commits: dict[Any, Any] = {}
+    for r in summaries:
+        if r["git_commit"] is not None:
+            commits.setdefault(r["run_id"], r["git_commit"])
+    rows = [{**{c: r[c] for c in want}, **({"git_commit": commits.get(r["run_id"])} if "machine" in cols else {})}
+            for r in summaries]
     res.counts["bench_runs"] = len({r["run_id"] for r in rows})
-    checks = _rows(raw.where(F.col("kind") == "check").select("run_id", "name", "value", "goal", "met")) \
+    checks = [{"run_id": r["run_id"], **{c: r[c] for c in check_cols}} for r in lines if r["kind"] == "check"] \
         if {"name", "goal", "met"} <= cols else []
     res.tables["bench_checks"] = sorted(checks, key=lambda r: (r["run_id"], r["name"]))
-    raw.unpersist()
     res.tables.update(compare_bench(rows))
 
 
@@ -489,13 +586,19 @@ def _median(xs: list[float]) -> float | None:
 # All of it -----------------------------------------------------------------------------------
 
 
-def run_all(spark: Any, inputs: Inputs, percentiles: str = "hist") -> Result:
+def run_all(spark: Any, inputs: Inputs, percentiles: str = "hist", small: bool | None = None) -> Result:
+    """Every job over ``inputs``; ``small`` (default: the local inputs' size is at most
+    SMALL_INPUT_BYTES) lets jobs trade Spark jobs for work on the driver."""
+    if small is None:
+        from rmqfast.analytics.spark import SMALL_INPUT_BYTES
+
+        small = 0 < inputs.total_bytes <= SMALL_INPUT_BYTES
     res = Result()
     res.problems.extend(inputs.problems())
     res.counts.update(agg_files=len(inputs.agg), sample_files=len(inputs.sample), bench_files=len(inputs.bench))
     if inputs.sample:
         df = _read(spark, inputs.sample, SAMPLE_COLUMNS, res, "sample")
-        sample_jobs(spark, df, res, percentiles)
+        sample_jobs(spark, df, res, percentiles, small)
     if inputs.agg:
         df = _read(spark, inputs.agg, AGG_COLUMNS, res, "aggregate")
         agg_jobs(spark, df, res)
