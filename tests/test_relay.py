@@ -518,6 +518,7 @@ def test_local_answer_waits_while_the_relay_is_blocked_mid_frame(proxy):
     up.go.put(True)
     wait_until(lambda: len(sessions) == 1)
     (session,) = sessions
+    wait_until(lambda: session.client in session._outs)  # the session registers before it sets up its writers
     out = session._outs[session.client]
     wait_until(lambda: out.lock.locked(), timeout=10)  # the pump waits for the client mid-frame
     s.sendall(denied_frame(7))
