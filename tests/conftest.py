@@ -14,6 +14,13 @@ from typing import Any
 
 import pytest
 from gevent.hub import Hub
+from hypothesis import HealthCheck, settings
+
+# Input generation takes longer than Hypothesis' 1 s health limit on a loaded machine (2 cores at a
+# load average of 10+): the too_slow check and the per-example deadline measure the machine, not
+# the code.  Tests that set their own @settings keep these unless they override them.
+settings.register_profile("rmqfast", suppress_health_check=[HealthCheck.too_slow], deadline=None)
+settings.load_profile("rmqfast")
 
 
 class GreenletErrors(list):
