@@ -6,7 +6,7 @@
 //	consume-push -ns A -topic T -group G -expect N [-orderly] [-timeout-ms MS]
 //	consume-pull -ns A -topic T -group G -expect N [-timeout-ms MS]
 //	retry-dlq    -ns A -topic T -group G -expect N -max-reconsume R [-orderly] [-timeout-ms MS]
-//	             (consumers: [-linger-ms MS] stay up with connections open after the last message)
+//	             ([-linger-ms MS] stay up with connections open after the last message)
 //
 // Exit codes: 0 ok, 1 error, 2 send failures, 3 consumer incomplete/timed out, 64 usage.
 package main
@@ -71,7 +71,7 @@ var (
 	timeoutMs    = flag.Int("timeout-ms", 60000, "consumer deadline")
 	maxReconsume = flag.Int("max-reconsume", 1, "max reconsume times (retry-dlq)")
 	shardKeys    = flag.Int("shard-keys", 4, "sharding keys for ordered sends")
-	lingerMs     = flag.Int("linger-ms", 0, "consumers: stay up this long after the last message, "+
+	lingerMs     = flag.Int("linger-ms", 0, "stay up this long after the last message, "+
 		"connections open, like a long-running application (lets connection observers see them)")
 )
 
@@ -184,6 +184,8 @@ func produce(r *result) {
 		r.Error = "unknown -mode " + *mode + " (sync, batch, ordered)"
 		emit(r, 64)
 	}
+	// connections stay open a moment, like a long-running application's (observers see them)
+	time.Sleep(time.Duration(*lingerMs) * time.Millisecond)
 	r.OK = r.Failed == 0 && r.Sent == *count
 	r.Unique = r.Sent
 	r.ElapsedMs = 0

@@ -178,6 +178,9 @@ class GoDriverProcess:
 def start_godriver(scenario: str, namesrv: str, **options: object) -> GoDriverProcess:
     """Start the Go driver on ``scenario`` against the name server ``namesrv``."""
     binary = ensure_godriver()
+    # connections stay open a second after the work, so that a ConnectionWatch sampling a loaded
+    # machine sees a short run's connections too
+    options.setdefault("linger_ms", 1000)
     return GoDriverProcess([str(binary), scenario, f"-ns={namesrv}", *_option_args(options)])
 
 
