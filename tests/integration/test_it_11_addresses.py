@@ -8,6 +8,7 @@ process's TCP connections while it runs, and no connection may go to a real Rock
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,12 +119,13 @@ def test_mqadmin_query_msg_by_offset_id_through_proxy(admin_proxy: ProxyProcess,
     with ConnectionWatch() as watch:
         out = cluster.mqadmin("queryMsgById", "-n", admin_proxy.namesrv_addr, "-t", topic, "-i", s["offset_msg_id"])
     assert not watch.touched(real_ports(cluster)), watch.touched(real_ports(cluster))
-    assert watch.ports[int(endpoint.rpartition(":")[2])], "mqadmin never connected to the endpoint in the id"
+    # the VIEW_MESSAGE_BY_ID reached the broker through the endpoint in the id (the proxy counted
+    # it): sampling connections can miss a short-lived JVM's on a loaded machine, this cannot
+    wait_metric(admin_proxy, "rmqfast_requests_total", 1, role="broker", code=str(C.VIEW_MESSAGE_BY_ID))
     assert re.search(rf"OffsetID:\s+{s['offset_msg_id']}", out), out
     assert re.search(rf"Topic:\s+{topic}", out), out
     assert re.search(rf"Store Host:\s+/?{re.escape(endpoint)}", out), out
     assert s["keys"] in out, out
-    wait_metric(admin_proxy, "rmqfast_requests_total", 1, role="broker", code=str(C.VIEW_MESSAGE_BY_ID))
 
 
 def test_mqadmin_cluster_list_topic_status_consumer_progress(admin_proxy: ProxyProcess, proxy: ProxyProcess,
@@ -148,6 +150,10 @@ def test_mqadmin_cluster_list_topic_status_consumer_progress(admin_proxy: ProxyP
     queue_rows = [p for p in (line.split() for line in status.splitlines())
                   if len(p) >= 4 and p[1].isdigit() and p[2].isdigit() and p[3].isdigit()]
     assert len(queue_rows) == 2 and sum(int(p[3]) for p in queue_rows) == 6, status
+    # the consumer's offsets reach the broker asynchronously: ask again until they are all in
+    deadline = time.monotonic() + 120
+    while not re.search(r"Diff Total:\s*0\b", progress) and time.monotonic() < deadline:
+        progress = cluster.mqadmin("consumerProgress", "-n", admin_proxy.namesrv_addr, "-g", f"{group}_c")
     assert topic in progress and re.search(r"Diff Total:\s*0\b", progress), progress
     # the same admin request without the preset: denied, so no version in the row
     denied = cluster.mqadmin("clusterList", "-n", proxy.namesrv_addr)
