@@ -217,8 +217,7 @@ cdef Py_ssize_t scan_string_rest(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, i
     """scan_string from ``h[i]``, a byte that is not plain ASCII."""
     cdef uint8_t c
     cdef int32_t u, lo
-    cdef int f = 0, need, k
-    cdef uint32_t cp
+    cdef int f = 0, k
     while True:
         # eight plain bytes at a time, then byte by byte up to the next special one
         while i + 8 <= n and not word_has_special(h + i):
@@ -260,62 +259,53 @@ cdef Py_ssize_t scan_string_rest(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, i
         if c < 0x80:
             i += 1
             continue
-        if 0xC2 <= c <= 0xDF:
-            need = 1
-            cp = c & 0x1F
-        elif 0xE0 <= c <= 0xEF:
-            need = 2
-            cp = c & 0x0F
-        elif 0xF0 <= c <= 0xF4:
-            need = 3
-            cp = c & 0x07
-        else:
-            return -E_BAD_UTF8
-        if i + need >= n:
-            return -E_UNTERMINATED_STRING
-        for k in range(1, need + 1):
-            if (h[i + k] & 0xC0) != 0x80:
-                return -E_BAD_UTF8
-            cp = (cp << 6) | (h[i + k] & 0x3F)
-        if (need == 2 and (cp < 0x800 or 0xD800 <= cp <= 0xDFFF)) or \
-                (need == 3 and (cp < 0x10000 or cp > 0x10FFFF)):
-            return -E_BAD_UTF8
-        i += need + 1
+        k = utf8_sequence(h, i, n)
+        if k < 0:
+            return k
+        i += k
     return -E_UNTERMINATED_STRING
 
 
-cdef bint utf8_valid(const uint8_t* p, Py_ssize_t n) noexcept nogil:
-    """Strict UTF-8 (no overlong forms, no surrogates, at most U+10FFFF)."""
-    cdef Py_ssize_t i = 0
+cdef inline int utf8_sequence(const uint8_t* p, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    """Length of the strict UTF-8 sequence (no overlong forms, no surrogates, at most U+10FFFF)
+    starting at the non-ASCII byte ``p[i]`` of ``p[:n]``; -(error code) if there is none."""
+    cdef uint8_t c = p[i]
     cdef int need, k
     cdef uint32_t cp
-    cdef uint8_t c
+    if 0xC2 <= c <= 0xDF:
+        need = 1
+        cp = c & 0x1F
+    elif 0xE0 <= c <= 0xEF:
+        need = 2
+        cp = c & 0x0F
+    elif 0xF0 <= c <= 0xF4:
+        need = 3
+        cp = c & 0x07
+    else:
+        return -E_BAD_UTF8
+    if i + need >= n:
+        return -E_UNTERMINATED_STRING
+    for k in range(1, need + 1):
+        if (p[i + k] & 0xC0) != 0x80:
+            return -E_BAD_UTF8
+        cp = (cp << 6) | (p[i + k] & 0x3F)
+    if (need == 2 and (cp < 0x800 or 0xD800 <= cp <= 0xDFFF)) or (need == 3 and (cp < 0x10000 or cp > 0x10FFFF)):
+        return -E_BAD_UTF8
+    return need + 1
+
+
+cdef bint utf8_valid(const uint8_t* p, Py_ssize_t n) noexcept nogil:
+    """Strict UTF-8 through and through."""
+    cdef Py_ssize_t i = 0
+    cdef int k
     while i < n:
-        c = p[i]
-        if c < 0x80:
+        if p[i] < 0x80:
             i += 1
             continue
-        if 0xC2 <= c <= 0xDF:
-            need = 1
-            cp = c & 0x1F
-        elif 0xE0 <= c <= 0xEF:
-            need = 2
-            cp = c & 0x0F
-        elif 0xF0 <= c <= 0xF4:
-            need = 3
-            cp = c & 0x07
-        else:
+        k = utf8_sequence(p, i, n)
+        if k < 0:
             return False
-        if i + need >= n:
-            return False
-        for k in range(1, need + 1):
-            if (p[i + k] & 0xC0) != 0x80:
-                return False
-            cp = (cp << 6) | (p[i + k] & 0x3F)
-        if (need == 2 and (cp < 0x800 or 0xD800 <= cp <= 0xDFFF)) or \
-                (need == 3 and (cp < 0x10000 or cp > 0x10FFFF)):
-            return False
-        i += need + 1
+        i += k
     return True
 
 

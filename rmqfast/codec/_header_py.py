@@ -157,31 +157,40 @@ def scan_string(h: bytes, i: int, n: int) -> tuple[int, bool]:
         if c < 0x80:
             i += 1
             continue
-        if 0xC2 <= c <= 0xDF:
-            need, cp = 1, c & 0x1F
-        elif 0xE0 <= c <= 0xEF:
-            need, cp = 2, c & 0x0F
-        elif 0xF0 <= c <= 0xF4:
-            need, cp = 3, c & 0x07
-        else:
-            raise HeaderError(E_BAD_UTF8)
-        if i + need >= n:
-            raise HeaderError(E_UNTERMINATED_STRING)
-        for k in range(1, need + 1):
-            if h[i + k] & 0xC0 != 0x80:
-                raise HeaderError(E_BAD_UTF8)
-            cp = (cp << 6) | (h[i + k] & 0x3F)
-        if (need == 2 and (cp < 0x800 or 0xD800 <= cp <= 0xDFFF)) or (need == 3 and not 0x10000 <= cp <= 0x10FFFF):
-            raise HeaderError(E_BAD_UTF8)
-        i += need + 1
+        i += utf8_sequence(h, i, n)
     raise HeaderError(E_UNTERMINATED_STRING)
 
 
+def utf8_sequence(h: bytes, i: int, n: int) -> int:
+    """Length of the strict UTF-8 sequence (no overlong forms, no surrogates, at most U+10FFFF)
+    starting at the non-ASCII byte ``h[i]`` of ``h[:n]``; HeaderError if there is none."""
+    c = h[i]
+    if 0xC2 <= c <= 0xDF:
+        need, cp = 1, c & 0x1F
+    elif 0xE0 <= c <= 0xEF:
+        need, cp = 2, c & 0x0F
+    elif 0xF0 <= c <= 0xF4:
+        need, cp = 3, c & 0x07
+    else:
+        raise HeaderError(E_BAD_UTF8)
+    if i + need >= n:
+        raise HeaderError(E_UNTERMINATED_STRING)
+    for k in range(1, need + 1):
+        if h[i + k] & 0xC0 != 0x80:
+            raise HeaderError(E_BAD_UTF8)
+        cp = (cp << 6) | (h[i + k] & 0x3F)
+    if (need == 2 and (cp < 0x800 or 0xD800 <= cp <= 0xDFFF)) or (need == 3 and not 0x10000 <= cp <= 0x10FFFF):
+        raise HeaderError(E_BAD_UTF8)
+    return need + 1
+
+
 def utf8_valid(b: bytes) -> bool:
-    """Strict UTF-8 (no overlong forms, no surrogates, at most U+10FFFF)."""
+    """Strict UTF-8 through and through."""
+    i, n = 0, len(b)
     try:
-        b.decode("utf-8")  # Python's decoder is strict in exactly these ways
-    except UnicodeDecodeError:
+        while i < n:
+            i += 1 if b[i] < 0x80 else utf8_sequence(b, i, n)
+    except HeaderError:
         return False
     return True
 
