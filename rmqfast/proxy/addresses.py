@@ -1,4 +1,4 @@
-"""Broker addresses inside messages point at this proxy's endpoints (issue 14).
+"""Broker addresses inside messages point at this proxy's endpoints.
 
 Where a client learns a broker address from a message, and what happens to it here:
 
