@@ -1,0 +1,178 @@
+"""Instructions per relayed frame: one relay session under callgrind, in front of the null broker.
+
+A wall-clock benchmark on a loaded machine measures the machine; an instruction count does not.
+This script starts ``bench/nullbroker`` (``rmqfast.bench.cbuild``), then, for each scenario, runs
+one proxy process under ``valgrind --tool=callgrind`` (a gevent listener whose one connection is
+a :class:`rmqfast.proxy.relay.Session` with the worker's broker filter chain), drives it from
+this process with N frames (pipelined, ``--batch`` per write, every answer read), and reads the
+process's total instruction count.  It does that for two frame counts; the difference divided by
+the difference of frames is the cost of one frame through the relay (start-up and imports cancel
+out).  Only the proxy process runs under valgrind (client and null broker do not count).
+
+Scenarios (``--scenario``, repeatable; default all):
+
+* ``send``: SEND_MESSAGE_V2 with no send limits: the compiled fast path (no Python per frame);
+* ``send-limited``: the same with a limit rule on the topic that admits them all (the limiter
+  decides in the scanner; still no Python per frame);
+* ``send-busy``: every send over its limit (rule mode ``reject``): answered SYSTEM_BUSY by the
+  proxy through the policy path;
+* ``denied``: an admin request code answered NO_PERMISSION by the proxy.
+
+    .venv/bin/python bench/relay_instructions.py [--frames 2000 12000] [--batch 32] [--scenario send]
+
+``RMQFAST_NO_EXTENSIONS=1`` measures the pure-Python twins (pump and scanner) instead.
+Prints one line per run and one JSON line per scenario.  A measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCENARIOS = ("send", "send-limited", "send-busy", "denied")
+TOPIC = "BenchTopic"
+UPDATE_BROKER_CONFIG = 25
+
+
+# The proxy side (runs under valgrind) -------------------------------------------------------
+
+
+def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
+    import gevent
+    from gevent import socket as gsocket
+
+    from rmqfast.codec import ScanStats
+    from rmqfast.codec import codes as C
+    from rmqfast.config import HostPort
+    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+    from rmqfast.proxy.relay import RelaySettings, Session
+
+    limits = None
+    if scenario in ("send-limited", "send-busy"):
+        from rmqfast.limits import create_shared, parse_limits
+        from rmqfast.limits.worker import WorkerLimits
+
+        rule = ({"topic": TOPIC, "rate": 1e9, "burst": 1e9} if scenario == "send-limited"
+                else {"topic": TOPIC, "mode": "reject"})
+        limits = WorkerLimits(create_shared(runtime), parse_limits({"rule": [rule]}))
+
+    class Events:
+        def upstream_error(self, role: str) -> None:
+            pass
+
+        def upstream_ok(self, session: object, hp: object) -> None:
+            pass
+
+    chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
+    settings = RelaySettings(65536, 16 << 20, 1 << 16, 5.0, 600.0)
+    listener = gsocket.socket(gsocket.AF_INET, gsocket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    print(f"listening {listener.getsockname()[1]}", flush=True)
+    sock, addr = listener.accept()
+    sock.setsockopt(gsocket.IPPROTO_TCP, gsocket.TCP_NODELAY, 1)
+    session = Session("broker", sock, f"{addr[0]}:{addr[1]}", [HostPort("127.0.0.1", upstream_port)], chain,
+                      ScanStats(), settings, Events(), limits=limits)
+    gevent.spawn(session.run).join()
+    listener.close()
+
+
+# The driver ---------------------------------------------------------------------------------
+
+
+def frame(scenario: str, opaque: int) -> bytes:
+    from rmqfast.codec.command import RemotingCommand, encode
+
+    if scenario == "denied":
+        return encode(RemotingCommand(code=UPDATE_BROKER_CONFIG, opaque=opaque, version=401, body=b"x=y"))
+    return encode(RemotingCommand(code=310, opaque=opaque, version=401, ext_fields={
+        "a": "PG", "b": TOPIC, "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": "0", "h": "0",
+        "i": f"TAGS\u0001TagA\u0002UNIQ_KEY\u0001U{opaque}\u0002", "j": "0", "k": "false", "m": "false"},
+        body=b"m" * 256))
+
+
+def drive(port: int, scenario: str, n: int, batch: int) -> dict[int, int]:
+    from rmqfast.codec.command import decode_frame
+    from rmqfast.testing.wire import read_frame
+
+    codes: dict[int, int] = {}
+    with socket.create_connection(("127.0.0.1", port), timeout=600) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sent = 0
+        while sent < n:
+            k = min(batch, n - sent)
+            s.sendall(b"".join(frame(scenario, sent + i) for i in range(k)))
+            for _ in range(k):
+                data = read_frame(s)
+                if data is None:
+                    raise RuntimeError(f"the proxy closed the connection after {sent} frames")
+                c = decode_frame(data).code
+                codes[c] = codes.get(c, 0) + 1
+            sent += k
+    return codes
+
+
+def instructions(out_file: Path) -> int:
+    text = out_file.read_text(errors="replace")
+    m = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+    if m is None:
+        raise RuntimeError(f"no instruction total in {out_file}")
+    return int(m.group(1))
+
+
+def run_once(upstream_port: int, scenario: str, n: int, batch: int, work: Path) -> tuple[int, dict[int, int]]:
+    out = work / f"callgrind.{scenario}.{n}.out"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
+           "--serve", str(upstream_port), "--scenario", scenario, "--runtime", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("listening "):
+        proc.kill()
+        raise RuntimeError(f"proxy did not start: {line!r}")
+    try:
+        codes = drive(int(line.split()[1]), scenario, n, batch)
+    finally:
+        rc = proc.wait(timeout=600)
+    if rc != 0:
+        raise RuntimeError(f"proxy exited {rc}")
+    return instructions(out), codes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--runtime", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--scenario", action="append", choices=SCENARIOS)
+    ap.add_argument("--frames", type=int, nargs=2, default=[2000, 12000])
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    if args.serve is not None:
+        serve(args.serve, args.scenario[0], args.runtime)
+        return
+    from rmqfast.bench.cbuild import build_tools
+    from rmqfast.bench.nullbroker import NullBroker
+
+    impl = "python" if os.environ.get("RMQFAST_NO_EXTENSIONS") else "compiled"
+    with NullBroker(build_tools()) as nb, tempfile.TemporaryDirectory() as tmp:
+        for scenario in args.scenario or SCENARIOS:
+            counts = []
+            for n in args.frames:
+                ins, codes = run_once(nb.port, scenario, n, args.batch, Path(tmp))
+                print(f"{scenario} {impl}: {n} frames, {ins} instructions, answers {codes}", flush=True)
+                counts.append(ins)
+            (n1, n2), (i1, i2) = args.frames, counts
+            print(json.dumps({"scenario": scenario, "implementation": impl, "batch": args.batch,
+                              "frames": args.frames, "instructions": counts,
+                              "per_frame": round((i2 - i1) / (n2 - n1))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
