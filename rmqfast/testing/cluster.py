@@ -31,6 +31,12 @@ Facts about the broker this module relies on (RocketMQ 5.3.3 and 4.9.4, Java 17)
 * 5.x batches transaction "op" records every ``transactionOpBatchInterval`` (3 s default); with a
   short ``transactionTimeOut`` that makes the broker check back committed messages too, so the
   interval is lowered here.
+* ``acl=True`` (5.x only) turns on ACL 2.0 authentication and authorization with the local
+  (RocksDB) user and ACL stores; :attr:`RocketMQCluster.ADMIN` is the super user created at boot
+  (``initAuthenticationUser``), every admin request of this module is signed with it, users and
+  ACLs are created with :meth:`RocketMQCluster.create_user` / :meth:`RocketMQCluster.grant`,
+  and ``mqadmin`` signs with the credentials in ``$ROCKETMQ_HOME/conf/tools.yml``.  A normal
+  user without ACL entries may do nothing; the name server (5.3.x) checks no ACL.
 * A graceful broker shutdown (SIGTERM) takes 10-15 s (service joins); :meth:`stop_broker`
   kills by default, which RocketMQ recovers from on restart (the mmapped commit log survives a
   process kill).
@@ -92,6 +98,11 @@ def _pick_ports() -> tuple[PortLease, int, int]:
 
 
 
+# ACL 2.0 admin request codes (RequestCode in apache/rocketmq 5.3)
+AUTH_CREATE_USER = 3001
+AUTH_CREATE_ACL = 3006
+AUTH_UPDATE_ACL = 3007
+
 _LOGBACK_XML = """<?xml version="1.0" encoding="UTF-8"?>
 <!-- written by rmqfast.testing.cluster: one plain log file per JVM -->
 <configuration>
@@ -145,9 +156,13 @@ class RocketMQCluster:
         jvm_opts: Sequence[str] = (),
         fast_start: bool = True,
         start_timeout: float = 90.0,
+        acl: bool = False,
     ) -> None:
         if version not in ("5", "4"):
             raise ValueError(f"version must be '5' or '4', not {version!r}")
+        if acl and version != "5":
+            raise ValueError("acl=True needs a 5.x broker (ACL 2.0); 4.9.x plain ACL is not set up here")
+        self.acl = acl
         self.version: BrokerVersion = version
         self._jars = jars
         self._workdir_arg = Path(workdir) if workdir is not None else None
@@ -168,6 +183,13 @@ class RocketMQCluster:
         self._ns_port = 0
         self._broker_port = 0
         self._ports_lease: PortLease | None = None
+
+    #: The ACL 2.0 super user created at boot when ``acl=True`` (access key, secret key).
+    ADMIN: tuple[str, str] = ("rmqfast-admin", "rmqfast-admin-secret")
+
+    @property
+    def _admin_credentials(self) -> tuple[str, str] | None:
+        return self.ADMIN if self.acl else None
 
     # ------------------------------------------------------------ addresses / paths
 
@@ -424,7 +446,8 @@ class RocketMQCluster:
         perm = _conf_value(self._broker_conf().get("brokerPermission", 6))
         with contextlib.suppress(OSError, ValueError):
             remoting_request(
-                self.broker_addr, UPDATE_BROKER_CONFIG, body=f"brokerPermission={perm}\n".encode()
+                self.broker_addr, UPDATE_BROKER_CONFIG, body=f"brokerPermission={perm}\n".encode(),
+                credentials=self._admin_credentials,
             )
 
     def _broker_registered(self) -> bool:
@@ -498,6 +521,24 @@ class RocketMQCluster:
         if self.version == "5":
             conf["bindAddress"] = "127.0.0.1"
             conf["mappedFileSizeTimerLog"] = 8 * 1024 * 1024
+        if self.acl:
+            ak, sk = self.ADMIN
+            auth = "org.apache.rocketmq.auth."
+            conf.update({
+                "authenticationEnabled": True,
+                "authorizationEnabled": True,
+                "authenticationProvider": auth + "authentication.provider.DefaultAuthenticationProvider",
+                "authenticationMetadataProvider": auth + "authentication.provider.LocalAuthenticationMetadataProvider",
+                "authorizationProvider": auth + "authorization.provider.DefaultAuthorizationProvider",
+                "authorizationMetadataProvider": auth + "authorization.provider.LocalAuthorizationMetadataProvider",
+                "initAuthenticationUser": json.dumps({"username": ak, "password": sk}),
+                "innerClientAuthenticationCredentials": json.dumps({"accessKey": ak, "secretKey": sk}),
+                # users and ACLs are cached 60 s by default: a grant must count at once in tests
+                "userCacheRefreshSecond": 1,
+                "aclCacheRefreshSecond": 1,
+                "statefulAuthenticationCacheExpiredSecond": 1,
+                "statefulAuthorizationCacheExpiredSecond": 1,
+            })
         conf.update(self.extra_broker_conf)
         return conf
 
@@ -511,6 +552,8 @@ class RocketMQCluster:
             (wd / d / "rmq.logback-test.xml").write_text(_LOGBACK_XML)
         for name in ("logback_namesrv.xml", "logback_broker.xml", "logback_tools.xml"):
             (wd / "home" / "conf" / name).write_text(_LOGBACK_XML)
+        if self.acl:  # mqadmin (MQAdminStartup) signs with these
+            (wd / "home" / "conf" / "tools.yml").write_text(_tools_yml(*self.ADMIN))
         (wd / "namesrv.conf").write_text(
             f"listenPort={self._ns_port}\n"
             + ("bindAddress=127.0.0.1\n" if self.version == "5" else "")
@@ -637,6 +680,7 @@ class RocketMQCluster:
                 "order": order,
             },
             timeout=timeout,
+            credentials=self._admin_credentials,
         )
         if r.code != SUCCESS:
             raise ClusterError(f"creating topic {topic} failed: code {r.code} {r.remark}")
@@ -653,11 +697,45 @@ class RocketMQCluster:
                 raise ClusterError(f"topic {topic} created but no route with {queues} queues yet")
             time.sleep(0.1)
 
-    def mqadmin(self, *args: str, timeout: float = 120.0) -> str:
+    def create_user(self, username: str, password: str, user_type: str = "Normal") -> None:
+        """ACL 2.0: creates a user (AUTH_CREATE_USER, signed by :attr:`ADMIN`)."""
+        body = json.dumps({"username": username, "password": password, "userType": user_type}).encode()
+        r = remoting_request(self.broker_addr, AUTH_CREATE_USER, {"username": username}, body,
+                             credentials=self._admin_credentials, timeout=15.0)
+        if r.code != SUCCESS:
+            raise ClusterError(f"creating user {username} failed: code {r.code} {r.remark}")
+
+    def grant(self, username: str, resources: Sequence[str], actions: Sequence[str] = ("Pub", "Sub"),
+              decision: str = "Allow") -> None:
+        """ACL 2.0: ``username`` may do ``actions`` on ``resources`` ("Topic:T", "Group:G", "Topic:*",
+        "Topic:Order*"...): AUTH_CREATE_ACL (AUTH_UPDATE_ACL when the user has an ACL already)."""
+        subject = f"User:{username}"
+        acl = {"subject": subject, "policies": [{"policyType": "Custom", "entries": [
+            {"resource": r, "actions": list(actions), "decision": decision} for r in resources]}]}
+        body = json.dumps(acl).encode()
+        for code in (AUTH_CREATE_ACL, AUTH_UPDATE_ACL):
+            r = remoting_request(self.broker_addr, code, {"subject": subject}, body,
+                                 credentials=self._admin_credentials, timeout=15.0)
+            if r.code == SUCCESS:
+                return
+        raise ClusterError(f"granting {list(actions)} on {list(resources)} to {username} failed: "
+                           f"code {r.code} {r.remark}")
+
+    def mqadmin(self, *args: str, timeout: float = 120.0, credentials: tuple[str, str] | None = None) -> str:
         """Runs ``org.apache.rocketmq.tools.command.MQAdminStartup`` (mqadmin) with ``args``
         against this cluster, e.g. ``cluster.mqadmin("topicList", "-n", cluster.namesrv_addr)``.
-        Returns its stdout; raises ClusterError on a non-zero exit. Takes ~3-5 s (a JVM)."""
+        Returns its stdout; raises ClusterError on a non-zero exit. Takes ~3-5 s (a JVM).
+
+        With ``acl=True`` it signs as :attr:`ADMIN`, or with ``credentials`` when given."""
         cp = self.jars.cluster_classpath(self.version)
+        env = self._env()
+        if credentials is not None:
+            home = Path(tempfile.mkdtemp(prefix="mqadmin-", dir=self.workdir))
+            (home / "conf").mkdir()
+            (home / "conf" / "tools.yml").write_text(_tools_yml(*credentials))
+            for name in ("logback_tools.xml",):
+                (home / "conf" / name).write_text(_LOGBACK_XML)
+            env["ROCKETMQ_HOME"] = str(home)
         cmd = self._jvm_base(128, self.workdir / "home-br", self.log_dir / "tools.log") + [
             "-cp",
             f"{self.workdir / 'conf' / 'namesrv'}{os.pathsep}{cp}",
@@ -667,7 +745,7 @@ class RocketMQCluster:
         proc = subprocess.run(
             cmd,
             cwd=self.workdir,
-            env=self._env(),
+            env=env,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=timeout,
@@ -681,6 +759,10 @@ class RocketMQCluster:
                 f"{proc.stderr.decode('utf-8', 'replace')[-4000:]}"
             )
         return out
+
+
+def _tools_yml(access_key: str, secret_key: str) -> str:
+    return f"accessKey: {json.dumps(access_key)}\nsecretKey: {json.dumps(secret_key)}\n"
 
 
 class _PortClash(ClusterError):

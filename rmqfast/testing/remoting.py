@@ -39,18 +39,25 @@ def remoting_request(
     body: bytes = b"",
     *,
     timeout: float = 5.0,
+    credentials: tuple[str, str] | None = None,
 ) -> RemotingResponse:
     """Sends one request with a JSON header to ``addr`` ("host:port") on a fresh connection and
     returns the answer with the same opaque.
 
     ``ext_fields`` values are sent as Java would print them (``True`` -> ``"true"``); None
-    values are left out.  ``ConnectionError`` when the peer closes before answering,
-    ``socket.timeout`` after ``timeout`` seconds of silence, ``rmqfast.errors.FrameError``
+    values are left out.  ``credentials`` ``(access_key, secret_key)`` signs the request as
+    ``AclClientRPCHook`` does (:mod:`rmqfast.testing.aclsign`), for ACL-enabled brokers.
+    ``ConnectionError`` when the peer closes before answering, ``socket.timeout`` after
+    ``timeout`` seconds of silence, ``rmqfast.errors.FrameError``
     (a ValueError) for an answer that is not a Remoting frame.
     """
     host, _, port = addr.rpartition(":")
     opaque = next(_opaque) & 0x7FFFFFFF
     fields = {k: _text(v) for k, v in (ext_fields or {}).items() if v is not None}
+    if credentials is not None:
+        from rmqfast.testing.aclsign import sign
+
+        fields = sign(fields, bytes(body), *credentials)
     request = RemotingCommand(code=code, version=REQUEST_VERSION, opaque=opaque, ext_fields=fields or None,
                               body=bytes(body))
     with socket.create_connection((host, int(port)), timeout=timeout) as s:

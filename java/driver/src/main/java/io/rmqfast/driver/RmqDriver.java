@@ -22,10 +22,13 @@ import java.util.concurrent.Semaphore;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 
+import org.apache.rocketmq.acl.common.AclClientRPCHook;
+import org.apache.rocketmq.acl.common.SessionCredentials;
 import org.apache.rocketmq.client.ClientConfig;
 import org.apache.rocketmq.client.consumer.DefaultLitePullConsumer;
 import org.apache.rocketmq.client.consumer.DefaultMQPushConsumer;
 import org.apache.rocketmq.client.consumer.MessageSelector;
+import org.apache.rocketmq.client.consumer.rebalance.AllocateMessageQueueAveragely;
 import org.apache.rocketmq.client.consumer.listener.ConsumeConcurrentlyStatus;
 import org.apache.rocketmq.client.consumer.listener.ConsumeOrderlyStatus;
 import org.apache.rocketmq.client.consumer.listener.MessageListenerConcurrently;
@@ -45,6 +48,7 @@ import org.apache.rocketmq.common.message.Message;
 import org.apache.rocketmq.common.message.MessageClientIDSetter;
 import org.apache.rocketmq.common.message.MessageExt;
 import org.apache.rocketmq.common.message.MessageQueue;
+import org.apache.rocketmq.remoting.RPCHook;
 
 /**
  * Test traffic generator for rmqfast, built twice (rocketmq-client 5.x and 4.9.4) from this one source.
@@ -68,6 +72,7 @@ import org.apache.rocketmq.common.message.MessageQueue;
  *              --rebalance-ms 1000  --rebalance-min-ms 200  --lock-interval-ms 1000
  *              --vip-channel false  --timeout-ms 30000 (45000 for transaction)  --settle-ms 500
  *              --shutdown-wait-ms 1500  --max-body-print 256
+ *              --access-key AK --secret-key SK [--security-token T]: sign every request (AclClientRPCHook)
  * Producing    --count 10  --start-index 0  --mode sync  --tags TagA,TagB,TagC ("" = no tag)
  *              --shard-keys K (default 4 for ordered)  --body-size B  --body-kind repeat|hex
  *              --unicode  --props k=v,k2=v2  --delay-level L  --batch-size 10  --async-inflight 64
@@ -251,6 +256,18 @@ public final class RmqDriver {
 
     private String topic() {
         return o.required("topic");
+    }
+
+    /** AclClientRPCHook when --access-key is given (ACL-enabled brokers), else null (no hook). */
+    private RPCHook rpcHook() {
+        if (!o.has("access-key")) {
+            return null;
+        }
+        SessionCredentials cred = new SessionCredentials(o.required("access-key"), o.required("secret-key"));
+        if (o.has("security-token")) {
+            cred.setSecurityToken(o.str("security-token", null));
+        }
+        return new AclClientRPCHook(cred);
     }
 
     private String group(String suffix) {
@@ -482,7 +499,7 @@ public final class RmqDriver {
         int count = o.integer("count", 10);
         int start = o.integer("start-index", 0);
         Spec.Plan plan = plan();
-        DefaultMQProducer p = newProducer(new DefaultMQProducer(group("")));
+        DefaultMQProducer p = newProducer(new DefaultMQProducer(group(""), rpcHook()));
         result.put("topic", topic);
         result.put("group", p.getProducerGroup());
         result.put("mode", mode);
@@ -535,7 +552,7 @@ public final class RmqDriver {
     }
 
     private RunningConsumer startPush(String topic, String group, Collector col) throws Exception {
-        DefaultMQPushConsumer c = new DefaultMQPushConsumer(group);
+        DefaultMQPushConsumer c = new DefaultMQPushConsumer(group, rpcHook(), new AllocateMessageQueueAveragely());
         configure(c, "push");
         c.setConsumeFromWhere(fromWhere());
         c.subscribe(topic, selector());
@@ -588,7 +605,7 @@ public final class RmqDriver {
     }
 
     private RunningConsumer startLitePull(String topic, String group, Collector col) throws Exception {
-        DefaultLitePullConsumer c = new DefaultLitePullConsumer(group);
+        DefaultLitePullConsumer c = new DefaultLitePullConsumer(group, rpcHook());
         configure(c, "litepull");
         c.setConsumeFromWhere(fromWhere());
         c.subscribe(topic, selector());
@@ -742,7 +759,7 @@ public final class RmqDriver {
         SendOutcome out;
         boolean reached;
         try {
-            DefaultMQProducer p = newProducer(new DefaultMQProducer(group("_p")));
+            DefaultMQProducer p = newProducer(new DefaultMQProducer(group("_p"), rpcHook()));
             p.start();
             try {
                 out = produce(p, topic, mode, start, count, plan);
@@ -832,7 +849,7 @@ public final class RmqDriver {
 
         Collector col = new Collector(T0, runId, 0, maxBodyPrint);
         RunningConsumer c = consume ? startConsumer(o.str("consumer", "push"), topic, group("_c"), col) : null;
-        TransactionMQProducer p = new TransactionMQProducer(group("_tx"));
+        TransactionMQProducer p = new TransactionMQProducer(group("_tx"), rpcHook());
         newProducer(p);
         p.setTransactionListener(new TransactionListener() {
             @Override
@@ -997,7 +1014,7 @@ public final class RmqDriver {
 
     private int queuesScenario(Map<String, Object> result) throws Exception {
         String topic = topic();
-        DefaultMQProducer p = newProducer(new DefaultMQProducer(group("")));
+        DefaultMQProducer p = newProducer(new DefaultMQProducer(group(""), rpcHook()));
         p.start();
         List<Map<String, Object>> qs = new ArrayList<>();
         try {
@@ -1033,7 +1050,7 @@ public final class RmqDriver {
         long durationMs = o.lng("duration-ms", 10000);
         byte[] body = new byte[o.integer("body-size", 1024)];
         Arrays.fill(body, (byte) 'x');
-        DefaultMQProducer p = newProducer(new DefaultMQProducer(group("")));
+        DefaultMQProducer p = newProducer(new DefaultMQProducer(group(""), rpcHook()));
         p.start();
         final long begin = System.nanoTime();
         final long measureFrom = begin + warmupMs * 1_000_000L;
