@@ -244,12 +244,17 @@ def summary(path: str, cfg: config_mod.Config) -> str:
     if cfg.replication_enabled:
         clouds = (f"{cfg.replicate.durability}, to " + ", ".join(r.name for r in cfg.clouds.remotes)
                   + f"; {len(cfg.replicate.topics)} topic rule(s), default {cfg.replicate.default}")
+    acl = "off (signed requests pass through unchanged)"
+    if cfg.acl.enabled:
+        acl = (f"{len(cfg.acl.topics)} AccessKey(s) listed; unsigned requests: {cfg.acl.unsigned}, "
+               f"other AccessKeys: {cfg.acl.other_keys}")
     rows = [
         ("name servers", f"clients connect to {cfg.namesrv.listen}, relayed to {ups}"),
         ("brokers", brokers),
         ("workers", workers),
         ("admin endpoint", admin),
         ("policy", policy),
+        ("topic allowlist", acl),
         ("send limits", limits),
         ("traffic records", records),
         ("cross-cloud", clouds),

@@ -23,6 +23,7 @@ from typing import Any
 
 from rmqfast.errors import ConfigError
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
+from rmqfast.proxy.acl import AclSection, parse_acl
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -170,6 +171,7 @@ class Config:
     records: RecordsSection = field(default_factory=RecordsSection)
     clouds: CloudsSection = field(default_factory=CloudsSection)
     replicate: ReplicateSection = field(default_factory=ReplicateSection)
+    acl: AclSection = field(default_factory=AclSection)  # [acl]: per-AccessKey topic allowlist (rmqfast.proxy.acl)
 
     @property
     def replication_enabled(self) -> bool:
@@ -427,6 +429,7 @@ _KNOWN = {
         "retry_max",
         "topic",
     },
+    "acl": {"topics", "unsigned", "other_keys"},
 }
 
 _REPLICATE_CHOICES = ("online", "always", "never")
@@ -672,6 +675,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
 
     _parse_records(cfg, raw, errs)
     _parse_clouds(cfg, raw, errs)
+    with errs.check():
+        if "acl" in raw:
+            cfg.acl = parse_acl(raw["acl"])
 
     # cross-field checks only on values that parsed (else they would report the defaults)
     if not errs.any_under("namesrv.listen", "brokers", "admin.listen", "proxy.advertise_host"):
@@ -849,4 +855,6 @@ def from_json(text: str) -> Config:
         rp = dict(d["replicate"])
         rp["topics"] = [TopicRule(**x) for x in rp.get("topics", [])]
         cfg.replicate = ReplicateSection(**rp)
+    if "acl" in d:
+        cfg.acl = AclSection.from_dict(d["acl"])
     return cfg

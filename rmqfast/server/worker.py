@@ -35,6 +35,7 @@ from rmqfast.codec import codes as C
 from rmqfast.codec.admincodes import preset_codes
 from rmqfast.config import Config, HostPort
 from rmqfast.log import ctx
+from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
@@ -135,6 +136,8 @@ class Worker:
             broker_filters.append(self.replication.filter)
         # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
+        # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
+        acl: list[Filter] = [AclTopics(self.cfg.acl, self._denied)] if self.cfg.acl.enabled else []
         ns_allow = [*pol.allow_codes, *preset_codes(pol.preset, "namesrv")]
         broker_allow = [*pol.allow_codes, *preset_codes(pol.preset, "broker")]
         self.chains = {
@@ -147,6 +150,7 @@ class Worker:
             "broker": FilterChain(
                 [
                     DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied),
+                    *acl,
                     *broker_filters,
                     self.message_addresses,
                 ]

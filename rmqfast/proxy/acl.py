@@ -1,0 +1,253 @@
+"""ACL: signed requests pass through; an optional per-AccessKey topic allowlist (``[acl]``).
+
+RocketMQ's ACL (5.x "ACL 2.0": broker ``authenticationEnabled`` / ``authorizationEnabled``; 4.x
+plain ACL) is checked by the broker.  A client signs each request with its secret key
+(``AclClientRPCHook``): it adds ``AccessKey`` (and ``SecurityToken``) to the extFields and a
+``Signature``, the Base64 HmacSHA1 over the extFields *values* sorted by key, then the body.
+The proxy relays requests byte for byte, so signatures stay valid; it never holds a secret key
+and never re-signs.  Nothing the proxy changes is signed: route and message-address rewrites
+touch answers only, and the opaque a relay could renumber is not part of the signature.
+
+The allowlist is the proxy's own, on top of the broker's ACL::
+
+    [acl]
+    topics = { "app-orders" = ["Orders", "Orders-*"], "reporting" = ["*"] }
+    unsigned = "deny"       # requests without an AccessKey: "deny" (default) | "allow"
+    other_keys = "deny"     # AccessKeys that acl.topics does not name: "deny" (default) | "allow"
+
+An entry is a topic name, a prefix ending in ``*``, or ``*`` (every topic).  A listed AccessKey
+may send to (10, 310, 320, 324, 325), consume from (11, 361, 200050, 200052) and query (12) the
+topics listed for it; anything else of those codes is answered ``NO_PERMISSION`` (16) with a
+remark naming the AccessKey, the topic and the setting that would allow it (a one-way send is
+dropped).  Retry topics (``%RETRY%group``) are not checked: they belong to consumer groups,
+which the broker's ACL governs.  The proxy cannot verify a signature (it has no secret), so the
+allowlist only narrows what holders of valid credentials can reach; the broker still rejects a
+forged AccessKey.  Without ``acl.topics`` nothing is checked and these codes stay on the
+compiled path.
+
+The AccessKey and topic are read from the fully decoded header, as the broker reads them: the
+header walk has already refused frames whose topic field is duplicated or escaped, escaped
+extFields keys and the other ambiguous JSON; here a JSON header naming ``AccessKey`` twice in one
+object (fastjson and Python would not agree on which one counts) is refused too.  ROCKETMQ binary
+headers become a map in which the last duplicate wins, in Java and in the codec alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rmqfast.codec import codes as C
+from rmqfast.errors import ConfigError
+from rmqfast.log import ctx
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, error_response, reply, slots_of
+
+log = logging.getLogger("rmqfast.acl")
+
+ACCESS_KEY = "AccessKey"
+RETRY_PREFIX = "%RETRY%"
+
+#: Request code -> (extFields key of its topic, what the request does to the topic).
+TOPIC_FIELDS: dict[int, tuple[str, str]] = {
+    C.SEND_MESSAGE: ("topic", "send to"),
+    C.SEND_REPLY_MESSAGE: ("topic", "send to"),
+    C.SEND_MESSAGE_V2: ("b", "send to"),
+    C.SEND_BATCH_MESSAGE: ("b", "send to"),
+    C.SEND_REPLY_MESSAGE_V2: ("b", "send to"),
+    C.PULL_MESSAGE: ("topic", "consume from"),
+    C.LITE_PULL_MESSAGE: ("topic", "consume from"),
+    C.POP_MESSAGE: ("topic", "consume from"),
+    C.PEEK_MESSAGE: ("topic", "consume from"),
+    C.QUERY_MESSAGE: ("topic", "query"),
+}
+
+CHOICES = ("deny", "allow")
+_TOPIC = re.compile(r"[%|a-zA-Z0-9_-]{1,127}")  # RocketMQ's topic name rule
+_KNOWN = {"topics", "unsigned", "other_keys"}
+
+
+@dataclass
+class AclSection:
+    """``[acl]``: AccessKey -> topic patterns; what to do with unsigned requests and unlisted keys."""
+
+    topics: dict[str, list[str]] = field(default_factory=dict)
+    unsigned: str = "deny"
+    other_keys: str = "deny"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.topics)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AclSection:
+        return cls(topics={k: list(v) for k, v in d.get("topics", {}).items()},
+                   unsigned=d.get("unsigned", "deny"), other_keys=d.get("other_keys", "deny"))
+
+
+def _v(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_acl(raw: Any) -> AclSection:
+    """Validate the ``[acl]`` table; every problem is reported (one message per line)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"acl: {_v(raw)} is not allowed; expected a table [acl]")
+    errors: list[str] = [f"acl.{k}: unknown key; allowed here: {', '.join(sorted(_KNOWN))}"
+                         for k in raw if k not in _KNOWN]
+    sec = AclSection()
+    for key in ("unsigned", "other_keys"):
+        if key in raw:
+            if raw[key] in CHOICES:
+                setattr(sec, key, raw[key])
+            else:
+                errors.append(f"acl.{key}: {_v(raw[key])} is not allowed; expected one of {', '.join(CHOICES)}")
+    topics = raw.get("topics", {})
+    if not isinstance(topics, dict):
+        errors.append(f"acl.topics: {_v(topics)} is not allowed; expected a table AccessKey = [topics], "
+                      "e.g. topics = { \"app-orders\" = [\"Orders\", \"Orders-*\"] }")
+        topics = {}
+    for ak, pats in topics.items():
+        where = f"acl.topics.{_v(ak)}"
+        if not ak or any(ord(ch) < 0x20 or ch == "\ufffd" for ch in ak):
+            errors.append(f"{where}: not allowed as an AccessKey; expected a non-empty name without control "
+                          "characters")
+            continue
+        if not isinstance(pats, list) or not pats:
+            errors.append(f"{where}: {_v(pats)} is not allowed; expected a non-empty list of topics "
+                          "(a name, a prefix ending in '*', or \"*\")")
+            continue
+        good: list[str] = []
+        for i, p in enumerate(pats):
+            name = p[:-1] if isinstance(p, str) and p.endswith("*") else p
+            if isinstance(p, str) and (p == "*" or (isinstance(name, str) and _TOPIC.fullmatch(name))):
+                good.append(p)
+            else:
+                errors.append(f"{where}[{i}]: {_v(p)} is not allowed; expected a topic name (letters, digits, "
+                              "'%', '|', '_', '-'; at most 127), a prefix ending in '*', or \"*\"")
+        sec.topics[ak] = good
+    if not sec.topics and not errors and raw:
+        errors.append("acl.topics: required when [acl] is present; name each AccessKey and the topics it "
+                      "may use, e.g. topics = { \"app-orders\" = [\"Orders\"] }")
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        from rmqfast.config import ConfigErrors
+
+        raise ConfigErrors(errors)
+    return sec
+
+
+class _Patterns:
+    __slots__ = ("all", "exact", "prefixes")
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.all = "*" in patterns
+        self.exact = frozenset(p for p in patterns if not p.endswith("*"))
+        self.prefixes = tuple(p[:-1] for p in patterns if p.endswith("*") and p != "*")
+
+    def allows(self, topic: str) -> bool:
+        return self.all or topic in self.exact or (bool(self.prefixes) and topic.startswith(self.prefixes))
+
+
+def access_key_repeated(header: bytes) -> bool:
+    """True when a JSON header names ``AccessKey`` twice in one object (or cannot be read to tell)."""
+    if header.count(b'"AccessKey"') < 2:
+        return False
+    repeated = False
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal repeated
+        if sum(1 for k, _ in items if k == ACCESS_KEY) > 1:
+            repeated = True
+        return dict(items)
+
+    try:
+        json.loads(header.decode("utf-8", "replace"), object_pairs_hook=pairs)
+    except ValueError:
+        return True
+    return repeated
+
+
+class AclTopics(Filter):
+    """The ``[acl]`` allowlist on the broker listeners (see the module text)."""
+
+    name = "acl-topics"
+    _MAX_LOGGED = 4096
+
+    def __init__(self, section: AclSection, on_deny: Callable[[Session, int], None] | None = None) -> None:
+        self.section = section
+        self.on_deny = on_deny
+        self.keys = {ak: _Patterns(p) for ak, p in section.topics.items()}
+        self.allow_unsigned = section.unsigned == "allow"
+        self.allow_other = section.other_keys == "allow"
+        self._slots = slots_of(TOPIC_FIELDS) if section.enabled else set()
+        self._logged: set[tuple[str, str, str]] = set()
+        self.denied = 0
+
+    def request_slots(self) -> set[int]:
+        return self._slots
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        spec = TOPIC_FIELDS.get(frame.code)
+        if spec is None:
+            return None
+        key, verb = spec
+        cmd = frame.command()
+        ext = cmd.ext_fields or {}
+        topic = ext.get(key)
+        if topic is None:
+            return self._deny(session, frame, "", "", f"rmqfast: request code {frame.code} names no topic "
+                              f"(extFields '{key}'); the proxy's topic allowlist (acl.topics) cannot admit it")
+        if topic.startswith(RETRY_PREFIX):
+            return None
+        ak = ext.get(ACCESS_KEY)
+        if ak is not None and frame.data[4] == C.SERIALIZE_JSON and access_key_repeated(
+            frame.data[8 : 8 + frame.header_length]
+        ):
+            return self._deny(session, frame, "", topic, "rmqfast: the request names AccessKey more than once; "
+                              "refused (the broker and the proxy could read different keys)")
+        if ak is None:
+            if self.allow_unsigned:
+                return None
+            return self._deny(session, frame, "", topic,
+                              f"rmqfast: unsigned request (no AccessKey) to {verb} topic {topic!r} refused by the "
+                              "proxy's topic allowlist; sign requests (AclClientRPCHook with the AccessKey's "
+                              "credentials), or set acl.unsigned = \"allow\"")
+        if "\ufffd" in ak:
+            return self._deny(session, frame, ak, topic, "rmqfast: the AccessKey is not valid UTF-8; refused")
+        pats = self.keys.get(ak)
+        if pats is None:
+            if self.allow_other:
+                return None
+            return self._deny(session, frame, ak, topic,
+                              f"rmqfast: AccessKey {ak!r} is not in the proxy's topic allowlist (acl.topics); "
+                              f"to let it {verb} topic {topic!r}, add {ak!r} = [{topic!r}] to acl.topics and "
+                              "reload the proxy (SIGHUP)")
+        if pats.allows(topic):
+            return None
+        return self._deny(session, frame, ak, topic,
+                          f"rmqfast: AccessKey {ak!r} may not {verb} topic {topic!r} through this proxy; allow "
+                          f"it by adding {topic!r} (or a prefix ending in '*') to acl.topics[{ak!r}] and reloading "
+                          "the proxy (SIGHUP)")
+
+    def _deny(self, session: Session, frame: Frame, ak: str, topic: str, remark: str) -> Verdict:
+        self.denied += 1
+        seen = (ak, topic, str(frame.code))
+        fields = ctx(code=frame.code, access_key=ak, topic=topic, client=session.client_addr, reason=remark)
+        if seen not in self._logged:
+            if len(self._logged) >= self._MAX_LOGGED:
+                self._logged.clear()
+            self._logged.add(seen)
+            log.warning("request refused by the topic allowlist", extra=fields)
+        else:  # the same refusal again: counted in the metrics, logged at debug
+            log.debug("request refused by the topic allowlist", extra=fields)
+        if self.on_deny is not None:
+            self.on_deny(session, frame.code)
+        if frame.is_oneway:
+            return divert(remark)
+        return reply(error_response(frame, C.NO_PERMISSION, remark))
