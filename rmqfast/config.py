@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rmqfast.delay.settings import DelaySection, parse_delay
 from rmqfast.errors import ConfigError
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
@@ -171,6 +172,7 @@ class Config:
     records: RecordsSection = field(default_factory=RecordsSection)
     clouds: CloudsSection = field(default_factory=CloudsSection)
     replicate: ReplicateSection = field(default_factory=ReplicateSection)
+    delay: DelaySection = field(default_factory=DelaySection)  # [delay] (rmqfast.delay)
     acl: AclSection = field(default_factory=AclSection)  # [acl]: per-AccessKey topic allowlist (rmqfast.proxy.acl)
 
     @property
@@ -429,6 +431,7 @@ _KNOWN = {
         "retry_max",
         "topic",
     },
+    "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight"},
     "acl": {"topics", "unsigned", "other_keys"},
 }
 
@@ -676,6 +679,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     _parse_records(cfg, raw, errs)
     _parse_clouds(cfg, raw, errs)
     with errs.check():
+        if "delay" in raw:
+            cfg.delay = parse_delay(raw["delay"])
+    with errs.check():
         if "acl" in raw:
             cfg.acl = parse_acl(raw["acl"])
 
@@ -855,6 +861,8 @@ def from_json(text: str) -> Config:
         rp = dict(d["replicate"])
         rp["topics"] = [TopicRule(**x) for x in rp.get("topics", [])]
         cfg.replicate = ReplicateSection(**rp)
+    if "delay" in d:
+        cfg.delay = DelaySection(**d["delay"])
     if "acl" in d:
         cfg.acl = AclSection.from_dict(d["acl"])
     return cfg

@@ -134,6 +134,9 @@ class Worker:
             else:
                 self.replication.reconfigure(self.cfg)
             broker_filters.append(self.replication.filter)
+        self._setup_delay()
+        if self.delay is not None:  # first: a held send is answered here and not copied
+            broker_filters.insert(0, self.delay.filter)
         # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
         # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
@@ -157,6 +160,35 @@ class Worker:
             ),
         }
 
+    def _setup_delay(self) -> None:
+        """[delay]: proxy-held delayed messages, in the worker's spill (the replicator's when there is one)."""
+        if getattr(self, "delay", None) is not None:
+            self.delay.reconfigure(self.cfg.delay)
+            return
+        self.delay: Any = None
+        from rmqfast.spill.store import SpillStore, worker_dir
+
+        repl = getattr(self, "replication", None)
+        if not self.cfg.delay.enabled and repl is None and not worker_dir(self.cfg.proxy.state_dir,
+                                                                          self.index).exists():
+            return
+        try:
+            spill = repl.replicator.store if repl is not None else getattr(self, "own_spill", None)
+            if spill is None:
+                rp = self.cfg.replicate
+                spill = self.own_spill = SpillStore(
+                    worker_dir(self.cfg.proxy.state_dir, self.index), write_buffer_bytes=rp.write_buffer_bytes,
+                    block_cache_bytes=rp.block_cache_bytes, disk_cap_bytes=rp.disk_cap_bytes)
+            from rmqfast.delay import open_delay
+
+            self.delay = open_delay(self.cfg, self.index, spill)
+        except Exception as exc:  # an unusable spill: delayed sends go to the broker as they are
+            log.error("proxy-held delay unavailable: cannot open the spill",
+                      extra=ctx(worker=self.index, error=str(exc)))
+            return
+        if self.delay is not None and getattr(self, "_started", False):
+            self.delay.start()
+
     def _setup_shaper(self) -> None:
         """Start peak shaving when a shape rule exists or the spill may hold a shaped backlog.
 
@@ -167,11 +199,12 @@ class Worker:
         from rmqfast.limits.shaper import Shaper, shaping_wanted
 
         repl = getattr(self, "replication", None)
-        if not shaping_wanted(self.cfg, self.index, repl.replicator.store if repl is not None else None):
+        if not shaping_wanted(self.cfg, self.index, repl.replicator.store if repl is not None
+                              else getattr(self, "own_spill", None)):
             return
         try:
             shaper = Shaper(self.cfg, self.index, self.limits, metrics=self.metrics,
-                            store=repl.replicator.store if repl is not None else None,
+                            store=repl.replicator.store if repl is not None else getattr(self, "own_spill", None),
                             committer=repl.replicator.committer if repl is not None else None)
         except Exception as exc:  # an unusable spill: shape rules answer SYSTEM_BUSY instead
             log.error("peak shaving unavailable: cannot open the spill; sends over a shape rule get SYSTEM_BUSY",
@@ -199,6 +232,8 @@ class Worker:
         self._started = True
         if self.shaper is not None:
             self.shaper.start()  # releases a shaped backlog left by the previous run
+        if self.delay is not None:
+            self.delay.start()  # releases what the previous run of this worker slot held
         ns = self.cfg.namesrv.listen
         assert ns is not None
         self._listen("namesrv", ns, None)
@@ -295,6 +330,8 @@ class Worker:
             self.limits_publisher.publish()
         if self.shaper is not None:
             self.shaper.publish()
+        if self.delay is not None:
+            self.delay.publish()
         if self.records is not None:
             self._record_samples()
             self.records.add_aggregates([row for d in self.record_deltas for row in d.take()])
@@ -340,6 +377,10 @@ class Worker:
             self.records.close()
         if self.shaper is not None:
             self.shaper.close()  # before the replicator: they may share its spill
+        if self.delay is not None:
+            self.delay.close()
+        if getattr(self, "own_spill", None) is not None:
+            self.own_spill.close()
         if getattr(self, "replication", None) is not None:
             self.replication.close()
         log.info("worker stopped", extra=ctx(worker=self.index, cut_sessions=left))

@@ -1,0 +1,501 @@
+"""Proxy-held delayed messages, worker side: the filter that holds them, the releaser, cancel.
+
+* :class:`DelayFilter` sees the sends (10, 310, 320) of the topics ``[delay] topics`` names.  A
+  send whose properties ask for a delivery time (:mod:`rmqfast.delay.semantics`) is stored,
+  synced (group commit: concurrent producers share an fsync), in the worker's RocksDB spill,
+  keyed by due time, with the delivery-time properties removed; then the producer gets SUCCESS
+  made by the proxy: ``msgId`` = the message's ``UNIQ_KEY`` (what the consumer sees as msgId),
+  ``queueId`` = the queue the producer chose (the release goes to that queue of that broker),
+  ``queueOffset`` = -1 (the broker has not stored it yet: there is no offset before the release).
+* :class:`Releaser` seeks the due-time keys from its cursor and sends what is due, in due-time
+  order, to the broker the producer's connection went to (one lane per broker, topic and queue:
+  a lane sends one message at a time, so the order of due times holds in every queue; lanes run
+  side by side).  A message is deleted once the broker answered SUCCESS (at least once: a crash
+  between the two sends it again; see :meth:`Releaser._recheck`, which asks the broker first).
+* Cancel: :func:`rmqfast.delay.cancel.request_cancel` drops a request file that every worker
+  applies to its own store (msgId or key).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import gevent
+from gevent.event import Event
+
+from rmqfast.clouds.remoting import ConnectionPool, RemoteError
+from rmqfast.codec import codes as C
+from rmqfast.codec.batch import decode_batch, encode_batch
+from rmqfast.codec.command import RemotingCommand, encode, make_response
+from rmqfast.codec.properties import KEYS, UNIQ_KEY, parse_properties
+from rmqfast.delay.semantics import DelayInvalid, due_ms, has_delay_property, strip_delay
+from rmqfast.delay.settings import DelaySection
+from rmqfast.delay.store import DUE_PREFIX, DelayStore, Held, StoreFull, WriteFailed, split_due_key
+from rmqfast.deliver.sender import PERMANENT_CODES, STORED_CODES, build_request
+from rmqfast.errors import BodyError
+from rmqfast.log import ctx
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, slots_of
+from rmqfast.spill.record import KIND_BATCH, KIND_SINGLE, CopyRecord
+
+log = logging.getLogger("rmqfast.delay")
+
+SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+MESSAGE_ILLEGAL = 13
+TRANSACTION_PREPARED = 1 << 2
+HELD_QUEUE_OFFSET = -1
+HELD_REMARK = "rmqfast: accepted by rmqfast proxy (delayed); delivered at its due time"
+_RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
+_V1 = {"a": "producerGroup", "b": "topic", "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag",
+       "i": "properties", "j": "reconsumeTimes", "l": "maxReconsumeTimes", "n": "bname"}
+LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _int(v: str | None, default: int = 0) -> int:
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default
+
+
+class DelayMetrics:
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.accepted = Counter("rmqfast_delay_accepted_total",
+                                "Delayed sends stored by the proxy and answered SUCCESS, by topic", ["topic"])
+        self.rejected = Counter("rmqfast_delay_rejected_total",
+                                "Delayed sends refused, by reason (full, too_far, invalid, write_failed...)",
+                                ["reason"])
+        self.released = Counter("rmqfast_delay_released_total",
+                                "Held messages the broker stored at their due time, by topic", ["topic"])
+        self.cancelled = Counter("rmqfast_delay_cancelled_total", "Held messages cancelled before release")
+        self.dropped = Counter("rmqfast_delay_dropped_total",
+                               "Held messages given up (the broker refused them for good, undecodable)", ["reason"])
+        self.duplicates_avoided = Counter(
+            "rmqfast_delay_recheck_found_total",
+            "After a restart, messages that were possibly sent before the crash and that the broker already had "
+            "(not sent again)")
+        self.pending = Gauge("rmqfast_delay_pending_messages", "Held messages waiting for their due time",
+                             multiprocess_mode="livesum")
+        self.pending_bytes = Gauge("rmqfast_delay_pending_bytes", "Bytes (keys + values) of held messages",
+                                   multiprocess_mode="livesum")
+        self.lateness = Histogram("rmqfast_delay_lateness_seconds",
+                                  "From a held message's due time to the broker's SUCCESS for its release",
+                                  buckets=LATENESS_BUCKETS)
+
+
+def held_answer(request: RemotingCommand, msg_id: str, queue_id: int) -> bytes:
+    ext = {"msgId": msg_id, "queueId": str(max(queue_id, 0)), "queueOffset": str(HELD_QUEUE_OFFSET), **_RESPONSE_EXT}
+    return encode(make_response(request, C.SUCCESS, HELD_REMARK, ext_fields=ext))
+
+
+def refusal(request: RemotingCommand, code: int, remark: str) -> bytes:
+    return encode(make_response(request, code, remark, ext_fields=dict(_RESPONSE_EXT)))
+
+
+class DelayFilter(Filter):
+    name = "delay"
+
+    def __init__(self, service: DelayService) -> None:
+        self.service = service
+        self._slots = slots_of(SEND_CODES)
+
+    def request_slots(self) -> set[int]:
+        return self._slots
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        if frame.code not in SEND_CODES:
+            return None
+        from rmqfast.replicate.filter import _quick_topic
+
+        cfg = self.service.cfg
+        topic = _quick_topic(frame)
+        if topic is not None and not cfg.covers(topic):
+            return None  # not a delay topic: no header decode
+        try:
+            cmd = frame.command()
+        except ValueError:
+            return None  # the broker answers malformed frames itself
+        return self.service.hold(session, frame, cmd)
+
+
+class DelayService:
+    """One worker's delayed messages: store, filter, releaser, cancel requests, metrics."""
+
+    def __init__(self, cfg: DelaySection, db: Any, index: int, *, state_dir: str = "", path: str = "",
+                 publish: bool = True, connect_timeout: float = 3.0, request_timeout: float = 5.0,
+                 retry_initial: float = 0.1, retry_max: float = 5.0) -> None:
+        self.cfg = cfg
+        self.levels = cfg.level_ms()
+        self.index = index
+        self.state_dir = state_dir
+        self.m = DelayMetrics() if publish else None
+        self.store = DelayStore(db, max_pending_bytes=cfg.max_pending_bytes, path=path)
+        self.filter = DelayFilter(self)
+        self.releaser = Releaser(self, connect_timeout=connect_timeout, request_timeout=request_timeout,
+                                 retry_initial=retry_initial, retry_max=retry_max)
+        self.store.on_put = self.releaser.on_put
+        self.closed = False
+        self.accepted = 0
+        self.refused: dict[str, int] = {}
+        self.cancelled = 0
+        self._cancel_loop: Any = None
+        self._seen_cancels: set[str] = set()
+
+    def reconfigure(self, cfg: DelaySection) -> None:
+        """Topics, levels, bounds change at once; held messages stay."""
+        self.cfg = cfg
+        self.levels = cfg.level_ms()
+        self.store.max_pending_bytes = cfg.max_pending_bytes
+
+    # Holding ----------------------------------------------------------------------------------
+
+    def _refuse(self, frame: Frame, cmd: RemotingCommand, code: int, reason: str, why: str) -> Verdict:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        if self.m is not None:
+            self.m.rejected.labels(reason).inc()
+        log.warning("delayed send refused", extra=ctx(worker=self.index, reason=why))
+        if frame.is_oneway:
+            return divert(why)
+        return reply(refusal(cmd, code, f"rmqfast: {why}"))
+
+    def hold(self, session: Session, frame: Frame, cmd: RemotingCommand) -> Verdict | None:
+        """Store a delayed send of a delay topic and answer it; None: not a delay request (relay it)."""
+        ext = cmd.ext_fields or {}
+        if frame.code == C.SEND_MESSAGE:
+            ext = {k: ext[v] for k, v in _V1.items() if ext.get(v) is not None}
+        topic = ext.get("b")
+        if not topic or not self.cfg.covers(topic):
+            return None
+        props_text = ext.get("i") or ""
+        batch = frame.code == C.SEND_BATCH_MESSAGE
+        now = now_ms()
+        entries = None
+        try:
+            props = parse_properties(props_text) if props_text else {}
+            due = due_ms(props, now, self.levels)
+            if batch and cmd.body:
+                try:
+                    entries = decode_batch(cmd.body)
+                except ValueError:
+                    entries = None  # the broker answers an undecodable batch itself
+                if entries:
+                    dues = [d for d in (due_ms(e.properties, now, self.levels) for e in entries) if d is not None]
+                    if dues:
+                        due = max([*dues, due] if due is not None else dues)
+        except DelayInvalid as exc:
+            return self._refuse(frame, cmd, MESSAGE_ILLEGAL, "invalid", f"invalid delivery time: {exc}")
+        if due is None:
+            return None
+        sys_flag = _int(ext.get("f"))
+        if sys_flag & TRANSACTION_PREPARED:
+            return self._refuse(frame, cmd, MESSAGE_ILLEGAL, "transaction",
+                                "a prepared transaction half cannot be delayed by the proxy")
+        if due - now > self.cfg.max_delay_ms:
+            return self._refuse(frame, cmd, MESSAGE_ILLEGAL, "too_far",
+                                f"delivery time {due} is {(due - now) / 1000:.0f} s away, more than delay.max_delay "
+                                f"({self.cfg.max_delay_ms / 1000:.0f} s)")
+        if self.closed or not session.upstream_addr:
+            return self._refuse(frame, cmd, C.SYSTEM_BUSY, "unavailable",
+                                "the worker is stopping or has no broker connection; retry")
+        body = cmd.body
+        if entries:
+            for e in entries:
+                if has_delay_property(e.properties):
+                    for k in ("DELAY", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", "TIMER_DELIVER_MS", "__STARTDELIVERTIME"):
+                        e.properties.pop(k, None)
+            body = encode_batch(entries)
+            ids = [e.properties.get(UNIQ_KEY) for e in entries]
+            msg_id = ",".join(i for i in ids if i) or uuid.uuid4().hex.upper()
+            keys = " ".join(e.properties.get(KEYS, "") for e in entries).strip()
+        else:
+            msg_id = props.get(UNIQ_KEY) or ""
+            keys = props.get(KEYS, "")
+        stripped = strip_delay(props_text)
+        if not msg_id:  # clients other than Java may not set one: give it one, so msgId means something
+            msg_id = uuid.uuid4().hex.upper()
+            stripped = stripped + ("" if not stripped or stripped.endswith("\x02") else "\x02") + \
+                f"{UNIQ_KEY}\x01{msg_id}\x02"
+        queue_id = _int(ext.get("e"))
+        rec = CopyRecord(
+            topic=topic, body=body, properties=stripped, queue_id=queue_id, sys_flag=sys_flag,
+            born_timestamp=_int(ext.get("g")), flag=_int(ext.get("h")), reconsume_times=_int(ext.get("j")),
+            max_reconsume_times=_int(ext.get("l"), 16), broker_name=ext.get("n") or "",
+            producer_group=ext.get("a") or "", kind=KIND_BATCH if batch else KIND_SINGLE, created_ms=now,
+        )
+        held = Held(session.upstream_addr, msg_id.split(",")[0] if batch else msg_id, keys, rec)
+        try:
+            _dkey, pending = self.store.put(held, due)
+        except StoreFull as exc:
+            return self._refuse(frame, cmd, C.SYSTEM_BUSY, "full",
+                                f"the delay store of worker {self.index} is full: {exc}; retry later")
+        except WriteFailed as exc:
+            return self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", str(exc))
+        try:
+            self.store.wait(pending)
+        except WriteFailed as exc:
+            return self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", f"{exc}; retry")
+        n = len(entries) if entries else 1
+        self.accepted += n
+        if self.m is not None:
+            self.m.accepted.labels(topic).inc(n)
+        if frame.is_oneway:
+            return divert("delayed")
+        return reply(held_answer(cmd, msg_id, queue_id))
+
+    # Cancel -----------------------------------------------------------------------------------
+
+    def cancel(self, *, msg_id: str | None = None, key: str | None = None) -> dict[str, Any]:
+        """Cancel the pending messages with this msgId (or key) held by this worker."""
+        done: list[str] = []
+        releasing: list[str] = []
+        for dkey in self.store.find(msg_id=msg_id, key=key):
+            if dkey in self.releaser.dispatched:
+                value = None
+            else:
+                value = self.store.get(dkey)
+            if value is None:
+                releasing.append(dkey.hex())
+                continue
+            try:
+                mid = Held.decode(value).msg_id
+            except Exception:
+                mid = ""
+            self.releaser.dispatched.add(dkey)  # never released now
+            b = self.store.delete(dkey, value)
+            b.done.rawlink(lambda _e, k=dkey: self.releaser.dispatched.discard(k))
+            done.append(mid)
+        self.store.flush()
+        self.cancelled += len(done)
+        if self.m is not None and done:
+            self.m.cancelled.inc(len(done))
+        if done:
+            log.info("delayed messages cancelled", extra=ctx(worker=self.index, msg_ids=done))
+        return {"worker": self.index, "cancelled": done, "already_releasing": len(releasing)}
+
+    def _cancel_requests(self) -> None:
+        from rmqfast.delay.cancel import answer_requests
+
+        while not self.closed:
+            try:
+                answer_requests(self.state_dir, self.index, self._seen_cancels, self.cancel)
+            except Exception:
+                log.exception("delay cancel requests failed", extra=ctx(worker=self.index))
+            gevent.sleep(0.25)
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.releaser.start()
+        if self.state_dir and self._cancel_loop is None:
+            self._cancel_loop = gevent.spawn(self._cancel_requests)
+
+    def publish(self) -> None:
+        if self.m is None:
+            return
+        self.m.pending.set(self.store.messages)
+        self.m.pending_bytes.set(self.store.bytes)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._cancel_loop is not None:
+            self._cancel_loop.kill(block=False)
+        self.releaser.close()
+        self.store.close()
+
+
+class Releaser:
+    """Sends held messages when they are due, in due-time order per broker queue."""
+
+    def __init__(self, service: DelayService, *, connect_timeout: float, request_timeout: float,
+                 retry_initial: float, retry_max: float) -> None:
+        self.svc = service
+        self.store = service.store
+        self.pool = ConnectionPool(connect_timeout)
+        self.request_timeout = request_timeout
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.cursor = DUE_PREFIX
+        self.dispatched: set[bytes] = set()  # read for release (or cancelled), delete not yet written
+        self.lanes: dict[tuple[str, str, int], deque[tuple[bytes, bytes, Held]]] = {}
+        self.queued = 0
+        self.wake = Event()
+        self.space = Event()
+        self.closed = False
+        self.released = 0
+        self.dropped = 0
+        self.recheck_found = 0
+        self.lateness_ms: deque[int] = deque(maxlen=200_000)  # recent lateness samples (tests, bench)
+        self._greenlet: Any = None
+        self._lane_greenlets: dict[tuple[str, str, int], Any] = {}
+        # Messages due before this run started that may have been sent just before a crash: the
+        # broker is asked whether it has them before they are sent again (exactly once).
+        raw = self.store.db.get(b"m" + b"delay.releasing")
+        self.recheck_upto = raw if raw else b""
+
+    def on_put(self, first_key: bytes) -> None:
+        if first_key < self.cursor:
+            self.cursor = first_key  # an earlier due time arrived behind the cursor
+        self.wake.set()
+
+    def start(self) -> None:
+        if self._greenlet is None:
+            self._greenlet = gevent.spawn(self._run)
+
+    @property
+    def limit(self) -> int:
+        return self.svc.cfg.release_in_flight
+
+    def _run(self) -> None:
+        while not self.closed:
+            try:
+                self._step()
+            except Exception:  # the releaser must not die: log, wait, go on
+                log.exception("delayed message release failed; retrying", extra=ctx(worker=self.svc.index))
+                gevent.sleep(1.0)
+
+    def _step(self) -> None:
+        cap = self.limit * 4
+        if self.queued >= cap:
+            self.space.clear()
+            self.space.wait(timeout=1.0)
+            return
+        now = now_ms()
+        items = self.store.read_due(self.cursor, now, cap - self.queued)
+        if not items:
+            nxt = self.store.next_due(self.cursor)
+            self.wake.clear()
+            if nxt is None:
+                self.wake.wait(timeout=1.0)
+            elif nxt > now:
+                self.wake.wait(timeout=min(1.0, (nxt - now) / 1000))
+            return
+        last = items[-1][0]
+        # written before sending (unsynced: a process crash keeps it): after a crash, what is at
+        # or before it may have reached the broker already
+        self.store.db.put(b"m" + b"delay.releasing", last, self.store._nosync)
+        for k, v in items:
+            if k in self.dispatched:
+                continue
+            self.dispatched.add(k)
+            try:
+                held = Held.decode(v)
+            except Exception as exc:
+                log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
+                self._done(k, v, None, "undecodable")
+                continue
+            lane = (held.addr, held.record.topic, held.record.queue_id)
+            q = self.lanes.get(lane)
+            if q is None:
+                q = self.lanes[lane] = deque()
+            q.append((k, v, held))
+            self.queued += 1
+            if lane not in self._lane_greenlets:
+                self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
+        self.cursor = last + b"\x00"
+
+    def _lane(self, lane: tuple[str, str, int]) -> None:
+        q = self.lanes[lane]
+        try:
+            while q and not self.closed:
+                k, v, held = q[0]
+                outcome = self._send(k, held)
+                if outcome is None:
+                    return  # stopping: it stays stored for the next run
+                q.popleft()
+                self.queued -= 1
+                self.space.set()
+                self._done(k, v, held, None if outcome else "refused")
+        finally:
+            if not q:
+                self.lanes.pop(lane, None)
+            self._lane_greenlets.pop(lane, None)
+            if q and not self.closed:  # died with work left: a new lane greenlet takes it
+                self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
+
+    def _done(self, k: bytes, v: bytes, held: Held | None, dropped: str | None) -> None:
+        b = self.store.delete(k, v)
+        b.done.rawlink(lambda _e: self.dispatched.discard(k))
+        m = self.svc.m
+        if dropped is not None:
+            self.dropped += 1
+            if m is not None:
+                m.dropped.labels(dropped).inc()
+            return
+        assert held is not None
+        late = now_ms() - split_due_key(k)[0]
+        self.lateness_ms.append(late)
+        self.released += 1
+        if m is not None:
+            m.released.labels(held.record.topic).inc()
+            m.lateness.observe(max(0, late) / 1000)
+
+    def _recheck(self, k: bytes, held: Held) -> bool:
+        """True when the broker already has this message (sent just before a crash)."""
+        from rmqfast.delay.recheck import broker_has
+
+        try:
+            return broker_has(self.pool, held, timeout=self.request_timeout)
+        except Exception as exc:  # cannot tell: send it (at least once)
+            log.warning("cannot ask the broker whether a held message was released before a restart; sending it",
+                        extra=ctx(msg_id=held.msg_id, error=str(exc)))
+            return False
+
+    def _send(self, k: bytes, held: Held) -> bool | None:
+        """Send until the broker stores it (True) or refuses it for good (False); None: stopping."""
+        rec = held.record
+        if self.recheck_upto and k <= self.recheck_upto:
+            if self._recheck(k, held):
+                self.recheck_found += 1
+                if self.svc.m is not None:
+                    self.svc.m.duplicates_avoided.inc()
+                return True
+        delay = self.retry_initial
+        attempts = 0
+        while not self.closed:
+            try:
+                code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
+                if not rec.broker_name:
+                    ext.pop("n", None)
+                resp = self.pool.request(held.addr, code, ext, body, timeout=self.request_timeout)
+                if resp.code in STORED_CODES:
+                    return True
+                if resp.code in PERMANENT_CODES:
+                    log.error("broker refused a delayed message for good; giving it up",
+                              extra=ctx(worker=self.svc.index, broker=held.addr, topic=rec.topic, code=resp.code,
+                                        remark=resp.remark, msg_id=held.msg_id))
+                    return False
+                err = f"{held.addr} answered code {resp.code}: {resp.remark}"
+            except RemoteError as exc:
+                err = str(exc)
+            except BodyError as exc:
+                log.error("cannot encode a delayed message; giving it up", extra=ctx(topic=rec.topic, error=str(exc)))
+                return False
+            attempts += 1
+            if attempts in (1, 10) or attempts % 100 == 0:
+                log.warning("releasing a delayed message failed; retrying",
+                            extra=ctx(worker=self.svc.index, broker=held.addr, topic=rec.topic, attempt=attempts,
+                                      error=err, retry_in_s=round(delay, 3)))
+            gevent.sleep(delay)
+            delay = min(self.retry_max, delay * 2)
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake.set()
+        self.space.set()
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+        for g in list(self._lane_greenlets.values()):
+            g.kill(block=True, timeout=2)
+        self.pool.close()

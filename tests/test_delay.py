@@ -1,0 +1,362 @@
+"""Proxy-held delayed messages: semantics, the due-ordered store, the filter and releaser in
+process against a fake broker, and a real proxy process (kill -9, cancel, metrics)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import gevent
+import pytest
+from gevent.server import StreamServer
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.batch import BatchEntry, decode_batch, encode_batch
+from rmqfast.codec.command import (
+    SERIALIZE_JSON,
+    SERIALIZE_ROCKETMQ,
+    RemotingCommand,
+    decode_frame,
+    encode,
+    make_response,
+)
+from rmqfast.config import ConfigError, from_dict
+from rmqfast.delay.cancel import request_cancel
+from rmqfast.delay.semantics import DelayInvalid, due_ms, strip_delay
+from rmqfast.delay.service import HELD_QUEUE_OFFSET, MESSAGE_ILLEGAL, DelayService
+from rmqfast.delay.settings import parse_delay
+from rmqfast.delay.store import DelayStore, Held, StoreFull, due_key, split_due_key
+from rmqfast.proxy.policy import Frame
+from rmqfast.spill.record import CopyRecord
+from rmqfast.spill.store import SpillStore
+
+NS = {"namesrv": {"upstreams": ["127.0.0.1:9876"]}}
+
+
+# Semantics ---------------------------------------------------------------------------------------
+
+def test_due_time_of_each_property_and_the_brokers_order():
+    now = 1_700_000_000_000
+    assert due_ms({"TIMER_DELAY_SEC": "5"}, now, {}) == now + 5000
+    assert due_ms({"TIMER_DELAY_MS": "1500"}, now, {}) == now + 1500
+    assert due_ms({"TIMER_DELIVER_MS": str(now + 99)}, now, {}) == now + 99
+    assert due_ms({"__STARTDELIVERTIME": str(now + 7)}, now, {}) == now + 7
+    # seconds first, then milliseconds, then the absolute times (as HookUtils reads them)
+    assert due_ms({"TIMER_DELIVER_MS": "1", "TIMER_DELAY_MS": "10", "TIMER_DELAY_SEC": "2"}, now, {}) == now + 2000
+    assert due_ms({"TIMER_DELIVER_MS": "1", "TIMER_DELAY_MS": "10"}, now, {}) == now + 10
+    # a level wins over the timer properties; only mapped levels are held
+    assert due_ms({"DELAY": "3", "TIMER_DELAY_SEC": "9"}, now, {}) is None
+    assert due_ms({"DELAY": "19", "TIMER_DELAY_SEC": "9"}, now, {19: 86_400_000}) == now + 86_400_000
+    assert due_ms({"DELAY": "0", "TIMER_DELAY_SEC": "9"}, now, {}) == now + 9000
+    # a message that went through a broker's timer already is not a request
+    assert due_ms({"TIMER_OUT_MS": "1", "TIMER_DELIVER_MS": "5"}, now, {}) is None
+    assert due_ms({"KEYS": "k"}, now, {}) is None
+    with pytest.raises(DelayInvalid, match="TIMER_DELAY_SEC"):
+        due_ms({"TIMER_DELAY_SEC": "soon"}, now, {})
+
+
+def test_strip_keeps_everything_else_byte_for_byte():
+    props = "KEYS\x01k1 k2\x02TIMER_DELAY_SEC\x015\x02UNIQ_KEY\x01AB\x02DELAY\x013\x02__STARTDELIVERTIME\x019\x02"
+    assert strip_delay(props) == "KEYS\x01k1 k2\x02UNIQ_KEY\x01AB\x02"
+    assert strip_delay("TIMER_DELIVER_MS\x011\x02") == ""
+    assert strip_delay("a\x01b") == "a\x01b"  # no final separator: left as it was
+    assert strip_delay("TIMER_DELAY_MS\x011\x02TIMER_DELAY_MS\x012\x02x\x01y\x02") == "x\x01y\x02"
+
+
+def test_config_validation_names_every_bad_key():
+    cfg = from_dict({**NS, "delay": {"topics": ["T1", "Delay*"], "max_delay": "400d", "levels": {"19": "1d"},
+                                     "max_pending_bytes": 1 << 24}})
+    assert cfg.delay.covers("T1") and cfg.delay.covers("Delay-x") and not cfg.delay.covers("T2")
+    assert cfg.delay.level_ms() == {19: 86_400_000} and cfg.delay.max_delay_ms == 400 * 86_400_000
+    with pytest.raises(ConfigError) as ei:
+        from_dict({**NS, "delay": {"topics": "T1", "max_delay": "soon", "levels": {"x": "1d", "20": "9999d"},
+                                   "max_pending_bytes": 5, "nope": 1}})
+    text = str(ei.value)
+    for key in ("delay.topics", "delay.max_delay", "delay.levels.x", "delay.levels.20", "delay.max_pending_bytes",
+                "delay.nope"):
+        assert key in text, text
+    with pytest.raises(ConfigError, match=r"'\*' may only end a prefix"):
+        parse_delay({"topics": ["a*b"]})
+
+
+# The store ---------------------------------------------------------------------------------------
+
+def held(msg_id: str, keys: str = "", topic: str = "T", addr: str = "127.0.0.1:1") -> Held:
+    return Held(addr, msg_id, keys, CopyRecord(topic=topic, body=b"x" * 100, properties=f"UNIQ_KEY\x01{msg_id}\x02"))
+
+
+def open_store(path: Path, cap: int = 1 << 30) -> tuple[SpillStore, DelayStore]:
+    spill = SpillStore(path)
+    return spill, DelayStore(spill.db, max_pending_bytes=cap, path=str(path))
+
+
+def test_store_orders_by_due_time_caps_cancels_and_survives_a_reopen(tmp_path):
+    spill, st = open_store(tmp_path / "db", cap=2000)
+    base = 1_700_000_000_000
+    dues = [base + d for d in (500, 100, 300, 100, 200, 400)]
+    waits = []
+    for i, d in enumerate(dues):
+        _k, b = st.put(held(f"M{i}", keys=f"key{i} both"), d)
+        waits.append(b)
+    for b in waits:
+        st.wait(b)
+    assert st.fsyncs == 1 and st.messages == 6  # one group commit for all six
+    got = st.read_due(b"d", base + 10_000, 100)
+    order = [Held.decode(v).msg_id for _k, v in got]
+    assert order == ["M1", "M3", "M4", "M2", "M5", "M0"]  # due order, ties in arrival order
+    assert [split_due_key(k)[0] for k, _v in got] == sorted(dues)
+    assert st.read_due(b"d", base + 250, 100)[-1][0] == got[2][0]  # only what is due
+    assert st.next_due(got[2][0] + b"\x00") == base + 300
+    # the cap: 6 messages of ~150 bytes are held; the next ones past 2000 bytes are refused
+    with pytest.raises(StoreFull, match="max_pending_bytes"):
+        for i in range(20):
+            st.wait(st.put(held(f"N{i}"), base)[1])
+    n_before = st.messages
+    # cancel by msgId and by key finds the due keys through the index
+    assert st.find(msg_id="M2") == [got[3][0]]
+    assert len(st.find(key="both")) == 6 and st.find(key="key4") == [got[2][0]]
+    v = st.get(got[3][0])
+    st.delete(got[3][0], v)
+    st.flush()
+    assert st.find(msg_id="M2") == [] and st.messages == n_before - 1 and len(st.find(key="both")) == 5
+    msgs, nbytes = st.messages, st.bytes
+    st.close()
+    spill.close()
+    # reopen: counters come back from the meta key (no scan), sequence numbers keep growing
+    spill, st = open_store(tmp_path / "db")
+    assert (st.messages, st.bytes) == (msgs, nbytes)
+    k, b = st.put(held("LATE"), base + 100)
+    st.wait(b)
+    ks = [kk for kk, _ in st.read_due(b"d", base + 100, 100)]
+    assert ks[-1] == k and split_due_key(k)[1] > split_due_key(ks[0])[1]
+    st.close()
+    spill.close()
+
+
+def test_due_keys_sort_as_due_times():
+    ks = [due_key(d, s) for d, s in ((5, 9), (1 << 40, 0), (4, 10**12), (5, 10), (0, 0))]
+    assert sorted(ks) == [due_key(0, 0), due_key(4, 10**12), due_key(5, 9), due_key(5, 10), due_key(1 << 40, 0)]
+
+
+# The filter and the releaser in process ------------------------------------------------------------
+
+UNIQ = "7F0000011A2B18B4AAC2123456780000"
+
+
+def send_cmd(topic: str, opaque: int, props: dict[str, str], *, uniq: str | None = UNIQ, queue: int = 3,
+             stype: int = SERIALIZE_JSON, code: int = C.SEND_MESSAGE_V2, body: bytes = b"hello",
+             sys_flag: int = 0) -> RemotingCommand:
+    allp = {**props, **({"UNIQ_KEY": uniq} if uniq else {})}
+    p = "".join(f"{k}\x01{v}\x02" for k, v in allp.items())
+    ext = {"a": "PG", "b": topic, "c": "TBW102", "d": "4", "e": str(queue), "f": str(sys_flag),
+           "g": "1700000000000", "h": "0", "i": p, "j": "0", "k": "false", "l": "16",
+           "m": "true" if code == C.SEND_BATCH_MESSAGE else "false", "n": "broker-a"}
+    if code == C.SEND_MESSAGE:
+        names = {"a": "producerGroup", "b": "topic", "c": "defaultTopic", "d": "defaultTopicQueueNums", "e": "queueId",
+                 "f": "sysFlag", "g": "bornTimestamp", "h": "flag", "i": "properties", "j": "reconsumeTimes",
+                 "k": "unitMode", "l": "maxReconsumeTimes", "m": "batch", "n": "bname"}
+        ext = {names[k]: v for k, v in ext.items()}
+    return RemotingCommand(code=code, opaque=opaque, version=473, ext_fields=ext, body=body, serialize_type=stype)
+
+
+def frame_of(cmd: RemotingCommand) -> Frame:
+    return Frame(encode(cmd), cmd.code, cmd.flag, cmd.opaque)
+
+
+class FakeSession:
+    role = "broker"
+    client_addr = "127.0.0.1:5"
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream_addr = upstream
+        self.state: dict = {}
+
+
+class GeventBroker:
+    """A fake broker in this hub: records every send (arrival wall ms, properties), answers SUCCESS."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int, RemotingCommand]] = []
+        self.busy = False
+        self.server = StreamServer(("127.0.0.1", 0), self._handle)
+        self.server.start()
+        self.addr = f"127.0.0.1:{self.server.server_port}"
+
+    def _handle(self, sock: socket.socket, _addr: object) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while len(buf) >= 4:
+                (n,) = struct.unpack(">i", buf[:4])
+                if len(buf) < 4 + n:
+                    break
+                cmd = decode_frame(buf[: 4 + n])
+                buf = buf[4 + n :]
+                code = C.SYSTEM_BUSY if self.busy else C.SUCCESS
+                if cmd.code == C.QUERY_MESSAGE:
+                    code = 26
+                elif not self.busy:
+                    self.got.append((int(time.time() * 1000), cmd))
+                sock.sendall(encode(make_response(cmd, code, ext_fields={
+                    "msgId": "X", "queueId": "0", "queueOffset": "1", "MSG_REGION": "R", "TRACE_ON": "true"})))
+
+    def props(self) -> list[dict[str, str]]:
+        return [dict(p.split("\x01", 1) for p in (c.ext_fields or {}).get("i", "").split("\x02") if p)
+                for _t, c in self.got]
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def make_service(tmp_path: Path, **delay) -> tuple[DelayService, SpillStore]:
+    cfg = parse_delay({"topics": ["Delayed", "D*"], **delay})
+    spill = SpillStore(tmp_path / "spill")
+    svc = DelayService(cfg, spill.db, 0, state_dir=str(tmp_path / "state"), path=str(spill.path), publish=False,
+                       retry_initial=0.02, retry_max=0.05)
+    svc.start()
+    return svc, spill
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        gevent.sleep(0.01)
+
+
+@pytest.mark.parametrize("stype", [SERIALIZE_JSON, SERIALIZE_ROCKETMQ], ids=["json", "rocketmq"])
+def test_held_send_is_answered_like_a_broker_and_released_on_time_in_due_order(tmp_path, stype):
+    broker = GeventBroker()
+    svc, spill = make_service(tmp_path)
+    sess = FakeSession(broker.addr)
+    now = int(time.time() * 1000)
+    # five messages, sent in an order that is not their due order
+    plan = [("A", {"TIMER_DELAY_MS": "900"}), ("B", {"TIMER_DELAY_SEC": "1"}),
+            ("C", {"TIMER_DELIVER_MS": str(now + 400)}), ("D", {"__STARTDELIVERTIME": str(now + 600)}),
+            ("E", {"TIMER_DELAY_MS": "200", "KEYS": "kE"})]
+    answers = {}
+    for i, (name, props) in enumerate(plan):
+        cmd = send_cmd("Delayed", 10 + i, props, uniq=UNIQ[:-1] + name, stype=stype)
+        v = svc.filter.on_request(sess, frame_of(cmd))
+        assert v is not None and v.kind == "reply"
+        answers[name] = decode_frame(v.data)
+    for name, a in answers.items():
+        assert a.code == C.SUCCESS and a.serialize_type == stype
+        ext = a.ext_fields or {}
+        assert ext["msgId"] == UNIQ[:-1] + name and ext["queueId"] == "3"
+        assert int(ext["queueOffset"]) == HELD_QUEUE_OFFSET and ext["MSG_REGION"] == "DefaultRegion"
+        assert "delayed" in (a.remark or "")
+    assert broker.got == []  # nothing before its time
+    wait_for(lambda: len(broker.got) == 5, 30, "five releases")
+    props = broker.props()
+    assert [p["UNIQ_KEY"][-1] for p in props] == ["E", "C", "D", "A", "B"]  # due order
+    for p in props:  # the broker delivers at once: no delay property left; the rest kept
+        assert not {"TIMER_DELAY_MS", "TIMER_DELAY_SEC", "TIMER_DELIVER_MS", "__STARTDELIVERTIME"} & set(p)
+    assert props[0]["KEYS"] == "kE"
+    expected = {"A": 900, "B": 1000, "C": 400, "D": 600, "E": 200}
+    for (t, cmd), p in zip(broker.got, props, strict=True):
+        due = now + expected[p["UNIQ_KEY"][-1]]
+        assert t >= due - 5, (p["UNIQ_KEY"], t - due)  # never early (the send itself came a little after `now`)
+        ext = cmd.ext_fields or {}
+        assert ext["b"] == "Delayed" and ext["e"] == "3" and ext["a"] == "PG" and ext["n"] == "broker-a"
+    assert svc.releaser.released == 5 and max(svc.releaser.lateness_ms) < 2000
+    wait_for(lambda: svc.store.messages == 0, 10, "deletes written")
+    svc.close()
+    spill.close()
+    broker.close()
+
+
+def test_not_a_delay_topic_or_no_delay_passes_and_refusals_are_clear(tmp_path):
+    broker = GeventBroker()
+    svc, spill = make_service(tmp_path, max_delay="1h", max_pending_bytes=1 << 20)
+    sess = FakeSession(broker.addr)
+    f = svc.filter
+    assert f.on_request(sess, frame_of(send_cmd("Other", 1, {"TIMER_DELAY_SEC": "5"}))) is None
+    assert f.on_request(sess, frame_of(send_cmd("Delayed", 2, {"KEYS": "x"}))) is None
+    assert f.on_request(sess, frame_of(send_cmd("Delayed", 3, {"DELAY": "3"}))) is None  # broker levels: broker
+    a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 4, {"TIMER_DELAY_SEC": "7200"}))).data)
+    assert a.code == MESSAGE_ILLEGAL and "delay.max_delay" in a.remark
+    a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 5, {"TIMER_DELAY_SEC": "x"}))).data)
+    assert a.code == MESSAGE_ILLEGAL and "TIMER_DELAY_SEC" in a.remark
+    a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 6, {"TIMER_DELAY_SEC": "5"}, sys_flag=4))).data)
+    assert a.code == MESSAGE_ILLEGAL and "transaction" in a.remark
+    # a full store: later delayed sends are refused, the ones held stay
+    big = b"z" * 200_000
+    codes = [decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 10 + i, {"TIMER_DELAY_SEC": "600"},
+                                                                uniq=f"{UNIQ[:-2]}{i:02d}", body=big))).data)
+             for i in range(8)]
+    ok = [c for c in codes if c.code == C.SUCCESS]
+    full = [c for c in codes if c.code == C.SYSTEM_BUSY]
+    assert len(ok) == 5 and len(full) == 3 and "max_pending_bytes" in full[0].remark
+    assert svc.store.messages == 5
+    # v1 header (SEND_MESSAGE) and a send without UNIQ_KEY: held with a msgId made up
+    a = decode_frame(f.on_request(sess, frame_of(send_cmd("D1", 30, {"TIMER_DELAY_MS": "10"}, uniq=None,
+                                                           code=C.SEND_MESSAGE))).data)
+    assert a.code == C.SUCCESS and len(a.ext_fields["msgId"]) == 32
+    wait_for(lambda: len(broker.got) == 1, 20, "the v1 send released")
+    assert broker.props()[0]["UNIQ_KEY"] == a.ext_fields["msgId"]
+    svc.close()
+    spill.close()
+    broker.close()
+
+
+def test_batch_is_held_whole_until_its_latest_due_time(tmp_path):
+    broker = GeventBroker()
+    svc, spill = make_service(tmp_path)
+    entries = [BatchEntry(body=b"b%d" % i, properties={"UNIQ_KEY": f"U{i}", "TIMER_DELAY_MS": str(200 + 100 * i)})
+               for i in range(3)]
+    cmd = send_cmd("Delayed", 1, {}, uniq=None, code=C.SEND_BATCH_MESSAGE, body=encode_batch(entries))
+    t0 = int(time.time() * 1000)
+    a = decode_frame(svc.filter.on_request(FakeSession(broker.addr), frame_of(cmd)).data)
+    assert a.code == C.SUCCESS and a.ext_fields["msgId"] == "U0,U1,U2"
+    wait_for(lambda: len(broker.got) == 1, 20, "the batch released")
+    t, got = broker.got[0]
+    assert got.code == C.SEND_BATCH_MESSAGE and t >= t0 + 400
+    out = decode_batch(got.body)
+    assert [e.properties for e in out] == [{"UNIQ_KEY": f"U{i}"} for i in range(3)]
+    svc.close()
+    spill.close()
+    broker.close()
+
+
+def test_cancel_by_msg_id_and_key_and_restart_resumes(tmp_path):
+    broker = GeventBroker()
+    svc, spill = make_service(tmp_path)
+    sess = FakeSession(broker.addr)
+    for i in range(6):
+        cmd = send_cmd("Delayed", i, {"TIMER_DELAY_MS": str(1500 + 10 * i), "KEYS": f"order-{i} all"},
+                       uniq=f"{UNIQ[:-2]}{i:02d}")
+        assert decode_frame(svc.filter.on_request(sess, frame_of(cmd)).data).code == C.SUCCESS
+    # cancel through the request files every worker answers (what the admin endpoint and CLI write)
+    res = {}
+
+    def cancel(**kw):
+        res.update(request_cancel(tmp_path / "state", workers=1, timeout=10, **kw))
+
+    th = threading.Thread(target=cancel, kwargs={"msg_id": f"{UNIQ[:-2]}01"})
+    th.start()
+    wait_for(lambda: not th.is_alive(), 15, "the cancel answer")
+    assert res["complete"] and res["cancelled"] == [f"{UNIQ[:-2]}01"]
+    r2 = svc.cancel(key="order-4")
+    assert r2["cancelled"] == [f"{UNIQ[:-2]}04"]
+    assert svc.cancel(key="order-4")["cancelled"] == []
+    assert svc.store.messages == 4
+    # stop (a crash keeps the same data: writes were synced before the answers) and start again
+    svc.close()
+    spill.close()
+    svc, spill = make_service(tmp_path)
+    assert svc.store.messages == 4
+    wait_for(lambda: len(broker.got) == 4, 20, "the other four released after the restart")
+    assert [p["UNIQ_KEY"][-2:] for p in broker.props()] == ["00", "02", "03", "05"]
+    svc.close()
+    spill.close()
+    broker.close()
