@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rmqfast.limits import cli as limits_cli
 
     limits_cli.add_parser(sub)
+    from rmqfast.delay import cli as delay_cli
+
+    delay_cli.add_parser(sub)
 
     # The bench has its own parser (rmqfast.bench); `rmqfast bench ...` hands it the rest of argv.
     sub.add_parser(
@@ -167,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         from rmqfast.limits import cli as limits_cli
 
         return limits_cli.run(args)
+    if args.command == "delay":
+        from rmqfast.delay import cli as delay_cli
+
+        return delay_cli.run(args)
     if args.command == "demo":
         from rmqfast.demo import run_demo
 

@@ -3,10 +3,17 @@ process against a fake broker, and a real proxy process (kill -9, cancel, metric
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import socketserver
 import struct
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import gevent
@@ -360,3 +367,188 @@ def test_cancel_by_msg_id_and_key_and_restart_resumes(tmp_path):
     svc.close()
     spill.close()
     broker.close()
+
+
+# A real proxy process ------------------------------------------------------------------------------
+
+class QueryBroker(socketserver.ThreadingTCPServer):
+    """A threaded fake broker: records each send (arrival wall ms, UNIQ_KEY), answers SUCCESS after
+    ``delay`` s, and answers QUERY_MESSAGE by UNIQ_KEY from what it stored (as a broker's index does)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.got: list[tuple[int, str]] = []
+        self.queries = 0
+        self.delay = delay
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _QueryHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def keys(self) -> list[str]:
+        with self.lock:
+            return [k for _t, k in self.got]
+
+
+class _QueryHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        srv: QueryBroker = self.server  # type: ignore[assignment]
+        f = self.request.makefile("rb")
+        while True:
+            head = f.read(4)
+            if len(head) < 4:
+                return
+            (n,) = struct.unpack(">i", head)
+            cmd = decode_frame(head + f.read(n))
+            ext = cmd.ext_fields or {}
+            body = b""
+            code = C.SUCCESS
+            if cmd.code == C.SEND_MESSAGE_V2:
+                props = dict(p.split("\x01", 1) for p in ext["i"].split("\x02") if p)
+                if srv.delay:
+                    time.sleep(srv.delay)
+                with srv.lock:
+                    srv.got.append((int(time.time() * 1000), props["UNIQ_KEY"]))
+            elif cmd.code == C.QUERY_MESSAGE:
+                with srv.lock:
+                    srv.queries += 1
+                    found = ext.get("key") in {k for _t, k in srv.got}
+                code = C.SUCCESS if found else 26
+                body = b"...UNIQ_KEY\x01" + ext.get("key", "").encode() + b"\x02..." if found else b""
+            self.request.sendall(encode(make_response(cmd, code, body=body, ext_fields={
+                "msgId": "OFFSETID", "queueId": "3", "queueOffset": "7", "MSG_REGION": "R", "TRACE_ON": "true"})))
+
+
+def pipelined(port: int, cmds: list[RemotingCommand]) -> list[RemotingCommand]:
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.sendall(b"".join(encode(c) for c in cmds))
+        f = s.makefile("rb")
+        out = []
+        for _ in cmds:
+            head = f.read(4)
+            out.append(decode_frame(head + f.read(struct.unpack(">i", head)[0])))
+        return out
+
+
+def metric(p, name: str) -> float:
+    return sum(v for (n, _lab), v in p.metrics().items() if n == name)
+
+
+@pytest.mark.parametrize("env", [{}, {"RMQFAST_NO_EXTENSIONS": "1"}], ids=["compiled", "pure-python"])
+def test_proxy_holds_releases_cancels_and_a_killed_worker_loses_nothing(tmp_path, env):
+    from rmqfast.testing.proxy import ProxyProcess
+
+    broker = QueryBroker()
+
+    def extra(p: ProxyProcess) -> str:
+        return f"""
+[[brokers.static]]
+listen = "127.0.0.1:{p.static_ports[0]}"
+upstream = "127.0.0.1:{broker.server_address[1]}"
+
+[delay]
+topics = ["Delayed"]
+"""
+    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=2, extra_config=extra, env=env,
+                      static_endpoints=1) as p:
+        port = p.static_ports[0]
+        n_conn, per_conn = 6, 50
+        t0 = int(time.time() * 1000)
+        due = {}
+        answers = []
+        ths = []
+
+        def one(c: int) -> None:
+            cmds = []
+            for i in range(per_conn):
+                k = f"{UNIQ[:-6]}{c:02d}{i:04d}"
+                at = t0 + 5000 + 10 * i  # 5 s out, 10 ms apart
+                due[k] = at
+                cmds.append(send_cmd("Delayed", i + 1, {"TIMER_DELIVER_MS": str(at), "KEYS": f"k-{k}"}, uniq=k))
+            answers.extend(pipelined(port, cmds))
+
+        for c in range(n_conn):
+            ths.append(threading.Thread(target=one, args=(c,)))
+            ths[-1].start()
+        for th in ths:
+            th.join(120)
+        assert len(answers) == n_conn * per_conn
+        assert all(a.code == C.SUCCESS and a.ext_fields["queueOffset"] == "-1" for a in answers), \
+            {(a.code, a.remark) for a in answers}
+        # cancel two before they are due: by msgId over the admin endpoint (the CLI), and by key
+        victim = f"{UNIQ[:-6]}030007"
+        cli = [sys.executable, "-m", "rmqfast", "delay", "cancel", "--admin", p.admin_url]
+        out = subprocess.run([*cli, "--msg-id", victim], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        res = json.loads(out.stdout)
+        assert res["cancelled"] == [victim] and res["complete"], res
+        victim2 = f"{UNIQ[:-6]}010049"
+        req = urllib.request.Request(f"{p.admin_url}/delay/cancel?key=k-{victim2}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["cancelled"] == [victim2]
+        time.sleep(1.2)  # a publish period
+        assert metric(p, "rmqfast_delay_pending_messages") == n_conn * per_conn - 2
+        assert metric(p, "rmqfast_delay_cancelled_total") == 2
+        # kill -9 every worker while all of it is pending; the restarted workers release it
+        pids = p.worker_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        expected = set(due) - {victim, victim2}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(set(broker.keys())) < len(expected):
+            time.sleep(0.1)
+        with broker.lock:
+            got = list(broker.got)
+        keys = [k for _t, k in got]
+        assert set(keys) == expected
+        assert len(keys) == len(expected), "duplicates: " + str(len(keys) - len(set(keys)))
+        early = [(k, due[k] - t) for t, k in got if t < due[k]]
+        assert not early, early
+        assert not set(p.worker_pids()) & set(pids)
+        # due order per connection's queue (every send used queue 3 of one broker: one lane per worker)
+        for c in range(n_conn):
+            mine = [k for k in keys if k[-6:-4] == f"{c:02d}"]
+            assert mine == sorted(mine, key=lambda k: due[k])
+        time.sleep(1.2)
+        assert metric(p, "rmqfast_delay_pending_messages") == 0
+        assert metric(p, "rmqfast_delay_released_total") == len(expected)
+        assert metric(p, "rmqfast_delay_lateness_seconds_count") == len(expected)
+    broker.shutdown()
+
+
+def test_a_worker_killed_mid_release_sends_nothing_twice(tmp_path):
+    """2000 messages due at once on a slow broker; kill -9 during the release: the restarted worker asks
+    the broker (QUERY_MESSAGE by UNIQ_KEY) about what the dead one had in flight."""
+    from rmqfast.testing.proxy import ProxyProcess
+
+    broker = QueryBroker(delay=0.002)
+
+    def extra(p: ProxyProcess) -> str:
+        return f"""
+[[brokers.static]]
+listen = "127.0.0.1:{p.static_ports[0]}"
+upstream = "127.0.0.1:{broker.server_address[1]}"
+
+[delay]
+topics = ["Delayed"]
+"""
+    with ProxyProcess([f"127.0.0.1:{broker.server_address[1]}"], workers=1, extra_config=extra,
+                      static_endpoints=1) as p:
+        at = int(time.time() * 1000) + 3000
+        cmds = [send_cmd("Delayed", i + 1, {"TIMER_DELIVER_MS": str(at)}, uniq=f"{UNIQ[:-5]}{i:05d}", queue=i % 4)
+                for i in range(2000)]
+        answers = pipelined(p.static_ports[0], cmds)
+        assert all(a.code == C.SUCCESS for a in answers)
+        while len(broker.keys()) < 300:  # mid-release
+            time.sleep(0.01)
+        os.kill(p.worker_pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(set(broker.keys())) < 2000:
+            time.sleep(0.1)
+        keys = broker.keys()
+        assert len(set(keys)) == 2000
+        assert len(keys) == 2000, f"{len(keys) - len(set(keys))} duplicates"
+        assert broker.queries > 0  # the restarted worker asked before sending again
+        assert all(t >= at for t, _k in broker.got)
+    broker.shutdown()

@@ -91,3 +91,25 @@ def answer_requests(state_dir: str | Path, index: int, seen: set[str],
         _write_atomic(out, {**res, "worker": index})
         n += 1
     return n
+
+
+def admin_cancel(handler: Any, query: str) -> tuple[int, dict[str, Any]]:
+    """``POST /delay/cancel?msg_id=ID`` (or ``?key=KEY``) on the admin endpoint: (status, JSON body).
+
+    Allowed like a limit change (``admin.token``, or a loopback endpoint and client).
+    """
+    from urllib.parse import parse_qs
+
+    refusal = handler.write_refusal()
+    if refusal is not None:
+        return refusal  # type: ignore[no-any-return]
+    q = parse_qs(query)
+    msg_id, key = q.get("msg_id", [""])[0], q.get("key", [""])[0]
+    if bool(msg_id) == bool(key):
+        return 400, {"error": "POST /delay/cancel needs exactly one of ?msg_id=ID or ?key=KEY"}
+    cfg = getattr(handler.backend, "cfg", None)
+    if cfg is None:
+        return 503, {"error": "the proxy's configuration is not available to the admin endpoint"}
+    res = request_cancel(cfg.proxy.state_dir, msg_id=msg_id or None, key=key or None, workers=cfg.worker_count,
+                         timeout=10.0)
+    return (200 if res["complete"] else 504), res

@@ -230,6 +230,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._change("DELETE")
 
     def do_POST(self) -> None:  # noqa: N802
+        path, _, query = self.path.partition("?")
+        if path == "/delay/cancel":  # cancel held delayed messages (rmqfast.delay.cancel)
+            from rmqfast.delay.cancel import admin_cancel
+
+            self._json(*admin_cancel(self, query))
+            return
         self._not_allowed("POST")
 
     def do_PATCH(self) -> None:  # noqa: N802
