@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import struct
+from dataclasses import replace
 from typing import Any
 
 import gevent
@@ -106,6 +107,27 @@ class Connection:
         except gevent.Timeout:
             self._pending.pop(opaque, None)
             raise RemoteError(f"{self.addr} did not answer request {code} within {timeout:.1f} s") from None
+
+    def request_command(self, cmd: RemotingCommand, *, timeout: float = 3.0) -> RemotingCommand:
+        """Send ``cmd`` as given (header fields, version, serialize type) under an opaque of this
+        connection; the answer comes back with that opaque (the caller restores its own)."""
+        if self.closed:
+            raise RemoteError(f"connection to {self.addr} is closed")
+        opaque = next(self._opaques) & 0x7FFFFFFF
+        waiter: AsyncResult = AsyncResult()
+        self._pending[opaque] = waiter
+        try:
+            with self._send_lock:
+                self.sock.sendall(encode(replace(cmd, opaque=opaque)))
+        except OSError as exc:
+            self._pending.pop(opaque, None)
+            self.close()
+            raise RemoteError(f"cannot send request {cmd.code} to {self.addr}: {exc}") from exc
+        try:
+            return waiter.get(timeout=timeout)
+        except gevent.Timeout:
+            self._pending.pop(opaque, None)
+            raise RemoteError(f"{self.addr} did not answer request {cmd.code} within {timeout:.1f} s") from None
 
     def close(self) -> None:
         self.closed = True

@@ -29,8 +29,8 @@ from rmqfast.errors import BodyError
 Dialect = Literal["legacy", "standard"]
 
 __all__ = [
-    "BrokerAddr", "Dialect", "detect_dialect", "encode_route", "parse_route",
-    "rewrite_broker_addrs",
+    "PERM_READ", "PERM_WRITE", "BrokerAddr", "Dialect", "PermMapper", "detect_dialect", "encode_route",
+    "parse_route", "rewrite_broker_addrs",
 ]
 
 #: Deeper nesting than any route has; refuses hostile input before Python's recursion limit.
@@ -79,6 +79,8 @@ class _Parser:
         self.data = data
         self.bare_keys = 0
         self.slots: list[_Slot] = []
+        #: ``perm`` integers of QueueData objects: (start, end, perm, brokerName), in document order
+        self.perms: list[tuple[int, int, int, str]] = []
         self.value: Any = None
 
     def parse(self) -> Any:
@@ -185,6 +187,7 @@ class _Parser:
         # Address slots of this object's own brokerAddrs (when it is a BrokerData), labelled
         # with its brokerName and cluster once the object is complete: they may come later.
         pending: list[_Slot] = []
+        perm_at: tuple[int, int] | None = None  # where this object's "perm" integer sits
         pos = self._ws(pos + 1)
         if self.data[pos : pos + 1] == b"}":
             return obj, pos + 1
@@ -207,6 +210,8 @@ class _Parser:
                 value, pos = self._object(pos, depth + 1, pending)
             else:
                 value, pos = self._value(pos, depth)
+            if key == "perm" and type(value) is int:
+                perm_at = (value_at, pos)
             if addr_slots is not None and isinstance(value, str):
                 assert isinstance(key, int)
                 slot = _Slot(value_at, pos, key, value)
@@ -220,6 +225,8 @@ class _Parser:
             if sep != b",":
                 raise self._fail(pos, "',' or '}' in an object")
             pos = self._ws(pos + 1)
+        if perm_at is not None and isinstance(obj.get("brokerName"), str) and "writeQueueNums" in obj:
+            self.perms.append((perm_at[0], perm_at[1], obj["perm"], obj["brokerName"]))
         if pending:
             name = obj.get("brokerName")
             cluster = obj.get("cluster")
@@ -333,8 +340,16 @@ def encode_route(obj: dict[Any, Any], dialect: Dialect, *, sort_keys: bool = Fal
     return "".join(out).encode("utf-8", "replace")
 
 
+PERM_READ = 4
+PERM_WRITE = 2
+
+#: ``perm(found, broker_name, perm)``: the new ``perm`` of a QueueData, or ``None`` to keep it.
+PermMapper = Callable[[list[BrokerAddr], str, int], "int | None"]
+
+
 def rewrite_broker_addrs(
-    body: bytes | bytearray | memoryview, mapper: Callable[[str], str | None]
+    body: bytes | bytearray | memoryview, mapper: Callable[[str], str | None],
+    *, perm: PermMapper | None = None,
 ) -> tuple[bytes, list[BrokerAddr]]:
     """Replace broker addresses in a route or cluster-info body by patching bytes.
 
@@ -345,13 +360,17 @@ def rewrite_broker_addrs(
     identical.  Returns the new body (the input object itself if nothing changed and it was
     ``bytes``) and every address found, with the ``brokerName`` and ``cluster`` of its
     BrokerData.  The body is fully validated before ``mapper`` is first called.
+
+    ``perm``, when given, is then called for every QueueData (``brokerName``, ``perm``,
+    ``writeQueueNums``... of TopicRouteData ``queueDatas``) with every address found: a returned
+    integer replaces the ``perm`` digits (route healing clears :data:`PERM_WRITE` of a dead
+    master's queues so that producers avoid them and consumers keep them).
     """
     parser = _parse_object(body)
     data = parser.data
     browser_compatible = not parser.bare_keys
     found: list[BrokerAddr] = []
-    pieces: list[bytes] = []
-    last = 0
+    edits: list[tuple[int, int, bytes]] = []
     for slot in parser.slots:
         found.append(BrokerAddr(slot.broker_name, slot.broker_id, slot.addr, slot.cluster))
         new = mapper(slot.addr)
@@ -359,11 +378,24 @@ def rewrite_broker_addrs(
             continue
         if not isinstance(new, str):
             raise TypeError(f"mapper returned {new!r} for {slot.addr!r}; expected str or None")
-        pieces.append(data[last : slot.start])
-        pieces.append(fastjson_quote(new, browser_compatible=browser_compatible).encode(
-            "utf-8", "replace"))
-        last = slot.end
-    if not pieces:
+        edits.append((slot.start, slot.end,
+                      fastjson_quote(new, browser_compatible=browser_compatible).encode("utf-8", "replace")))
+    if perm is not None:
+        for start, end, old_perm, name in parser.perms:
+            new_perm = perm(found, name, old_perm)
+            if new_perm is None or new_perm == old_perm:
+                continue
+            if type(new_perm) is not int:
+                raise TypeError(f"perm mapper returned {new_perm!r} for {name!r}; expected int or None")
+            edits.append((start, end, str(new_perm).encode()))
+    if not edits:
         return (body if isinstance(body, bytes) else data), found
+    edits.sort()
+    pieces: list[bytes] = []
+    last = 0
+    for start, end, text in edits:
+        pieces.append(data[last:start])
+        pieces.append(text)
+        last = end
     pieces.append(data[last:])
     return b"".join(pieces), found

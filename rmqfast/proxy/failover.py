@@ -1,0 +1,376 @@
+"""Moving sends off a dead broker to another live master that holds the topic.
+
+A client connection to a broker endpoint whose broker cannot be reached (connect refused or
+timed out) is not refused: :class:`FailoverService` serves it.  Each request frame is read
+whole and decoded with :mod:`rmqfast.codec.command` (what is decided is what the other broker
+reads: the frame sent there is re-encoded from that decoding):
+
+* A send (``SEND_MESSAGE`` 10, ``SEND_MESSAGE_V2`` 310, ``SEND_BATCH_MESSAGE`` 320) that is not
+  ordered goes to another master of the topic's route that is alive and has writable queues,
+  with the broker name (``n`` / ``bname``) and queue id (``e`` / ``queueId``) rewritten to that
+  broker's (``queue id mod its write queues``).  Its answer goes back with the client's opaque.
+  An answer that asks to retry elsewhere (SYSTEM_ERROR, SYSTEM_BUSY, SERVICE_NOT_AVAILABLE,
+  NO_PERMISSION, TOPIC_NOT_EXIST, GO_AWAY) or no answer makes the next live master try.
+* An ordered send is never moved (order would break): it is answered ``SERVICE_NOT_AVAILABLE``
+  (14), which 4.x and 5.x producers treat as retryable, with a remark saying why.  A send is
+  ordered when its topic matches ``failover.ordered_topics``, when it carries the
+  ``failover.ordered_property`` property (``__SHARDINGKEY``: FIFO messages), or when it is a
+  transaction half message (its commit goes to the broker the producer believes holds it).
+  A producer that picks a queue with a ``MessageQueueSelector`` puts nothing on the wire that
+  says so: such topics must be listed in ``failover.ordered_topics``.
+* Every other request (pulls, heartbeats, offsets...) is answered ``SYSTEM_ERROR`` naming the
+  unreachable broker, as the refusal without failover did; oneway requests are dropped.
+
+The connection is closed, once nothing is in flight, as soon as the broker is seen alive again:
+the client reconnects and is relayed to its own broker.  Consumers are untouched: route healing
+keeps the dead broker's queues readable, so they resume where they were.
+
+Routes come from :class:`RouteBook`: what the worker's route rewrites saw, else asked of the
+name servers (on this path only, never on the relay path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import gevent
+from gevent import socket
+from gevent.event import Event
+from gevent.lock import Semaphore
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.errors import RemotingError
+from rmqfast.log import ctx
+from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
+
+log = logging.getLogger("rmqfast.failover")
+
+_I32 = struct.Struct(">i")
+
+SEND_CODES = frozenset({C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE})
+SERVICE_NOT_AVAILABLE = 14
+#: Answers after which the next live master is tried (the producer would retry them too).
+TRY_NEXT_CODES = frozenset({C.SYSTEM_ERROR, C.SYSTEM_BUSY, SERVICE_NOT_AVAILABLE, C.NO_PERMISSION,
+                            C.TOPIC_NOT_EXIST, C.GO_AWAY})
+#: MessageSysFlag.TRANSACTION_PREPARED_TYPE
+TRANSACTION_PREPARED = 1 << 2
+ROUTE_TTL = 30.0
+
+Route = tuple[dict[str, str], list[tuple[str, int, int]]]  # masters by name, (name, write queues, perm)
+
+
+# Routes ------------------------------------------------------------------------------------------
+
+
+class RouteBook:
+    """Topic routes with real broker addresses, as this worker last saw them."""
+
+    def __init__(self, namesrvs: Callable[[], list[str]], *, ttl: float = ROUTE_TTL, timeout: float = 2.0) -> None:
+        self.namesrvs = namesrvs
+        self.ttl = ttl
+        self.timeout = timeout
+        self._routes: dict[str, tuple[float, Route]] = {}
+        self._pool: Any = None
+
+    def learn(self, topic: str, obj: dict[Any, Any]) -> None:
+        from rmqfast.clouds.remoting import route_of
+
+        if len(self._routes) > 100000:
+            self._routes.clear()
+        self._routes[topic] = (time.monotonic(), route_of(obj))
+
+    def cached(self, topic: str) -> Route | None:
+        got = self._routes.get(topic)
+        return None if got is None else got[1]
+
+    def get(self, topic: str) -> Route | None:
+        """The route of ``topic``: cached, else asked of the name servers (blocks this greenlet)."""
+        got = self._routes.get(topic)
+        if got is not None and time.monotonic() - got[0] < self.ttl:
+            return got[1]
+        from rmqfast.clouds.remoting import ConnectionPool, RemoteError, fetch_route
+
+        if self._pool is None:
+            self._pool = ConnectionPool(self.timeout)
+        try:
+            route = fetch_route(self._pool, self.namesrvs(), topic, timeout=self.timeout)
+        except RemoteError as exc:
+            log.warning("no route for a send to move", extra=ctx(topic=topic, error=str(exc)))
+            return got[1] if got is not None else None
+        if route is None:
+            return None
+        self._routes[topic] = (time.monotonic(), route)
+        return route
+
+    def broker_name_of(self, addr: str) -> str | None:
+        for _, (masters, _) in self._routes.values():
+            for name, a in masters.items():
+                if a == addr:
+                    return name
+        return None
+
+
+# Decisions (no sockets) -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendInfo:
+    """The fields of a send request header that failover reads and rewrites."""
+
+    topic: str
+    queue_id: int
+    broker_name: str | None
+    properties: str
+    sys_flag: int
+    v2: bool
+
+
+def _int(s: str | None, default: int = 0) -> int:
+    try:
+        return int(s) if s is not None else default
+    except ValueError:
+        return default
+
+
+def send_info(cmd: RemotingCommand) -> SendInfo | None:
+    """The send header of ``cmd`` (V1 or V2 field names), or None if it is not a send."""
+    if cmd.code not in SEND_CODES or cmd.is_response:
+        return None
+    ext = cmd.ext_fields or {}
+    v2 = "b" in ext
+    topic = ext.get("b" if v2 else "topic")
+    if not topic:
+        return None
+    return SendInfo(
+        topic=topic,
+        queue_id=_int(ext.get("e" if v2 else "queueId")),
+        broker_name=ext.get("n" if v2 else "bname") or ext.get("bname"),
+        properties=ext.get("i" if v2 else "properties") or "",
+        sys_flag=_int(ext.get("f" if v2 else "sysFlag")),
+        v2=v2,
+    )
+
+
+def ordered_reason(info: SendInfo, cfg: FailoverSection) -> str | None:
+    """Why this send must not be moved (its order or its transaction depends on its broker), or None."""
+    if cfg.is_ordered_topic(info.topic):
+        return f"topic {info.topic} is listed in failover.ordered_topics"
+    prop = cfg.ordered_property
+    if prop and (info.properties.startswith(prop + "\x01") or f"\x02{prop}\x01" in info.properties):
+        return f"the message carries {prop} (an ordered message)"
+    if info.sys_flag & TRANSACTION_PREPARED:
+        return "a transaction half message is committed at the broker the producer chose"
+    return None
+
+
+def candidates(route: Route, dead: set[str], exclude_name: str | None, exclude_addr: str) -> list[tuple[str, str, int]]:
+    """(broker name, master address, write queues) of the live masters that may take the topic."""
+    masters, queues = route
+    out = []
+    for name, nq, perm in queues:
+        addr = masters.get(name)
+        if (addr is None or nq <= 0 or not perm & 2 or name == exclude_name or addr == exclude_addr
+                or addr in dead):
+            continue
+        out.append((name, addr, nq))
+    return out
+
+
+def retarget(cmd: RemotingCommand, info: SendInfo, broker_name: str, write_queues: int) -> RemotingCommand:
+    """``cmd`` aimed at ``broker_name``: broker name and queue id rewritten, everything else kept."""
+    ext = dict(cmd.ext_fields or {})
+    qid = info.queue_id % write_queues if info.queue_id >= 0 else info.queue_id
+    if info.v2:
+        ext["e"] = str(qid)
+        if "n" in ext or "bname" not in ext:
+            ext["n"] = broker_name
+    else:
+        ext["queueId"] = str(qid)
+    if "bname" in ext:
+        ext["bname"] = broker_name
+    return replace(cmd, ext_fields=ext)
+
+
+# Serving a client whose broker is down -------------------------------------------------------------
+
+
+class FailoverService:
+    """One per worker: moves sends of clients connected to a dead broker's endpoint."""
+
+    def __init__(
+        self,
+        cfg: FailoverSection,
+        health: BrokerHealth,
+        book: RouteBook,
+        metrics: HealthMetrics | None = None,
+        *,
+        max_frame: int = 16 * 1024 * 1024,
+        pool: Any = None,
+    ) -> None:
+        from rmqfast.clouds.remoting import ConnectionPool
+
+        self.cfg = cfg
+        self.health = health
+        self.book = book
+        self.metrics = metrics
+        self.max_frame = max_frame
+        self.pool = pool or ConnectionPool(cfg.probe_timeout)
+        self._rr = itertools.count()
+        self.moved = 0
+        self.refused = 0
+
+    # One send -----------------------------------------------------------------------------------
+
+    def move(self, cmd: RemotingCommand, dead_addr: str) -> tuple[RemotingCommand, str]:
+        """Send ``cmd`` (a send aimed at the dead broker ``dead_addr``) elsewhere.
+
+        Returns (the answer to give the client, with its opaque; a label for logs/metrics:
+        the broker that stored it, or ``refused:<reason>``).
+        """
+        info = send_info(cmd)
+        assert info is not None
+        reason = ordered_reason(info, self.cfg)
+        if reason is not None:
+            return self._refuse(cmd, dead_addr, "ordered", f"rmqfast: broker {dead_addr} is unreachable and this "
+                                f"send is not moved to another broker because {reason}; retry later")
+        route = self.book.get(info.topic)
+        if route is None:
+            return self._refuse(cmd, dead_addr, "no_route",
+                                f"rmqfast: broker {dead_addr} is unreachable and no route of topic {info.topic} "
+                                "is known to move the send; retry later")
+        dead_name = info.broker_name or self.book.broker_name_of(dead_addr)
+        cands = candidates(route, self.health.down(), dead_name, dead_addr)
+        if not cands:
+            return self._refuse(cmd, dead_addr, "no_live_master",
+                                f"rmqfast: broker {dead_addr} is unreachable and no other live master holds "
+                                f"topic {info.topic}; retry later")
+        start = next(self._rr)
+        last: RemotingCommand | None = None
+        errors = []
+        for k in range(len(cands)):
+            name, addr, nq = cands[(start + k) % len(cands)]
+            out = retarget(cmd, info, name, nq)
+            try:
+                answer = self._request(addr, out)
+            except Exception as exc:  # RemoteError: connect refused, closed, no answer in time
+                errors.append(f"{addr}: {exc}")
+                if "cannot connect" in str(exc):
+                    self.health.connect_failed(addr, str(exc))
+                continue
+            if answer.code in TRY_NEXT_CODES:
+                last = answer
+                errors.append(f"{addr}: code {answer.code}")
+                continue
+            self.moved += 1
+            if self.metrics is not None:
+                self.metrics.failovers.labels(dead_addr, addr).inc()
+            return replace(answer, opaque=cmd.opaque), addr
+        if last is not None:
+            return replace(last, opaque=cmd.opaque), "refused:other_broker_error"
+        return self._refuse(cmd, dead_addr, "other_broker_unreachable",
+                            f"rmqfast: broker {dead_addr} is unreachable and moving the send failed "
+                            f"({'; '.join(errors)}); retry later")
+
+    def _request(self, addr: str, cmd: RemotingCommand) -> RemotingCommand:
+        conn = self.pool.get(addr)
+        return conn.request_command(cmd, timeout=self.cfg.send_timeout)  # type: ignore[no-any-return]
+
+    def _refuse(self, cmd: RemotingCommand, dead_addr: str, reason: str, remark: str) -> tuple[RemotingCommand, str]:
+        self.refused += 1
+        if self.metrics is not None:
+            self.metrics.failover_refused.labels(dead_addr, reason).inc()
+        resp = make_response(cmd, SERVICE_NOT_AVAILABLE, remark,
+                             ext_fields={"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"})
+        return resp, f"refused:{reason}"
+
+    # A whole connection -------------------------------------------------------------------------
+
+    def serve(self, client: socket.socket, client_addr: str, dead_addr: str,
+              on_answer: Callable[[int, int], None] | None = None) -> None:
+        """Serve ``client`` while ``dead_addr`` is down; returns when it closed or the broker is back.
+
+        ``on_answer(request_code, response_code)`` is told every answer (counters).
+        """
+        lock = Semaphore()
+        in_flight = [0]
+        done = Event()
+
+        def write(data: bytes) -> None:
+            with lock:
+                client.sendall(data)
+
+        def handle(cmd: RemotingCommand) -> None:
+            try:
+                if cmd.code in SEND_CODES and send_info(cmd) is not None:
+                    answer, to = self.move(cmd, dead_addr)
+                    log.debug("send moved", extra=ctx(broker=dead_addr, to=to, client=client_addr))
+                else:
+                    answer = make_response(cmd, C.SYSTEM_ERROR,
+                                           f"rmqfast: broker {dead_addr} is unreachable; retry later")
+                if on_answer is not None:
+                    on_answer(cmd.code, answer.code)
+                if not cmd.is_oneway:
+                    write(encode(answer))
+            except (OSError, RemotingError, ValueError) as exc:
+                log.info("failover answer not written", extra=ctx(client=client_addr, error=str(exc)))
+            finally:
+                in_flight[0] -= 1
+                if in_flight[0] == 0:
+                    done.set()
+
+        log.info("serving a client of a dead broker: sends are moved", extra=ctx(broker=dead_addr, client=client_addr))
+        client.settimeout(None)
+        reader = gevent.spawn(self._read_loop, client, in_flight, done, handle)
+        try:
+            while not reader.dead:
+                if not self.health.is_down(dead_addr) and in_flight[0] == 0:
+                    log.info("broker is back: closing its failover connection",
+                             extra=ctx(broker=dead_addr, client=client_addr))
+                    break
+                gevent.wait([reader], timeout=self.cfg.probe_interval_down)
+        finally:
+            reader.kill(block=True, timeout=1)
+            deadline = time.monotonic() + self.cfg.send_timeout + 1
+            while in_flight[0] > 0 and time.monotonic() < deadline:
+                done.clear()
+                done.wait(timeout=0.1)
+            try:
+                client.close()
+            except OSError:
+                pass
+
+    def _read_loop(self, client: socket.socket, in_flight: list[int], done: Any,
+                   handle: Callable[[RemotingCommand], None]) -> None:
+        buf = bytearray()
+        try:
+            while True:
+                chunk = client.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+                while len(buf) >= 4:
+                    (n,) = _I32.unpack_from(buf, 0)
+                    if n < 4 or n > self.max_frame:
+                        log.warning("protocol error on a failover connection; closing",
+                                    extra=ctx(frame_length=n))
+                        return
+                    if len(buf) < 4 + n:
+                        break
+                    frame = bytes(buf[: 4 + n])
+                    del buf[: 4 + n]
+                    cmd = decode_frame(frame)
+                    if cmd.is_response:
+                        continue  # answers to broker-to-client requests: no broker to give them to
+                    in_flight[0] += 1
+                    done.clear()
+                    gevent.spawn(handle, cmd)
+        except (OSError, ValueError) as exc:
+            log.info("failover connection ended", extra=ctx(error=str(exc)))
+

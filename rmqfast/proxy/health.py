@@ -1,0 +1,277 @@
+"""Broker health as one worker sees it: probed in the background, told by the sessions.
+
+Every real broker address a worker relays to (the upstreams of its broker endpoints) has a
+prober greenlet that keeps one Remoting connection open and asks it a cheap question
+(``GET_MAX_OFFSET`` of ``TBW102`` queue 0; any answer, even an error code, means the broker
+process is serving) every ``failover.probe_interval`` seconds while it is up, every
+``failover.probe_interval_down`` seconds while it is down.  The probe connection also watches
+passively: a broker killed with ``kill -9`` closes it at once, which wakes the prober at once.
+
+Sessions add what they see, off the send path: a refused or timed-out upstream connect marks the
+broker down at once (:meth:`BrokerHealth.connect_failed`); an upstream connection that dies with
+requests in flight is only a hint (:meth:`BrokerHealth.suspect`): the prober asks again now.  A
+broker comes back only through a successful probe.
+
+The tracker never blocks a caller: every question is a dict lookup, every report an
+``Event.set``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gevent
+from gevent.event import Event
+
+from rmqfast.errors import ConfigError
+from rmqfast.log import ctx
+
+log = logging.getLogger("rmqfast.health")
+
+#: Request code of the probe: GET_MAX_OFFSET (30) answers from memory, needs no body.
+PROBE_CODE = 30
+
+
+@dataclass
+class FailoverSection:
+    """``[failover]``: broker health, route healing and send failover."""
+
+    enabled: bool = True  # health probes, route healing and moving sends off a dead broker
+    heal_routes: bool = True  # route answers (105) mark a dead master's queues unwritable
+    probe_interval: float = 1.0  # seconds between probes of a broker that is up
+    probe_interval_down: float = 0.2  # ... of a broker that is down
+    probe_timeout: float = 1.0  # a probe not answered within this time fails
+    send_timeout: float = 3.0  # a moved send waits this long for the other broker's answer
+    # topics (fnmatch patterns) whose sends are never moved: their order matters
+    ordered_topics: list[str] = field(default_factory=list)
+    # sends carrying this property are ordered (5.x SHARDING_KEY, set for FIFO messages); "" disables
+    ordered_property: str = "__SHARDINGKEY"
+    go_away: bool = True  # draining workers answer 5.3.2+ clients GO_AWAY (1500) instead of cutting them
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FailoverSection:
+        return cls(**d)
+
+    def is_ordered_topic(self, topic: str) -> bool:
+        return any(fnmatch.fnmatchcase(topic, p) for p in self.ordered_topics)
+
+
+_FIELDS = {
+    "enabled": bool, "heal_routes": bool, "go_away": bool,
+    "probe_interval": float, "probe_interval_down": float, "probe_timeout": float, "send_timeout": float,
+    "ordered_topics": list, "ordered_property": str,
+}
+
+
+def parse_failover(raw: Any) -> FailoverSection:
+    """The ``[failover]`` table, checked; a :class:`ConfigError` names the bad key and what is allowed."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"failover: expected a table, got {type(raw).__name__}")
+    out = FailoverSection()
+    for key, value in raw.items():
+        kind = _FIELDS.get(key)
+        if kind is None:
+            raise ConfigError(f"failover.{key}: unknown key; expected one of {', '.join(sorted(_FIELDS))}")
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"failover.{key}: {value!r} is not allowed; expected true or false")
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.01 <= value <= 600:
+                raise ConfigError(f"failover.{key}: {value!r} is not allowed; expected seconds from 0.01 to 600")
+            value = float(value)
+        elif kind is list:
+            if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+                raise ConfigError(f"failover.{key}: expected a list of topic names or patterns (fnmatch)")
+        elif not isinstance(value, str):
+            raise ConfigError(f"failover.{key}: {value!r} is not allowed; expected a string")
+        setattr(out, key, value)
+    return out
+
+
+class HealthMetrics:
+    """Prometheus objects of broker health and failover (created once per worker)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.broker_up = Gauge(
+            "rmqfast_broker_up", "1 while the broker answers this worker's probes, 0 while it is seen dead",
+            ["broker"], multiprocess_mode="livemin",
+        )
+        self.broker_down_events = Counter(
+            "rmqfast_broker_down_total", "Times a broker was seen dead (probe failed or connect refused)", ["broker"],
+        )
+        self.failovers = Counter(
+            "rmqfast_failovers_total", "Sends that could not reach their broker and were moved to another master",
+            ["broker", "to"],
+        )
+        self.failover_refused = Counter(
+            "rmqfast_failover_refused_total",
+            "Sends to a dead broker answered with a retryable error instead of being moved, by reason",
+            ["broker", "reason"],
+        )
+        self.possible_duplicates = Counter(
+            "rmqfast_failover_possible_duplicates_total",
+            "Moved sends that had already been written to the dying broker (may be stored twice)", ["broker"],
+        )
+        self.route_heals = Counter(
+            "rmqfast_route_heals_total", "Route answers in which a dead master's queues were marked unwritable",
+            ["broker"],
+        )
+        self.go_away = Counter(
+            "rmqfast_go_away_total", "Requests answered GO_AWAY (1500) by a draining worker", ["role"],
+        )
+
+
+Prober = Callable[[str, float], Any]
+
+
+class _Watch:
+    __slots__ = ("addr", "up", "since", "wake", "greenlet", "conn", "fails")
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.up = True  # optimistic until the first probe or session says otherwise
+        self.since = time.monotonic()
+        self.wake = Event()
+        self.greenlet: Any = None
+        self.conn: Any = None
+        self.fails = 0
+
+
+class BrokerHealth:
+    """Up/down state of real broker addresses ("host:port"), for one worker."""
+
+    def __init__(
+        self,
+        cfg: FailoverSection | None = None,
+        metrics: HealthMetrics | None = None,
+        *,
+        connect: Callable[[str, float], Any] | None = None,
+    ) -> None:
+        self.cfg = cfg or FailoverSection()
+        self.metrics = metrics
+        self._connect = connect or _default_connect
+        self._watches: dict[str, _Watch] = {}
+        self._listeners: list[Callable[[str, bool], None]] = []
+        self.changed = Event()  # set at every state change (then cleared by the next waiter)
+        self.closed = False
+
+    # Questions (never block) -------------------------------------------------------------------
+
+    def is_down(self, addr: str) -> bool:
+        w = self._watches.get(addr)
+        return w is not None and not w.up
+
+    def down(self) -> set[str]:
+        return {a for a, w in self._watches.items() if not w.up}
+
+    def known(self) -> list[str]:
+        return list(self._watches)
+
+    def down_for(self, addr: str, now: float | None = None) -> float:
+        w = self._watches.get(addr)
+        if w is None or w.up:
+            return 0.0
+        return (now if now is not None else time.monotonic()) - w.since
+
+    # Reports --------------------------------------------------------------------------------------
+
+    def watch(self, addrs: Iterable[str]) -> None:
+        """Probe these addresses from now on (idempotent)."""
+        for a in addrs:
+            if a not in self._watches and not self.closed:
+                w = self._watches[a] = _Watch(a)
+                if self.metrics is not None:
+                    self.metrics.broker_up.labels(a).set(1)
+                w.greenlet = gevent.spawn(self._probe_loop, w)
+
+    def connect_failed(self, addr: str, reason: str) -> None:
+        """A session could not connect to ``addr`` (refused, timed out): down at once."""
+        self.watch([addr])
+        self._set(self._watches[addr], False, reason)
+        self._watches[addr].wake.set()
+
+    def suspect(self, addr: str, reason: str) -> None:
+        """A session lost its connection to ``addr`` with requests in flight: probe it now."""
+        w = self._watches.get(addr)
+        if w is None:
+            self.watch([addr])
+            w = self._watches[addr]
+        log.info("broker suspected; probing now", extra=ctx(broker=addr, reason=reason))
+        w.wake.set()
+
+    def on_change(self, fn: Callable[[str, bool], None]) -> None:
+        """``fn(addr, up)`` after every change of state."""
+        self._listeners.append(fn)
+
+    def close(self) -> None:
+        self.closed = True
+        for w in self._watches.values():
+            if w.greenlet is not None:
+                w.greenlet.kill(block=False)
+            if w.conn is not None:
+                w.conn.close()
+
+    # Internals --------------------------------------------------------------------------------------
+
+    def _set(self, w: _Watch, up: bool, reason: str) -> None:
+        if w.up == up:
+            return
+        was = time.monotonic() - w.since
+        w.up = up
+        w.since = time.monotonic()
+        if up:
+            log.warning("broker is back", extra=ctx(broker=w.addr, down_seconds=round(was, 3)))
+        else:
+            log.warning("broker seen dead", extra=ctx(broker=w.addr, reason=reason))
+        if self.metrics is not None:
+            self.metrics.broker_up.labels(w.addr).set(1 if up else 0)
+            if not up:
+                self.metrics.broker_down_events.labels(w.addr).inc()
+        self.changed.set()
+        for fn in list(self._listeners):
+            try:
+                fn(w.addr, up)
+            except Exception:
+                log.exception("health listener failed")
+
+    def _probe_once(self, w: _Watch) -> tuple[bool, str]:
+        timeout = self.cfg.probe_timeout
+        try:
+            if w.conn is None or w.conn.closed:
+                w.conn = self._connect(w.addr, timeout)
+                reader = getattr(w.conn, "_reader", None)
+                if reader is not None:  # the connection closing (kill -9) wakes the prober at once
+                    reader.link(lambda _g, wake=w.wake: wake.set())
+            w.conn.request(PROBE_CODE, {"topic": "TBW102", "queueId": "0"}, timeout=timeout)
+            return True, ""
+        except Exception as exc:  # RemoteError, OSError: the broker does not serve
+            if w.conn is not None:
+                w.conn.close()
+                w.conn = None
+            return False, str(exc)
+
+    def _probe_loop(self, w: _Watch) -> None:
+        while not self.closed:
+            w.wake.clear()
+            ok, reason = self._probe_once(w)
+            if ok:
+                w.fails = 0
+                self._set(w, True, "")
+            else:
+                w.fails += 1
+                self._set(w, False, f"probe failed: {reason}")
+            interval = self.cfg.probe_interval if w.up else self.cfg.probe_interval_down
+            w.wake.wait(timeout=interval)
+
+
+def _default_connect(addr: str, timeout: float) -> Any:
+    from rmqfast.clouds.remoting import Connection
+
+    return Connection(addr, connect_timeout=timeout)
