@@ -24,6 +24,7 @@ from typing import Any
 from rmqfast.delay.settings import DelaySection, parse_delay
 from rmqfast.errors import ConfigError
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
+from rmqfast.proxy.health import FailoverSection, parse_failover
 from rmqfast.proxy.acl import AclSection, parse_acl
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
@@ -172,6 +173,7 @@ class Config:
     records: RecordsSection = field(default_factory=RecordsSection)
     clouds: CloudsSection = field(default_factory=CloudsSection)
     replicate: ReplicateSection = field(default_factory=ReplicateSection)
+    failover: FailoverSection = field(default_factory=FailoverSection)  # [failover] (rmqfast.proxy.health)
     delay: DelaySection = field(default_factory=DelaySection)  # [delay] (rmqfast.delay)
     acl: AclSection = field(default_factory=AclSection)  # [acl]: per-AccessKey topic allowlist (rmqfast.proxy.acl)
 
@@ -433,6 +435,8 @@ _KNOWN = {
     },
     "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight"},
     "acl": {"topics", "unsigned", "other_keys"},
+    "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout",
+                 "send_timeout", "ordered_topics", "ordered_property", "go_away"},
 }
 
 _REPLICATE_CHOICES = ("online", "always", "never")
@@ -679,6 +683,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     _parse_records(cfg, raw, errs)
     _parse_clouds(cfg, raw, errs)
     with errs.check():
+        if "failover" in raw:
+            cfg.failover = parse_failover(raw["failover"])
+    with errs.check():
         if "delay" in raw:
             cfg.delay = parse_delay(raw["delay"])
     with errs.check():
@@ -865,4 +872,6 @@ def from_json(text: str) -> Config:
         cfg.delay = DelaySection(**d["delay"])
     if "acl" in d:
         cfg.acl = AclSection.from_dict(d["acl"])
+    if "failover" in d:
+        cfg.failover = FailoverSection.from_dict(d["failover"])
     return cfg
