@@ -225,6 +225,7 @@ class FailoverService:
         self._rr = itertools.count()
         self.moved = 0
         self.refused = 0
+        self.stopping = False  # the worker drains: connections close once nothing is in flight
 
     # One send -----------------------------------------------------------------------------------
 
@@ -330,9 +331,9 @@ class FailoverService:
         reader = gevent.spawn(self._read_loop, client, in_flight, done, handle)
         try:
             while not reader.dead:
-                if not self.health.is_down(dead_addr) and in_flight[0] == 0:
-                    log.info("broker is back: closing its failover connection",
-                             extra=ctx(broker=dead_addr, client=client_addr))
+                if in_flight[0] == 0 and (self.stopping or not self.health.is_down(dead_addr)):
+                    log.info("closing a failover connection", extra=ctx(
+                        broker=dead_addr, client=client_addr, why="draining" if self.stopping else "broker is back"))
                     break
                 gevent.wait([reader], timeout=self.cfg.probe_interval_down)
         finally:

@@ -30,14 +30,18 @@ from gevent.server import StreamServer
 
 from rmqfast import config as config_mod
 from rmqfast import log as log_mod
-from rmqfast.codec import IMPLEMENTATION, ScanStats, slot_code
+from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, slot_code
 from rmqfast.codec import codes as C
+from rmqfast.codec._scan_py import result_index
 from rmqfast.codec.admincodes import preset_codes
 from rmqfast.config import Config, HostPort
 from rmqfast.log import ctx
 from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
+from rmqfast.proxy.failover import FailoverService, RouteBook
+from rmqfast.proxy.goaway import GoAway, draining
+from rmqfast.proxy.health import BrokerHealth, HealthMetrics
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
 from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
@@ -110,6 +114,13 @@ class Worker:
         self.ns_preferred = 0
         self.draining = False
         self.settings = self._settings(cfg)
+        # [failover]: broker health probed in the background, routes healed, sends of clients of a
+        # dead broker moved to another live master (rmqfast.proxy.health, rmqfast.proxy.failover)
+        self.health_metrics = HealthMetrics()
+        self.health = BrokerHealth(cfg.failover, self.health_metrics)
+        self.book = RouteBook(lambda: [str(u) for u in self.cfg.namesrv.upstreams])
+        self.failover = FailoverService(cfg.failover, self.health, self.book, self.health_metrics,
+                                        max_frame=cfg.proxy.max_frame_size)
         self.registry = EndpointRegistry(cfg, self._bind_endpoint)
         self._build_chains()
         self.shaper: Any = None  # [limits] mode "shape": peak shaving (rmqfast.limits.shaper)
@@ -125,6 +136,7 @@ class Worker:
 
     def _build_chains(self) -> None:
         pol = self.cfg.policy
+        fo = self.cfg.failover
         broker_filters: list[Filter] = []
         if self.cfg.replication_enabled:  # cross-cloud copies (rmqfast.replicate)
             from rmqfast.replicate import ReplicationService
@@ -147,7 +159,9 @@ class Worker:
             "namesrv": FilterChain(
                 [
                     DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied),
-                    RewriteRoutes(self.registry, self._rewritten),
+                    RewriteRoutes(self.registry, self._rewritten,
+                                  health=self.health if fo.enabled and fo.heal_routes else None,
+                                  book=self.book if fo.enabled else None, on_heal=self._healed),
                 ]
             ),
             "broker": FilterChain(
@@ -221,6 +235,9 @@ class Worker:
     def _denied(self, session: PolicySession, code: int) -> None:
         self.metrics.denied.labels(session.role, str(code)).inc()
 
+    def _healed(self, addr: str) -> None:
+        self.health_metrics.route_heals.labels(addr).inc()
+
     def _rewritten(self, session: PolicySession, code: int) -> None:
         self.metrics.route_rewrites.labels(str(code)).inc()
 
@@ -241,6 +258,8 @@ class Worker:
         gevent.spawn(self._refresh_loop)
         gevent.spawn(self._publish_loop)
         gevent.spawn(self._idle_loop)
+        if self.cfg.failover.enabled:
+            self._watch_brokers()
         self.metrics.workers_up.set(1)
         log.info(
             "worker ready",
@@ -272,6 +291,8 @@ class Worker:
                 lst = self.cfg.namesrv.upstreams
                 k = self.ns_preferred % len(lst)
                 ups = lst[k:] + lst[:k]
+            if upstream is not None and self._serve_failover(sock, client, upstream):
+                return
             session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self,
                               limits=self.limits if role == "broker" else None)
             self._next_conn += 1
@@ -285,10 +306,32 @@ class Worker:
                 session.run()
             finally:
                 self.sessions.discard(session)
+                if upstream is not None and not session.upstream_addr:  # the connect failed
+                    self.health.connect_failed(str(upstream), "a client's upstream connect failed")
                 self._closed_ids.append(session.conn_id)
                 gauge.dec()
 
         return handle
+
+    def _serve_failover(self, sock: socket.socket, client: str, upstream: HostPort) -> bool:
+        """Serve a client of a broker seen dead: its sends are moved (rmqfast.proxy.failover)."""
+        addr = str(upstream)
+        if not self.cfg.failover.enabled or not self.health.is_down(addr) or self.draining:
+            return False
+        stats = self.stats["broker"]
+        gauge = self.metrics.connections_active.labels("broker")
+        self.metrics.connections.labels("broker").inc()
+        gauge.inc()
+        try:
+            self.failover.serve(sock, client, addr,
+                                on_answer=lambda req, resp: stats.count_result(code_slot(req), result_index(resp)))
+        finally:
+            gauge.dec()
+        return True
+
+    def _watch_brokers(self) -> None:
+        """Probe every broker this worker has an endpoint for (called again as endpoints appear)."""
+        self.health.watch(str(ep.upstream) for ep in self.registry.endpoints() if not ep.vip)
 
     # Session events ----------------------------------------------------------------------------
 
@@ -308,6 +351,8 @@ class Worker:
             gevent.sleep(0.5)
             try:
                 self.registry.refresh()
+                if self.cfg.failover.enabled:
+                    self._watch_brokers()
             except Exception:
                 log.exception("endpoint table refresh failed")
 
@@ -364,6 +409,15 @@ class Worker:
             lst.server.close()
         deadline = time.monotonic() + self.cfg.proxy.drain_timeout
         log.info("draining", extra=ctx(worker=self.index, sessions=len(self.sessions)))
+        self.failover.stopping = True
+        if self.cfg.failover.go_away:  # requests arriving from now on: GO_AWAY to clients that reconnect on it
+            go_away = GoAway(lambda s, code: self.health_metrics.go_away.labels(s.role).inc())
+            for s in list(self.sessions):
+                if s.closed:
+                    continue
+                s.chain = draining(s.chain, go_away)
+                if s.c2u is not None:
+                    s.c2u.set_actions(s.chain.request_actions)
         while self.sessions and time.monotonic() < deadline:
             for s in list(self.sessions):
                 if s.in_flight == 0:

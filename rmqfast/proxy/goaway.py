@@ -1,0 +1,52 @@
+"""GO_AWAY (1500) while a worker drains: clients reconnect instead of seeing a reset.
+
+apache/rocketmq 5.3.2+ (``NettyRemotingAbstract.processRequestCommand``) answers every request
+with ``ResponseCode.GO_AWAY`` while it shuts down, but only to clients whose request version is
+above ``MQVersion.Version.V5_3_1`` (ordinal 475): those clients
+(``NettyRemotingClient.invokeImpl``, ``enableReconnectForGoAway`` true by default) open a new
+connection to the same address and send the same request again on it, once; sync, async and
+oneway-less requests alike, to brokers and name servers.  Older clients (4.9.x, 5.0-5.3.1) would
+see 1500 as an error (the 4.9.4 producer does not retry it), so their requests are relayed and
+their connection is closed once nothing is in flight, as before.
+
+A draining worker has closed its listeners, so the reconnect reaches another worker of the same
+SO_REUSEPORT group (a planned restart) or, when the whole proxy stops, nothing (the client's
+ordinary retry then applies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rmqfast.codec import CODE_SLOTS
+from rmqfast.codec import codes as C
+from rmqfast.proxy.policy import Filter, FilterChain, Frame, Session, Verdict, error_response, reply
+
+#: ``MQVersion.Version.V5_3_1.ordinal()``: clients above it reconnect on GO_AWAY.
+V5_3_1 = 475
+REMARK = "rmqfast: this proxy worker is restarting; reconnect and send again"
+
+
+class GoAway(Filter):
+    """Answer every two-way request of a GO_AWAY-aware client with GO_AWAY (drain only)."""
+
+    name = "go-away"
+
+    def __init__(self, on_go_away: Callable[[Session, int], None] | None = None) -> None:
+        self.on_go_away = on_go_away
+
+    def request_slots(self) -> set[int]:
+        return set(range(CODE_SLOTS))
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        if frame.is_oneway or frame.command().version <= V5_3_1:
+            return None
+        session.state["go_away"] = session.state.get("go_away", 0) + 1
+        if self.on_go_away is not None:
+            self.on_go_away(session, frame.code)
+        return reply(error_response(frame, C.GO_AWAY, REMARK))
+
+
+def draining(chain: FilterChain, go_away: GoAway) -> FilterChain:
+    """``chain`` with :class:`GoAway` first: every request reaches Python while the worker drains."""
+    return FilterChain([go_away, *chain.filters])

@@ -1,0 +1,305 @@
+"""Broker health, send failover decisions and the failover service, against fake brokers (gevent)."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import gevent
+import pytest
+from gevent import socket
+from gevent.server import StreamServer
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.proxy.failover import (
+    SERVICE_NOT_AVAILABLE,
+    FailoverService,
+    RouteBook,
+    SendInfo,
+    candidates,
+    ordered_reason,
+    retarget,
+    send_info,
+)
+from rmqfast.proxy.goaway import V5_3_1, GoAway
+from rmqfast.proxy.health import BrokerHealth, FailoverSection
+from rmqfast.proxy.policy import Frame
+
+_I32 = struct.Struct(">i")
+
+
+def _read_frame(sock: socket.socket, buf: bytearray) -> bytes | None:
+    while True:
+        if len(buf) >= 4:
+            (n,) = _I32.unpack_from(buf, 0)
+            if len(buf) >= 4 + n:
+                frame = bytes(buf[: 4 + n])
+                del buf[: 4 + n]
+                return frame
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+
+
+class FakeBroker:
+    """Answers every request: sends with SUCCESS (or ``answer_code``) and a queueId, others SUCCESS."""
+
+    def __init__(self, answer_code: int = C.SUCCESS) -> None:
+        self.answer_code = answer_code
+        self.requests: list[RemotingCommand] = []
+        self.server = StreamServer(("127.0.0.1", 0), self._handle)
+        self.server.start()
+        self.conns: list[socket.socket] = []
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.server.server_port}"
+
+    def _handle(self, sock: socket.socket, _addr: Any) -> None:
+        self.conns.append(sock)
+        buf = bytearray()
+        while True:
+            try:
+                frame = _read_frame(sock, buf)
+            except OSError:
+                return
+            if frame is None:
+                return
+            cmd = decode_frame(frame)
+            self.requests.append(cmd)
+            ext = {"msgId": "AB", "queueId": (cmd.ext_fields or {}).get("e", "0"), "queueOffset": "7"}
+            code = self.answer_code if cmd.code in (C.SEND_MESSAGE, C.SEND_MESSAGE_V2) else C.SUCCESS
+            sock.sendall(encode(make_response(cmd, code, None, ext_fields=ext)))
+
+    def kill(self) -> None:
+        """Like kill -9: the listener and every connection close."""
+        self.server.stop(timeout=0)
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+
+def _closed_port() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens: connects are refused
+    return f"127.0.0.1:{port}"
+
+
+def _wait(cond: Any, timeout: float = 10.0) -> None:
+    with gevent.Timeout(timeout):
+        while not cond():
+            gevent.sleep(0.01)
+
+
+def _send_v2(topic: str = "T", qid: int = 3, bname: str | None = "broker-a", props: str = "UNIQ_KEY\x01x\x02",
+             sys_flag: int = 0, opaque: int = 11, version: int = 479) -> RemotingCommand:
+    ext = {"a": "PG", "b": topic, "c": "TBW102", "d": "4", "e": str(qid), "f": str(sys_flag), "g": "1", "h": "0",
+           "i": props, "j": "0", "k": "false", "l": "16", "m": "false"}
+    if bname is not None:
+        ext["n"] = bname
+    return RemotingCommand(code=C.SEND_MESSAGE_V2, opaque=opaque, version=version, ext_fields=ext, body=b"hello")
+
+
+FAST = FailoverSection(probe_interval=0.2, probe_interval_down=0.05, probe_timeout=0.5, send_timeout=2.0)
+
+
+# Decisions -----------------------------------------------------------------------------------------
+
+
+def test_send_info_reads_v1_and_v2() -> None:
+    v2 = send_info(_send_v2())
+    assert v2 == SendInfo("T", 3, "broker-a", "UNIQ_KEY\x01x\x02", 0, True)
+    v1 = send_info(RemotingCommand(code=C.SEND_MESSAGE, ext_fields={
+        "topic": "T1", "queueId": "2", "properties": "", "sysFlag": "4", "bname": "b"}))
+    assert v1 == SendInfo("T1", 2, "b", "", 4, False)
+    assert send_info(RemotingCommand(code=C.PULL_MESSAGE, ext_fields={"topic": "T"})) is None
+
+
+def test_ordered_sends_are_recognised() -> None:
+    cfg = FailoverSection(ordered_topics=["Order*"])
+    assert ordered_reason(send_info(_send_v2("OrderTopic")), cfg)  # type: ignore[arg-type]
+    assert ordered_reason(send_info(_send_v2(props="a\x01b\x02__SHARDINGKEY\x01k\x02")), cfg)  # type: ignore[arg-type]
+    assert ordered_reason(send_info(_send_v2(props="__SHARDINGKEY\x01k")), cfg)  # type: ignore[arg-type]
+    assert ordered_reason(send_info(_send_v2(sys_flag=4)), cfg)  # type: ignore[arg-type]
+    assert ordered_reason(send_info(_send_v2()), cfg) is None  # type: ignore[arg-type]
+    assert ordered_reason(send_info(_send_v2(props="X__SHARDINGKEY\x01k")), cfg) is None  # type: ignore[arg-type]
+
+
+def test_candidates_and_retarget() -> None:
+    route = ({"broker-a": "a:1", "broker-b": "b:1", "broker-c": "c:1"},
+             [("broker-a", 4, 6), ("broker-b", 8, 6), ("broker-c", 4, 4)])
+    assert candidates(route, set(), "broker-a", "a:1") == [("broker-b", "b:1", 8)]  # c is read-only
+    assert candidates(route, {"b:1"}, "broker-a", "a:1") == []
+    cmd = _send_v2(qid=11)
+    out = retarget(cmd, send_info(cmd), "broker-b", 8)  # type: ignore[arg-type]
+    assert out.ext_fields is not None and out.ext_fields["e"] == "3" and out.ext_fields["n"] == "broker-b"
+    assert {k: v for k, v in out.ext_fields.items() if k not in "en"} == \
+        {k: v for k, v in (cmd.ext_fields or {}).items() if k not in "en"}
+    assert out.body == cmd.body and out.opaque == cmd.opaque
+    v1 = RemotingCommand(code=C.SEND_MESSAGE, ext_fields={"topic": "T", "queueId": "5", "bname": "broker-a"})
+    o1 = retarget(v1, send_info(v1), "broker-b", 4)  # type: ignore[arg-type]
+    assert o1.ext_fields == {"topic": "T", "queueId": "1", "bname": "broker-b"}
+
+
+# Health ---------------------------------------------------------------------------------------------
+
+
+def test_health_sees_kill_at_once_and_recovery() -> None:
+    broker = FakeBroker()
+    h = BrokerHealth(FAST)
+    changes: list[tuple[str, bool]] = []
+    h.on_change(lambda a, up: changes.append((a, up)))
+    try:
+        h.watch([broker.addr])
+        _wait(lambda: len(broker.requests) >= 1)
+        assert not h.is_down(broker.addr)
+        port = broker.server.server_port
+        broker.kill()
+        _wait(lambda: h.is_down(broker.addr), timeout=5)
+        assert changes == [(broker.addr, False)]
+        # the broker restarts on the same port
+        broker2 = FakeBroker.__new__(FakeBroker)
+        broker2.answer_code = C.SUCCESS
+        broker2.requests = []
+        broker2.conns = []
+        broker2.server = StreamServer(("127.0.0.1", port), broker2._handle)
+        broker2.server.start()
+        _wait(lambda: not h.is_down(broker.addr), timeout=5)
+        assert changes == [(broker.addr, False), (broker.addr, True)]
+        broker2.kill()
+    finally:
+        h.close()
+
+
+def test_connect_failed_marks_down_until_a_probe_answers() -> None:
+    dead = _closed_port()
+    h = BrokerHealth(FAST)
+    try:
+        h.connect_failed(dead, "refused")
+        assert h.is_down(dead) and h.down() == {dead}
+        gevent.sleep(0.3)
+        assert h.is_down(dead)  # probes keep failing
+    finally:
+        h.close()
+
+
+# The service ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster() -> Any:
+    live = FakeBroker()
+    dead = _closed_port()
+    health = BrokerHealth(FAST)
+    health.connect_failed(dead, "refused")
+    book = RouteBook(lambda: [])
+    book.learn("T", {"brokerDatas": [{"brokerName": "broker-a", "brokerAddrs": {0: dead}},
+                                     {"brokerName": "broker-b", "brokerAddrs": {0: live.addr}}],
+                     "queueDatas": [{"brokerName": "broker-a", "writeQueueNums": 4, "perm": 6},
+                                    {"brokerName": "broker-b", "writeQueueNums": 2, "perm": 6}]})
+    svc = FailoverService(FAST, health, book)
+    yield live, dead, health, svc
+    health.close()
+    live.kill()
+
+
+def _serve_pair(svc: FailoverService, dead: str) -> tuple[socket.socket, Any]:
+    a, b = socket.socketpair()
+    g = gevent.spawn(svc.serve, b, "client:1", dead)
+    return a, g
+
+
+def test_send_to_dead_broker_is_moved_and_answered_with_client_opaque(cluster: Any) -> None:
+    live, dead, _health, svc = cluster
+    client, g = _serve_pair(svc, dead)
+    buf = bytearray()
+    client.sendall(encode(_send_v2(qid=3, opaque=101)) + encode(_send_v2(qid=2, opaque=102)))
+    answers = {}
+    for _ in range(2):
+        f = _read_frame(client, buf)
+        assert f is not None
+        cmd = decode_frame(f)
+        answers[cmd.opaque] = cmd
+    assert set(answers) == {101, 102} and all(a.code == C.SUCCESS for a in answers.values())
+    assert [r.ext_fields["n"] for r in live.requests] == ["broker-b", "broker-b"]  # type: ignore[index]
+    assert sorted(r.ext_fields["e"] for r in live.requests) == ["0", "1"]  # type: ignore[index]  # 3%2, 2%2
+    assert all(r.body == b"hello" for r in live.requests)
+    assert svc.moved == 2
+    # a pull is not moved: SYSTEM_ERROR naming the dead broker
+    client.sendall(encode(RemotingCommand(code=C.PULL_MESSAGE, opaque=103, ext_fields={"topic": "T"})))
+    f = _read_frame(client, buf)
+    assert f is not None and decode_frame(f).code == C.SYSTEM_ERROR and dead in (decode_frame(f).remark or "")
+    client.close()
+    g.join(timeout=5)
+    assert g.dead
+
+
+def test_ordered_send_gets_retryable_error_not_moved(cluster: Any) -> None:
+    live, dead, _health, svc = cluster
+    svc.cfg = FailoverSection(**{**FAST.__dict__, "ordered_topics": ["T"]})
+    client, g = _serve_pair(svc, dead)
+    client.sendall(encode(_send_v2(opaque=5)))
+    f = _read_frame(client, bytearray())
+    assert f is not None
+    ans = decode_frame(f)
+    assert ans.code == SERVICE_NOT_AVAILABLE and ans.opaque == 5 and "ordered_topics" in (ans.remark or "")
+    assert live.requests == []
+    client.close()
+    g.join(timeout=5)
+
+
+def test_connection_closes_once_broker_is_back(cluster: Any) -> None:
+    _live, dead, health, svc = cluster
+    client, g = _serve_pair(svc, dead)
+    gevent.sleep(0.1)
+    assert not g.dead
+    health._set(health._watches[dead], True, "")  # what a successful probe does
+    g.join(timeout=5)
+    assert g.dead
+    assert client.recv(10) == b""  # closed: the client reconnects to its own broker
+
+
+def test_next_broker_tried_after_retryable_answer() -> None:
+    busy, ok = FakeBroker(answer_code=C.SYSTEM_BUSY), FakeBroker()
+    dead = _closed_port()
+    health = BrokerHealth(FAST)
+    health.connect_failed(dead, "refused")
+    book = RouteBook(lambda: [])
+    book.learn("T", {"brokerDatas": [{"brokerName": n, "brokerAddrs": {0: a}} for n, a in
+                                     (("a", dead), ("b", busy.addr), ("c", ok.addr))],
+                     "queueDatas": [{"brokerName": n, "writeQueueNums": 4, "perm": 6} for n in "abc"]})
+    svc = FailoverService(FAST, health, book)
+    try:
+        for i in range(4):
+            ans, to = svc.move(_send_v2(bname="a", opaque=i), dead)
+            assert ans.code == C.SUCCESS and ans.opaque == i and to == ok.addr
+    finally:
+        health.close()
+        busy.kill()
+        ok.kill()
+
+
+def test_go_away_only_for_clients_that_reconnect_on_it() -> None:
+    f = GoAway()
+
+    class S:
+        role = "broker"
+        client_addr = "c"
+        upstream_addr = "u"
+        state: dict[str, Any] = {}
+
+    new = encode(_send_v2(opaque=9, version=V5_3_1 + 2))
+    v = f.on_request(S(), Frame(new, C.SEND_MESSAGE_V2, 0, 9))
+    assert v is not None and getattr(v.kind, "value", v.kind) == "reply"
+    ans = decode_frame(v.data)
+    assert ans.code == C.GO_AWAY and ans.opaque == 9 and ans.is_response
+    old = encode(_send_v2(opaque=9, version=401))  # 4.9.4
+    assert f.on_request(S(), Frame(old, C.SEND_MESSAGE_V2, 0, 9)) is None
+    oneway = encode(RemotingCommand(code=C.SEND_MESSAGE_V2, flag=C.FLAG_ONEWAY, version=V5_3_1 + 4, ext_fields={}))
+    assert f.on_request(S(), Frame(oneway, C.SEND_MESSAGE_V2, C.FLAG_ONEWAY, 0)) is None
