@@ -63,6 +63,7 @@ static int opt_body = 1024;
 static int opt_topics = 1;
 static int opt_pull_pct;     /* share of requests that are pulls, 0..100 */
 static int opt_tick_us = 50;
+static const char *opt_access_key; /* --access-key: AccessKey + a Signature-sized value in every header */
 
 /* ---- latency histogram ----------------------------------------------------------------- */
 /* Values in ns.  Exact below 256; above, 128 buckets per power of two. */
@@ -137,6 +138,19 @@ static struct tmpl *send_t, *pull_t;
 static uint8_t *body_bytes;
 static char uniq_prefix[20]; /* ip + pid + "classloader" hash, as MessageClientIDSetter */
 
+static size_t append(char *dst, size_t at, const char *s);
+
+/* ,"AccessKey":"AK","Signature":"<28 Base64 chars>" as AclClientRPCHook adds them (the null
+ * broker checks no signature; the size is a real one's: Base64 of a 20-byte HmacSHA1). */
+static size_t append_acl(char *d, size_t n)
+{
+    if (opt_access_key == NULL)
+        return n;
+    n = append(d, n, ",\"AccessKey\":\"");
+    n = append(d, n, opt_access_key);
+    return append(d, n, "\",\"Signature\":\"c2lnbmF0dXJlLW9mLTIwLWJ5dGU=\"");
+}
+
 static size_t append(char *dst, size_t at, const char *s)
 {
     size_t n = strlen(s);
@@ -171,8 +185,9 @@ static void build_send(struct tmpl *t, int topic)
     n = append(d, n, "00000000\\u0002UNIQ_KEY\\u0001");
     t->off_uniq = n;
     n = append(d, n, "00000000000000000000000000000000\\u0002WAIT\\u0001true\\u0002TAGS\\u0001TagA\\u0002\","
-                     "\"j\":\"0\",\"k\":\"false\",\"m\":\"false\",\"n\":\"broker-a\"},"
-                     "\"flag\":0,\"language\":\"JAVA\",\"opaque\":");
+                     "\"j\":\"0\",\"k\":\"false\",\"m\":\"false\",\"n\":\"broker-a\"");
+    n = append_acl(d, n);
+    n = append(d, n, "},\"flag\":0,\"language\":\"JAVA\",\"opaque\":");
     t->pre_len = n;
     t->post = POST;
     t->post_len = sizeof(POST) - 1;
@@ -191,7 +206,9 @@ static void build_pull(struct tmpl *t, int topic)
     t->off_qid = n;
     n = append(d, n, "0\",\"queueOffset\":\"0\",\"maxMsgNums\":\"32\",\"sysFlag\":\"6\",\"commitOffset\":\"0\","
                      "\"suspendTimeoutMillis\":\"15000\",\"subscription\":\"*\",\"subVersion\":\"0\","
-                     "\"expressionType\":\"TAG\"},\"flag\":0,\"language\":\"JAVA\",\"opaque\":");
+                     "\"expressionType\":\"TAG\"");
+    n = append_acl(d, n);
+    n = append(d, n, "},\"flag\":0,\"language\":\"JAVA\",\"opaque\":");
     t->pre_len = n;
     t->off_born = t->off_keys = t->off_uniq = 0;
     t->post = POST;
@@ -521,7 +538,7 @@ static void usage(void)
     fprintf(stderr,
             "usage: loadgen --port P [--host 127.0.0.1] [--conns 16] [--inflight 32] [--rate 0]\n"
             "               [--duration 5] [--warmup 1] [--body 1024] [--topics 1] [--pull-pct 0]\n"
-            "               [--tick-us 50]\n"
+            "               [--tick-us 50] [--access-key AK]\n"
             "  --rate 0 is the closed loop (--inflight per connection); --rate R > 0 sends R\n"
             "  requests/s in total on a fixed schedule (open loop; --inflight is ignored).\n");
     exit(2);
@@ -555,6 +572,8 @@ static void parse_args(int argc, char **argv)
             opt_pull_pct = (int)num_arg(a, v, 0, 100);
         else if (!strcmp(a, "--tick-us"))
             opt_tick_us = (int)num_arg(a, v, 1, 1000000);
+        else if (!strcmp(a, "--access-key") && strlen(v) < 200)
+            opt_access_key = v;
         else
             usage();
     }

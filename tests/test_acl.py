@@ -21,7 +21,14 @@ from rmqfast.codec import code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.errors import ConfigError
-from rmqfast.proxy.acl import TOPIC_FIELDS, AclSection, AclTopics, access_key_repeated, parse_acl
+from rmqfast.proxy.acl import (
+    TOPIC_FIELDS,
+    AclSection,
+    AclTopics,
+    access_key_repeated,
+    parse_acl,
+    read_fields,
+)
 from rmqfast.proxy.policy import FilterChain, Frame
 from rmqfast.testing.aclsign import sign, signature
 
@@ -50,8 +57,13 @@ def filt(topics: dict[str, list[str]], **kw: str) -> AclTopics:
     return AclTopics(parse_acl({"topics": topics, **kw}))
 
 
+def kind(verdict: Any) -> str:
+    """The verdict's kind as text (a plain string or an Enum of strings)."""
+    return str(getattr(verdict.kind, "value", verdict.kind))
+
+
 def answer(verdict: Any) -> RemotingCommand:
-    assert verdict is not None and verdict.kind == "reply", verdict
+    assert verdict is not None and kind(verdict) == "reply", verdict
     return decode_frame(verdict.data)
 
 
@@ -169,7 +181,7 @@ def test_star_allows_everything() -> None:
 def test_oneway_denial_is_dropped_not_answered() -> None:
     f = filt({AK: ["Orders"]})
     v = f.on_request(FakeSession(), frame_of(C.SEND_MESSAGE_V2, {"b": "Other"}, oneway=True))
-    assert v is not None and v.kind == "divert" and "may not send to topic 'Other'" in v.reason
+    assert v is not None and kind(v) == "divert" and "may not send to topic 'Other'" in v.reason
 
 
 def test_binary_header_read_like_the_broker() -> None:
@@ -206,6 +218,24 @@ def test_escaped_access_key_value_read_decoded() -> None:
     hdr = b'{"code":10,"extFields":{"AccessKey":"go\\u006fd","topic":"Other"},"flag":0,"opaque":9}'
     assert "AccessKey 'good' may not send to topic 'Other'" in answer(
         f.on_request(FakeSession(), json_frame(hdr, C.SEND_MESSAGE))).remark
+
+
+def test_non_string_access_key_refused() -> None:
+    f = filt({"123": ["Orders"]}, other_keys="allow")
+    hdr = b'{"code":10,"extFields":{"AccessKey":123,"topic":"Orders"},"flag":0,"opaque":9}'
+    r = answer(f.on_request(FakeSession(), json_frame(hdr, C.SEND_MESSAGE)))
+    assert r.code == C.NO_PERMISSION and "not a valid UTF-8 string" in r.remark
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_read_fields_agrees_with_the_codec(binary: bool) -> None:
+    # the quick JSON reading and the full decode agree on what the filter looks at
+    for ext in ({"b": "T1", "AccessKey": "k\u00e9y", "i": "a\u0001b\u0002", "x": "\"q\"\\"},
+                {"topic": "T2"}, {"AccessKey": "only"}, {}):
+        fr = frame_of(C.SEND_MESSAGE_V2, ext, creds=None, binary=binary)
+        cmd = decode_frame(fr.data)
+        want = ((cmd.ext_fields or {}).get("AccessKey"), (cmd.ext_fields or {}).get("b"), False)
+        assert read_fields(fr, "b") == want
 
 
 def test_non_topic_codes_untouched_and_disabled_section_sees_nothing() -> None:

@@ -25,11 +25,15 @@ allowlist only narrows what holders of valid credentials can reach; the broker s
 forged AccessKey.  Without ``acl.topics`` nothing is checked and these codes stay on the
 compiled path.
 
-The AccessKey and topic are read from the fully decoded header, as the broker reads them: the
-header walk has already refused frames whose topic field is duplicated or escaped, escaped
-extFields keys and the other ambiguous JSON; here a JSON header naming ``AccessKey`` twice in one
-object (fastjson and Python would not agree on which one counts) is refused too.  ROCKETMQ binary
-headers become a map in which the last duplicate wins, in Java and in the codec alike.
+The AccessKey and topic are read as the broker reads them (``extFields.get`` by exact key, JSON
+escapes decoded): the header walk has already refused frames whose topic field is duplicated,
+escaped or not a string, escaped keys and the other ambiguous JSON; here a JSON header naming
+``AccessKey`` twice in one object (fastjson and Python need not agree on which one counts) and an
+AccessKey that is not a string are refused too.  ROCKETMQ binary headers become a map in which
+the last duplicate wins, in Java and in the codec alike.
+
+Cost: with an allowlist these codes leave the compiled path; measured with
+``bench/acl_allowlist.py`` (see the README section on ACL for the figures).
 """
 
 from __future__ import annotations
@@ -154,6 +158,31 @@ class _Patterns:
         return self.all or topic in self.exact or (bool(self.prefixes) and topic.startswith(self.prefixes))
 
 
+def read_fields(frame: Frame, topic_key: str) -> tuple[Any, Any, bool]:
+    """(AccessKey, topic, AccessKey named twice in one JSON object) as the broker reads them.
+
+    A JSON header (what Java clients send) is read with one ``json.loads`` and only the two
+    values are taken from its ``extFields`` (the full decode into a command costs about three
+    times as much); a ROCKETMQ binary header is decoded by the codec.  Values that are not
+    strings come back as they are (the caller refuses them).
+    """
+    data = frame.data
+    if data[4] != C.SERIALIZE_JSON:
+        ext = frame.command().ext_fields or {}
+        return ext.get(ACCESS_KEY), ext.get(topic_key), False
+    header = data[8 : 8 + frame.header_length]
+    if header.count(b'"AccessKey"') > 1 and access_key_repeated(header):
+        return None, None, True
+    try:
+        obj = json.loads(header.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        obj = None
+    ext = obj.get("extFields") if isinstance(obj, dict) else None
+    if not isinstance(ext, dict):
+        return None, None, False
+    return ext.get(ACCESS_KEY), ext.get(topic_key), False
+
+
 def access_key_repeated(header: bytes) -> bool:
     """True when a JSON header names ``AccessKey`` twice in one object (or cannot be read to tell)."""
     if header.count(b'"AccessKey"') < 2:
@@ -197,20 +226,15 @@ class AclTopics(Filter):
         if spec is None:
             return None
         key, verb = spec
-        cmd = frame.command()
-        ext = cmd.ext_fields or {}
-        topic = ext.get(key)
-        if topic is None:
+        ak, topic, repeated = read_fields(frame, key)
+        if repeated:
+            return self._deny(session, frame, "", "", "rmqfast: the request names AccessKey more than once; "
+                              "refused (the broker and the proxy could read different keys)")
+        if not isinstance(topic, str):
             return self._deny(session, frame, "", "", f"rmqfast: request code {frame.code} names no topic "
                               f"(extFields '{key}'); the proxy's topic allowlist (acl.topics) cannot admit it")
         if topic.startswith(RETRY_PREFIX):
             return None
-        ak = ext.get(ACCESS_KEY)
-        if ak is not None and frame.data[4] == C.SERIALIZE_JSON and access_key_repeated(
-            frame.data[8 : 8 + frame.header_length]
-        ):
-            return self._deny(session, frame, "", topic, "rmqfast: the request names AccessKey more than once; "
-                              "refused (the broker and the proxy could read different keys)")
         if ak is None:
             if self.allow_unsigned:
                 return None
@@ -218,8 +242,9 @@ class AclTopics(Filter):
                               f"rmqfast: unsigned request (no AccessKey) to {verb} topic {topic!r} refused by the "
                               "proxy's topic allowlist; sign requests (AclClientRPCHook with the AccessKey's "
                               "credentials), or set acl.unsigned = \"allow\"")
-        if "\ufffd" in ak:
-            return self._deny(session, frame, ak, topic, "rmqfast: the AccessKey is not valid UTF-8; refused")
+        if not isinstance(ak, str) or "\ufffd" in ak:
+            return self._deny(session, frame, "", topic, "rmqfast: the AccessKey is not a valid UTF-8 string; "
+                              "refused")
         pats = self.keys.get(ak)
         if pats is None:
             if self.allow_other:
