@@ -70,7 +70,16 @@ def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
         def upstream_ok(self, session: object, hp: object) -> None:
             pass
 
-    chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
+    filters: list = [DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)]
+    kwargs = {}
+    if limits is not None:
+        try:  # send limits are a filter of the chain (the worker's broker chain)
+            from rmqfast.limits.filter import SendLimitFilter
+
+            filters.append(SendLimitFilter(limits))
+        except ImportError:  # older trees: the session took them
+            kwargs["limits"] = limits
+    chain = FilterChain(filters)
     settings = RelaySettings(65536, 16 << 20, 1 << 16, 5.0, 600.0)
     listener = gsocket.socket(gsocket.AF_INET, gsocket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
@@ -79,7 +88,7 @@ def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
     sock, addr = listener.accept()
     sock.setsockopt(gsocket.IPPROTO_TCP, gsocket.TCP_NODELAY, 1)
     session = Session("broker", sock, f"{addr[0]}:{addr[1]}", [HostPort("127.0.0.1", upstream_port)], chain,
-                      ScanStats(), settings, Events(), limits=limits)
+                      ScanStats(), settings, Events(), **kwargs)
     gevent.spawn(session.run).join()
     listener.close()
 

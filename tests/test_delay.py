@@ -36,7 +36,7 @@ from rmqfast.delay.semantics import DelayInvalid, due_ms, strip_delay
 from rmqfast.delay.service import HELD_QUEUE_OFFSET, MESSAGE_ILLEGAL, DelayService
 from rmqfast.delay.settings import parse_delay
 from rmqfast.delay.store import DelayStore, Held, StoreFull, due_key, split_due_key
-from rmqfast.proxy.policy import Frame
+from rmqfast.proxy.policy import Frame, Kind
 from rmqfast.spill.record import CopyRecord
 from rmqfast.spill.store import SpillStore
 
@@ -254,7 +254,7 @@ def test_held_send_is_answered_like_a_broker_and_released_on_time_in_due_order(t
     for i, (name, props) in enumerate(plan):
         cmd = send_cmd("Delayed", 10 + i, props, uniq=UNIQ[:-1] + name, stype=stype)
         v = svc.filter.on_request(sess, frame_of(cmd))
-        assert v is not None and v.kind == "reply"
+        assert v is not None and v.kind is Kind.REPLY
         answers[name] = decode_frame(v.data)
     for name, a in answers.items():
         assert a.code == C.SUCCESS and a.serialize_type == stype

@@ -18,7 +18,7 @@ from rmqfast.codec.msgaddr import (
 )
 from rmqfast.codec.store import BORNHOST_V6_FLAG, STOREHOST_V6_FLAG, StoreRecord, decode_records, encode_records
 from rmqfast.proxy.addresses import RewriteMessageAddresses
-from rmqfast.proxy.policy import Frame
+from rmqfast.proxy.policy import Frame, Kind
 
 REAL = "10.1.2.3:10911"
 OTHER = "10.1.2.4:10911"
@@ -146,7 +146,7 @@ def test_filter_rewrites_pull_answer(stype: int) -> None:
     resp = frame_of(RemotingCommand(code=0, flag=1, opaque=7, ext_fields={"nextBeginOffset": "2"}, body=body,
                                     serialize_type=stype))
     v = f.on_response(s, resp)
-    assert v is not None and v.kind == "rewrite"
+    assert v is not None and v.kind is Kind.REWRITE
     out = decode_frame(v.data)
     assert [r.store_host for r in decode_records(out.body)] == ["127.0.0.1:40001", "10.7.7.7:1"]
     assert out.ext_fields == {"nextBeginOffset": "2"}

@@ -39,7 +39,7 @@ from rmqfast.limits import cli as limits_cli
 from rmqfast.limits.rules import LimitRule, parse_limits
 from rmqfast.limits.shaper import SHAPED_QUEUE_OFFSET, Shaper, shape_send, shaped_answer
 from rmqfast.limits.worker import WorkerLimits
-from rmqfast.proxy.policy import Frame
+from rmqfast.proxy.policy import Frame, Kind
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX
 from rmqfast.testing.proxy import ProxyProcess
 
@@ -174,7 +174,7 @@ def make_shaper(tmp_path: Path, rules: list[dict], *, cap: int = 1 << 30) -> tup
 
 
 def answer_of(v) -> RemotingCommand:
-    assert v.kind == "reply", v
+    assert v.kind is Kind.REPLY, v
     return decode_frame(v.data)
 
 
@@ -265,7 +265,7 @@ def test_refusals_spill_full_transaction_half_and_no_shaper(tmp_path):
         assert r.code == C.SYSTEM_BUSY and "shaping is unavailable" in r.remark
         oneway = send_cmd("orders", 4)
         oneway.flag = C.FLAG_ONEWAY
-        assert shape_send(limits, frame_of(oneway), 0, broker.addr).kind == "divert"
+        assert shape_send(limits, frame_of(oneway), 0, broker.addr).kind is Kind.DIVERT
     finally:
         shaper.close()
         broker.close()

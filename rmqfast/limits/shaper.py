@@ -1,7 +1,8 @@
 """Peak shaving: ``[[limits.rule]] mode = "shape"``.
 
 A shape rule limits like ``limit`` (same GCRA bucket, shared by every worker), but a send it
-refuses is not answered SYSTEM_BUSY: the relay hands it here (:func:`shape_send`) and
+refuses is not answered SYSTEM_BUSY: the send-limit filter (:mod:`rmqfast.limits.filter`)
+hands it here (:func:`shape_send`) and
 
 1. it is committed, synced, to the worker's spill (the RocksDB of cross-cloud delivery,
    ``<state_dir>/spill/worker-<N>``, group commit: concurrent producers share an fsync), in a
@@ -48,8 +49,9 @@ from rmqfast.codec.properties import TAGS, UNIQ_KEY, parse_properties
 from rmqfast.config import Config
 from rmqfast.deliver.sender import PERMANENT_CODES, STORED_CODES, build_request
 from rmqfast.errors import BodyError
+from rmqfast.limits.filter import RESPONSE_EXT, busy_answer
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Frame, Verdict
+from rmqfast.proxy.policy import Frame, Verdict, divert, reply
 from rmqfast.spill.commit import CommitFailed, GroupCommitter
 from rmqfast.spill.record import KIND_BATCH, KIND_SINGLE, CopyRecord
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX, SpillStore, lane_prefix, worker_dir
@@ -64,7 +66,6 @@ READ_AHEAD = 64
 #: A drained lane's releaser ends after this many idle seconds (a new backlog starts another).
 LANE_IDLE = 30.0
 TRANSACTION_PREPARED = 1 << 2
-_RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
 # SendMessageRequestHeader (code 10) field names by SendMessageRequestHeaderV2 short name.
 _V1 = {"a": "producerGroup", "b": "topic", "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag",
        "i": "properties", "j": "reconsumeTimes", "l": "maxReconsumeTimes", "n": "bname"}
@@ -85,12 +86,8 @@ def shaped_answer(request: RemotingCommand, msg_id: str, queue_id: int, remark: 
     exists yet).
     """
     ext = {"msgId": msg_id, "queueId": str(max(queue_id, 0)), "queueOffset": str(SHAPED_QUEUE_OFFSET),
-           **_RESPONSE_EXT}
+           **RESPONSE_EXT}
     return encode(make_response(request, C.SUCCESS, remark, ext_fields=ext))
-
-
-def busy_answer(request: RemotingCommand, remark: str) -> bytes:
-    return encode(make_response(request, C.SYSTEM_BUSY, remark, ext_fields=dict(_RESPONSE_EXT)))
 
 
 def _int(v: str | None, default: int = 0) -> int:
@@ -263,9 +260,8 @@ class Shaper:
         if self.metrics is not None and rule is not None:
             self.metrics.limit_rejected.labels(rule.topic or "(global)", rule.tag or "").inc()
         if frame.is_oneway or cmd is None:
-            return Verdict("divert", reason=why)
-        return Verdict("reply", data=busy_answer(cmd, f"rmqfast: {what} and the send cannot be shaped ({why}); "
-                                                      "retry later"))
+            return divert(why)
+        return reply(busy_answer(cmd, f"rmqfast: {what} and the send cannot be shaped ({why}); retry later"))
 
     def shape(self, frame: Frame, index: int, upstream_addr: str) -> Verdict:
         """Commit a send refused by shape rule ``index`` to the spill; the relay's verdict.
@@ -350,8 +346,8 @@ class Shaper:
         if self.m is not None and rule is not None:
             self.m.shaped.labels(rule.topic or "(global)", rule.tag or "").inc(msgs)
         if frame.is_oneway:
-            return Verdict("divert", reason="shaped")
-        return Verdict("reply", data=shaped_answer(cmd, msg_id, queue_id))
+            return divert("shaped")
+        return reply(shaped_answer(cmd, msg_id, queue_id))
 
     # Releasing ----------------------------------------------------------------------------------
 
@@ -539,9 +535,9 @@ def shape_send(limits: Any, frame: Frame, index: int, upstream_addr: str) -> Ver
     try:
         cmd = frame.command()
     except ValueError:
-        return Verdict("divert", reason="undecodable send over a shape rule")
+        return divert("undecodable send over a shape rule")
     if frame.is_oneway:
-        return Verdict("divert", reason="shaping unavailable")
-    return Verdict("reply", data=busy_answer(
+        return divert("shaping unavailable")
+    return reply(busy_answer(
         cmd, f"rmqfast: {limits.rule_description(index)} and shaping is unavailable in this worker "
              "(its spill could not be opened; see the proxy log); retry later"))

@@ -1,9 +1,10 @@
 """The policy hook: a per-request-code filter chain.
 
 Frames reach Python only when a filter asked for their request code (or, for responses,
-when a filter wants responses at all); everything else is relayed by the compiled scanner
-without a Python object per frame.  A filter looks at a :class:`Frame` and returns a
-:class:`Verdict`, or ``None`` to let the next filter decide:
+when a filter wants responses at all), or when the scanner's send limiter refused a send
+(:attr:`Frame.limited`); everything else is relayed by the compiled scanner without a
+Python object per frame.  A filter looks at a :class:`Frame` and returns a :class:`Verdict`
+(its :class:`Kind`), or ``None`` to let the next filter decide:
 
 * ``PASS``: relay the frame unchanged;
 * ``reply(frame)``: answer the sender locally, the frame is not relayed;
@@ -11,7 +12,9 @@ without a Python object per frame.  A filter looks at a :class:`Frame` and retur
 * ``divert(reason)``: the filter took the frame (stored, queued...); relay nothing;
 * ``close(reason)``: close the connection.
 
-Later features (limits, spill, delay, gray) are filters.
+Denial (:class:`DenyAdminCodes`), route rewrites, send limits and shaping
+(:class:`rmqfast.limits.filter.SendLimitFilter`), cross-cloud copies, delayed messages and
+message addresses are filters; the session (:mod:`rmqfast.proxy.core`) carries out verdicts.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rmqfast.codec import ACTION_POLICY, CODE_SLOTS, OTHER_SLOT, code_slot
@@ -38,42 +42,60 @@ log = logging.getLogger("rmqfast.policy")
 _I32 = struct.Struct(">i")
 
 
+class Kind(Enum):
+    """What a verdict asks the session to do with the frame."""
+
+    PASS = "pass"  # relay it unchanged
+    REPLY = "reply"  # answer the sender with ``data``; relay nothing
+    REWRITE = "rewrite"  # relay ``data`` instead
+    DIVERT = "divert"  # a filter took it; relay nothing, answer nothing
+    CLOSE = "close"  # close the connection (``reason`` is logged)
+
+
 @dataclass(frozen=True)
 class Verdict:
-    kind: str  # "pass" | "reply" | "rewrite" | "divert" | "close"
+    kind: Kind
     data: bytes = b""
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):  # a plain string would never match in the session
+            raise TypeError(f"Verdict kind {self.kind!r} is not a policy.Kind (use PASS, reply(), rewrite(), "
+                            "divert() or close())")
 
-PASS = Verdict("pass")
+
+PASS = Verdict(Kind.PASS)
 
 
 def reply(frame: bytes) -> Verdict:
-    return Verdict("reply", frame)
+    return Verdict(Kind.REPLY, frame)
 
 
 def rewrite(frame: bytes) -> Verdict:
-    return Verdict("rewrite", frame)
+    return Verdict(Kind.REWRITE, frame)
 
 
 def divert(reason: str) -> Verdict:
-    return Verdict("divert", reason=reason)
+    return Verdict(Kind.DIVERT, reason=reason)
 
 
 def close(reason: str) -> Verdict:
-    return Verdict("close", reason=reason)
+    return Verdict(Kind.CLOSE, reason=reason)
 
 
 class Frame:
     """A whole frame handed to the policy, with the fields the scanner already read."""
 
-    __slots__ = ("data", "code", "flag", "opaque", "_cmd", "want_response")
+    __slots__ = ("data", "code", "flag", "opaque", "limited", "_cmd", "want_response")
 
-    def __init__(self, data: bytes, code: int, flag: int, opaque: int) -> None:
+    def __init__(self, data: bytes, code: int, flag: int, opaque: int, limited: int = -1) -> None:
         self.data = data
         self.code = code
         self.flag = flag
         self.opaque = opaque
+        #: The send-limit rule (its index) that refused this send, decided by the scanner's
+        #: limiter in the hot path; -1: no limit refused it (see :attr:`Filter.sees_limited`).
+        self.limited = limited
         self._cmd: RemotingCommand | None = None
         #: Set by a filter's ``on_request``: hand the answer to this request (and only it) to the
         #: filters' ``on_response``.  The scanner finds it by opaque, in C; every other response
@@ -127,6 +149,13 @@ class Filter:
     #: True: ``on_response`` sees the answers to the requests whose frame it marked
     #: (``frame.want_response = True`` in ``on_request``), and only those.
     wants_marked_responses = False
+    #: True: ``on_request`` also sees the sends the scanner's limiter refused (``frame.limited``
+    #: >= 0: the limiter, not the action table, hands them to Python).
+    sees_limited = False
+
+    def limiter(self, compiled: bool) -> Any:
+        """The send limiter the scanners of this chain run (compiled or pure twin), or None."""
+        return None
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         return None
@@ -142,28 +171,44 @@ def slots_of(codes: Iterable[int]) -> set[int]:
     return {code_slot(c) for c in codes}
 
 
+#: The request codes a send limiter decides (the scanner checks no others).
+LIMITED_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+
+
 class FilterChain:
-    """The filters of one listener role, and the scanner action table they imply."""
+    """The filters of one listener role, in order, and the scanner action table they imply."""
 
     def __init__(self, filters: list[Filter]) -> None:
         self.filters = filters
         table = bytearray(CODE_SLOTS)
+        by_slot: list[list[Filter]] = [[] for _ in range(CODE_SLOTS)]
+        limited = slots_of(LIMITED_CODES)
         for f in filters:
-            for s in f.request_slots():
+            slots = f.request_slots()
+            for s in slots:
                 table[s] = ACTION_POLICY
+            for s in range(CODE_SLOTS):
+                if s in slots or (f.sees_limited and s in limited):
+                    by_slot[s].append(f)
         self.request_actions = bytes(table)
         self.response_policy = any(f.wants_responses for f in filters)
-        self._req_filters = [f for f in filters if f.request_slots()]
+        self._by_slot = [tuple(fs) for fs in by_slot]  # the filters that see a request of that slot
         self._resp_filters = [f for f in filters if f.wants_responses or f.wants_marked_responses]
         self._close_filters = [f for f in filters if type(f).on_close is not Filter.on_close]
 
+    def limiter(self, compiled: bool) -> Any:
+        """The send limiter of the first filter that has one (None: no send limits)."""
+        for f in self.filters:
+            lim = f.limiter(compiled)
+            if lim is not None:
+                return lim
+        return None
+
     def on_request(self, session: Session, frame: Frame) -> Verdict:
-        slot = code_slot(frame.code)
-        for f in self._req_filters:
-            if slot in f.request_slots():
-                v = f.on_request(session, frame)
-                if v is not None:
-                    return v
+        for f in self._by_slot[code_slot(frame.code)]:
+            v = f.on_request(session, frame)
+            if v is not None:
+                return v
         return PASS
 
     def on_response(self, session: Session, frame: Frame) -> Verdict:

@@ -9,6 +9,10 @@ store-and-forward delay to large messages.
 Because the client and its upstream connection are paired 1:1, opaques, heartbeats,
 oneway frames and broker-to-client requests (transaction check-back 39, consumer ids
 changed 40, running info 307, consume directly 309...) need no bookkeeping at all.
+
+What the session decides about a frame handed to Python (filters, verdicts, local answers at
+frame boundaries, in-flight accounting) is :class:`rmqfast.proxy.core.SessionCore`, without
+sockets; this module adds the sockets, the watchers and the two pumps.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import logging
 import operator
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +34,9 @@ from rmqfast import codec
 from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec._scan_py import R_ONEWAY, result_index
-from rmqfast.codec.command import decode_frame, encode, make_response
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import FilterChain, Frame, Verdict, error_response
+from rmqfast.proxy.core import PumpState, SessionCore, Writer
+from rmqfast.proxy.policy import FilterChain, Frame, error_response
 
 if TYPE_CHECKING:
     from rmqfast.codec import ScanStats
@@ -104,32 +107,44 @@ def _skip_reader(scanner: Any) -> Callable[[Any], int]:
     return operator.attrgetter("_skip")
 
 
-class _PyPumpState:
-    """What the Python pump shows the rest of the session (the C Pump has the same attributes)."""
+class _Out(Writer):
+    """The one writer of a socket (:class:`rmqfast.proxy.core.Writer`): ``lock`` is held by
+    whoever must wait in the middle of a write."""
 
-    __slots__ = ("at_boundary", "hold", "stalled_since")
+    __slots__ = ("sock", "lock", "session")
 
-    def __init__(self) -> None:
-        self.at_boundary = True  # the bytes written to the destination end at a frame boundary
-        self.hold = False  # a local answer waits for the next boundary
-        self.stalled_since = 0  # monotonic ns of the last receive while mid-frame (0: not mid-frame)
-
-
-class _Out:
-    """The one writer of a socket: the pump that forwards into it, plus the answers the proxy
-    makes itself (NO_PERMISSION, SYSTEM_BUSY, shaped SUCCESS...) waiting for a frame boundary
-    of that forwarded stream.  ``lock`` is held by whoever must wait in the middle of a write."""
-
-    __slots__ = ("sock", "lock", "pump", "queue")
-
-    def __init__(self, sock: socket.socket, lock: Semaphore) -> None:
+    def __init__(self, sock: socket.socket, lock: Semaphore, session: Session) -> None:
+        super().__init__()
         self.sock = sock
         self.lock = lock
-        self.pump: Any = None  # a C Pump or a _PyPumpState, once the pump runs
-        self.queue: deque[tuple[bytes, bool]] = deque()  # (frame, answers a client request?)
+        self.session = session
 
-    def at_boundary(self) -> bool:
-        return self.pump is None or bool(self.pump.at_boundary)
+    def write(self, data: Any) -> None:
+        """Write all of ``data``; greenlets writing the same socket never interleave.
+
+        Most writes complete in one ``send`` without yielding, and greenlets only switch when
+        one yields, so the lock is taken only when a write must wait for buffer space.
+        """
+        raw = self.sock._sock
+        lock = self.lock
+        if not lock.locked():
+            try:
+                n = raw.send(data)
+            except BlockingIOError:
+                n = 0
+            if n == len(data):
+                return
+            data = memoryview(data)[n:]
+        session = self.session
+        wwatch = session._watcher(self.sock, 1)
+        with lock:
+            while data:
+                try:
+                    n = raw.send(data)
+                except BlockingIOError:
+                    session.hub.wait(wwatch)
+                    continue
+                data = data[n:]
 
 
 class RelaySettings:
@@ -184,8 +199,10 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
     return closed
 
 
-class Session:
-    """A client connection and its upstream connection."""
+class Session(SessionCore):
+    """A client connection and its upstream connection: the sockets and pumps around a
+    :class:`rmqfast.proxy.core.SessionCore`.  Send limits come with the chain (its
+    :class:`rmqfast.limits.filter.SendLimitFilter` gives the scanner its limiter)."""
 
     def __init__(
         self,
@@ -197,35 +214,22 @@ class Session:
         stats: ScanStats,
         settings: RelaySettings,
         events: Any,
-        limits: Any = None,
     ) -> None:
-        self.role = role
-        # send limits of this worker (rmqfast.limits.WorkerLimits) or None
-        self.limits = limits
+        super().__init__(role, client_addr, chain, stats)
         self.client = client
-        self.client_addr = client_addr
         self.upstreams = upstreams
-        self.upstream_addr = ""
-        self.chain = chain
-        self.stats = stats
         self.settings = settings
         self.events = events  # worker-level hooks: counters, session registry
-        self.state: dict[str, Any] = {}
         self.upstream: socket.socket | None = None
         self.last_activity = time.monotonic()
         self.client_lock = Semaphore()
         self.upstream_lock = Semaphore()
-        self.closed = False
-        self.c2u: FrameScanner | None = None
-        self.u2c: FrameScanner | None = None
-        self.inflight: Any = None  # requests awaiting answers, shared by c2u and u2c (timing, results)
         self.conn_id = 0  # set by the worker; carried into sampled request records
         self.hub = gevent.get_hub()
         # socket -> (read watcher, write watcher), on the raw file descriptors
         self._watchers: dict[socket.socket, tuple[Any, Any]] = {}
         # socket -> its one writer (the pump forwarding into it and the local answers it waits for)
         self._outs: dict[socket.socket, _Out] = {}
-        self.local_answers = 0  # client requests answered (or dropped) by the proxy, answers written
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -246,7 +250,7 @@ class Session:
             max_header_size=s.max_header,
             inflight=self.inflight,
             direction=0,
-            limiter=self.limits.limiter_for(compiled) if self.limits is not None else None,
+            limiter=self.chain.limiter(compiled),
         )
         self.c2u.conn_id = self.conn_id
         # Requests from the broker to the client (39, 40, 307, 309...) are always relayed.
@@ -263,11 +267,11 @@ class Session:
         for sock in (self.client, upstream):
             fd = sock.fileno()
             self._watchers[sock] = (loop.io(fd, 1), loop.io(fd, 2))
-        self._outs[self.client] = _Out(self.client, self.client_lock)
-        self._outs[upstream] = _Out(upstream, self.upstream_lock)
-        back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", self._on_u2c)
+        self.to_client = self._outs[self.client] = _Out(self.client, self.client_lock, self)
+        self.to_upstream = self._outs[upstream] = _Out(upstream, self.upstream_lock, self)
+        back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", False)
         try:
-            self._pump(self.client, upstream, self.c2u, "client", self._on_c2u)
+            self._pump(self.client, upstream, self.c2u, "client", True)
         finally:
             self.close()
             back.join(timeout=5)
@@ -296,23 +300,6 @@ class Session:
 
     def idle_for(self, now: float) -> float:
         return now - self.last_activity
-
-    @property
-    def in_flight(self) -> int:
-        """Client requests not completely answered yet (what a drain waits for).
-
-        Requests the proxy answered itself count once their answer is written; a response
-        counts as done when its last byte is written to the client, not when its header is
-        scanned: while the client stream is in the middle of a frame (or answers wait to be
-        written), at least 1 is reported so that a drain does not cut it.
-        """
-        if self.c2u is None or self.u2c is None or self.closed:
-            return 0
-        n = max(0, self.c2u.requests - self.local_answers - self.u2c.responses)
-        out = self._outs.get(self.client)
-        if out is not None and (out.queue or not out.at_boundary()):
-            n += 1
-        return n
 
     def stalled_for(self, now_ns: int) -> tuple[str, float]:
         """(side, seconds) of the longest wait for the rest of a frame a peer started sending."""
@@ -385,8 +372,8 @@ class Session:
     # pump waiting on a watcher.
     #
     # One writer per socket: a pump forwards into its destination; the answers the proxy makes
-    # itself go out only at a frame boundary of that forwarded stream (``_answer``), so a local
-    # answer never lands inside a frame being forwarded (e.g. a large PULL answer).
+    # itself go out only at a frame boundary of that forwarded stream (``SessionCore.answer``), so
+    # a local answer never lands inside a frame being forwarded (e.g. a large PULL answer).
 
     def _pump(
         self,
@@ -394,16 +381,16 @@ class Session:
         dst: socket.socket,
         scanner: FrameScanner,
         side: str,
-        on_policy: Any,
+        from_client: bool,
     ) -> None:
         try:
             out = self._outs.get(dst)
             if self.closed or out is None:
                 return  # closed before this pump started (a connect-and-close health probe)
             if Pump is not None and codec.is_compiled(scanner):
-                self._pump_c(src, dst, scanner, side, out, on_policy)
+                self._pump_c(src, dst, scanner, side, out, from_client)
             else:
-                self._pump_py(src, dst, scanner, side, out, on_policy)
+                self._pump_py(src, dst, scanner, side, out, from_client)
         except OSError as exc:
             if self.closed or exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, errno.ENOTCONN, None):
                 log.debug("connection ended", extra=ctx(role=self.role, side=side, client=self.client_addr,
@@ -448,7 +435,7 @@ class Session:
         scanner: FrameScanner,
         side: str,
         out: _Out,
-        on_policy: Any,
+        from_client: bool,
     ) -> None:
         """The compiled pump: C receives, scans and forwards; Python waits and does policy.
 
@@ -463,6 +450,7 @@ class Session:
         wait = self.hub.wait
         step = pump.step
         locked = dst_lock.locked
+        policy = self.policy
         st = step(not locked())
         while not self.closed:
             if st == P_WAIT_READ:
@@ -477,14 +465,11 @@ class Session:
                         wait(wwatch)
                 continue
             elif st == P_BOUNDARY:
-                self._flush_answers(out)
+                self.flush_answers(out)
             elif st == P_POLICY:
-                if out.queue:
-                    self._flush_answers(out)  # at a boundary: answers queued earlier go first
-                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque)
+                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque, scanner.limited)
                 pump.consume()
-                verdict = self._over_limit(frame, scanner) if scanner.limited >= 0 else on_policy(frame)
-                if not self._apply(verdict, frame, dst):
+                if not policy(out, frame, from_client):
                     return
             elif st == P_YIELD:
                 self.last_activity = time.monotonic()
@@ -510,33 +495,26 @@ class Session:
         scanner: FrameScanner,
         side: str,
         out: _Out,
-        on_policy: Any,
+        from_client: bool,
     ) -> None:
         """The same loop in Python, for the pure-Python scanner (and as the C pump's reference)."""
-        state = _PyPumpState()
+        state = PumpState()
         out.pump = state
-        size = self.settings.buffer_size
-        buf = bytearray(size)
-        view = memoryview(buf)
-        held = 0  # bytes of the buffer beyond ``size``, reserved from BUDGET
-        filled = 0
-        scan = scanner.scan
+        rb = _RecvBuffer(self.settings.buffer_size)
         skip_of = _skip_reader(scanner)
         wait = self.hub.wait
         rwatch = self._watcher(src, 0)
-        dst_lock = out.lock
         recv_into = src._sock.recv_into
-        send = self._send
         monotonic_ns = time.monotonic_ns
         readable = True  # try a read before waiting for readiness
         try:
             while not self.closed:
                 if state.hold and skip_of(scanner) == 0:
-                    self._flush_answers(out)
+                    self.flush_answers(out)
                 if not readable:
                     wait(rwatch)
                 try:
-                    n = recv_into(view[filled:])
+                    n = recv_into(rb.view[rb.filled:])
                 except BlockingIOError:
                     readable = False
                     continue
@@ -544,198 +522,110 @@ class Session:
                     return
                 # A short read drained the socket: wait for readiness first next time (saves a
                 # failing recv per message when clients send one request at a time).
-                readable = n == len(buf) - filled
+                readable = n == len(rb.buf) - rb.filled
                 now = monotonic_ns()
                 self.last_activity = now / 1e9
                 state.stalled_since = 0
-                filled += n
-                start = pos = 0
-                need = 0
-                while True:
-                    end = filled
-                    if state.hold:  # a local answer waits: scan no further than the current frame
-                        skip = skip_of(scanner)
-                        if skip == 0:
-                            self._flush_answers(out)
-                        elif pos + skip < filled:
-                            end = pos + skip
-                    ev, a, b = scan(buf, pos, end)
-                    if a > start:
-                        state.at_boundary = False
-                        send(dst, dst_lock, view[start:a])
-                        start = a
-                        state.at_boundary = skip_of(scanner) == 0
-                    if ev == EV_FORWARD:
-                        if end < filled and b == 0:
-                            pos = a  # stopped at the end of a frame for a local answer: go on
-                            continue
-                        need = b
-                        break
-                    if ev == EV_POLICY:
-                        if out.queue:
-                            self._flush_answers(out)
-                        frame = Frame(bytes(view[a:b]), scanner.code, scanner.flag, scanner.opaque)
-                        verdict = self._over_limit(frame, scanner) if scanner.limited >= 0 else on_policy(frame)
-                        if not self._apply(verdict, frame, dst):
-                            return
-                        start = pos = b
-                        continue
+                rb.filled += n
+                need = self._relay_received(rb, scanner, skip_of, out, from_client)
+                if need is None:
+                    return
+                if need < 0:
                     self._protocol_error(side, scanner)
                     return
-                rest = filled - start
-                if rest and start:
-                    buf[0:rest] = buf[start:filled]
-                filled = rest
-                if need > len(buf) and filled == len(buf):
-                    # A frame that needs policy (or a huge header) is larger than the buffer
-                    # (the scanner checked it against the frame limit already): grow as its
-                    # bytes arrive, so that memory and the budget follow what was received.
-                    grow_to = min(need, 2 * len(buf))
-                    if BUDGET.used - held + (grow_to - size) > BUDGET.limit:
-                        self._over_budget(side, need)
-                        return
-                    grown = bytearray(grow_to)
-                    grown[0:filled] = buf[0:filled]
-                    view.release()
-                    buf = grown
-                    view = memoryview(buf)
-                    BUDGET.used += grow_to - size - held
-                    held = grow_to - size
-                elif held and filled <= size and need <= size:
-                    view.release()  # back to the base size as soon as the rest fits
-                    small = bytearray(size)
-                    small[0:filled] = buf[0:filled]
-                    buf = small
-                    view = memoryview(buf)
-                    BUDGET.used -= held
-                    held = 0
-                if filled or skip_of(scanner):
+                if not rb.fit(need):
+                    self._over_budget(side, need)
+                    return
+                if rb.filled or skip_of(scanner):
                     state.stalled_since = now
         finally:
-            view.release()
-            BUDGET.used -= held
+            rb.release()
 
-    def _send(self, dst: socket.socket, lock: Semaphore, data: Any) -> None:
-        """Write all of ``data`` to ``dst``; greenlets writing the same socket never interleave.
-
-        Most writes complete in one ``send`` without yielding, and greenlets only switch when
-        one yields, so the lock is taken only when a write must wait for buffer space.
-        """
-        raw = dst._sock
-        if not lock.locked():
-            try:
-                n = raw.send(data)
-            except BlockingIOError:
-                n = 0
-            if n == len(data):
-                return
-            data = memoryview(data)[n:]
-        wwatch = self._watcher(dst, 1)
-        with lock:
-            while data:
-                try:
-                    n = raw.send(data)
-                except BlockingIOError:
-                    self.hub.wait(wwatch)
+    def _relay_received(
+        self, rb: _RecvBuffer, scanner: FrameScanner, skip_of: Callable[[Any], int], out: _Out, from_client: bool
+    ) -> int | None:
+        """Forward what the buffer holds up to the last frame boundary (whole policy frames
+        through :meth:`policy`), keep the rest at its start.  Returns the bytes the scanner
+        needs in the buffer next (0: any), -1 on a protocol error, None when policy closes."""
+        state = out.pump
+        buf, view, filled = rb.buf, rb.view, rb.filled
+        write = out.write
+        scan = scanner.scan
+        start = pos = 0
+        while True:
+            end = filled
+            if state.hold:  # a local answer waits: scan no further than the current frame
+                skip = skip_of(scanner)
+                if skip == 0:
+                    self.flush_answers(out)
+                elif pos + skip < filled:
+                    end = pos + skip
+            ev, a, b = scan(buf, pos, end)
+            if a > start:
+                state.at_boundary = False
+                write(view[start:a])
+                start = a
+                state.at_boundary = skip_of(scanner) == 0
+            if ev == EV_FORWARD:
+                if end < filled and b == 0:
+                    pos = a  # stopped at the end of a frame for a local answer: go on
                     continue
-                data = data[n:]
+                rb.keep_from(start)
+                return b
+            if ev != EV_POLICY:
+                return -1
+            frame = Frame(bytes(view[a:b]), scanner.code, scanner.flag, scanner.opaque, scanner.limited)
+            if not self.policy(out, frame, from_client):
+                return None
+            start = pos = b
 
-    def _answer(self, out: _Out, data: bytes, request: bool) -> None:
-        """A frame the proxy makes itself: written now if the stream to ``out`` is at a frame
-        boundary, else queued for the next one (the pump writing there stops at it)."""
-        if not out.queue and out.at_boundary():
-            self._send(out.sock, out.lock, data)
-            if request:
-                self.local_answers += 1
-            return
-        out.queue.append((data, request))
-        if out.pump is not None:
-            out.pump.hold = True
 
-    def _flush_answers(self, out: _Out) -> None:
-        """Called by the pump writing to ``out`` when its stream is at a frame boundary."""
-        while out.queue:
-            data, request = out.queue.popleft()
-            self._send(out.sock, out.lock, data)
-            if request:
-                self.local_answers += 1
-        if out.pump is not None:
-            out.pump.hold = False
+class _RecvBuffer:
+    """The Python pump's receive buffer: ``size`` bytes, grown (from the worker's BUDGET) while
+    a frame that must be read whole is larger, back to ``size`` as soon as the rest fits."""
 
-    def _apply(self, verdict: Verdict, frame: Frame, dst: socket.socket) -> bool:
-        """Carry out a policy verdict; False when the connection must be closed."""
-        kind = verdict.kind
-        request = not frame.flag & C.FLAG_RESPONSE
-        from_client = dst is self.upstream
-        if kind == "pass" or kind == "rewrite":
-            if request:
-                self._track(frame, 0 if from_client else 1)
-            # the pump forwarding into dst is this one, at a frame boundary: a whole-frame write
-            self._send(dst, self._outs[dst].lock, frame.data if kind == "pass" else verdict.data)
-        elif kind == "reply":
-            # The answer goes back to where the frame came from.
-            src = self.client if from_client else self.upstream
-            assert src is not None
-            counted = request and from_client and not frame.is_oneway
-            if request:
-                answered = decode_frame(verdict.data).code  # replies are rare and small
-                self.stats.count_result(code_slot(frame.code), result_index(answered))
-            out = self._outs.get(src)
-            if out is None:
-                raise OSError(errno.EBADF, "connection closed by the other side of the relay")
-            self._answer(out, verdict.data, counted)
-        elif kind == "close":
-            log.warning(
-                "policy closed connection", extra=ctx(role=self.role, client=self.client_addr, reason=verdict.reason)
-            )
-            return False
-        elif request and from_client and not frame.is_oneway:
-            # "divert": the filter owns the frame now; no answer will come from upstream.
-            self.local_answers += 1
+    __slots__ = ("size", "buf", "view", "filled", "held")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.filled = 0
+        self.held = 0  # bytes of the buffer beyond ``size``, reserved from BUDGET
+
+    def keep_from(self, start: int) -> None:
+        """Drop the bytes before ``start`` (forwarded); the rest moves to the front."""
+        rest = self.filled - start
+        if rest and start:
+            self.buf[0:rest] = self.buf[start : self.filled]
+        self.filled = rest
+
+    def _replace(self, size: int) -> None:
+        new = bytearray(size)
+        new[0 : self.filled] = self.buf[0 : self.filled]
+        self.view.release()
+        self.buf = new
+        self.view = memoryview(new)
+
+    def fit(self, need: int) -> bool:
+        """Size the buffer for a frame the scanner needs ``need`` bytes of; False: over budget."""
+        if need > len(self.buf) and self.filled == len(self.buf):
+            # A frame that needs policy (or a huge header) is larger than the buffer (the
+            # scanner checked it against the frame limit already): grow as its bytes arrive,
+            # so that memory and the budget follow what was received.
+            grow_to = min(need, 2 * len(self.buf))
+            if BUDGET.used - self.held + (grow_to - self.size) > BUDGET.limit:
+                return False
+            self._replace(grow_to)
+            BUDGET.used += grow_to - self.size - self.held
+            self.held = grow_to - self.size
+        elif self.held and self.filled <= self.size and need <= self.size:
+            self._replace(self.size)  # back to the base size as soon as the rest fits
+            BUDGET.used -= self.held
+            self.held = 0
         return True
 
-    def _over_limit(self, frame: Frame, scanner: Any) -> Verdict:
-        """A send over its limit (or to a topic switched to reject): SYSTEM_BUSY, never relayed.
-
-        The answer carries the ext fields a Java client reads from a send response. Measured:
-        the Java client 5.3.3 retries SYSTEM_BUSY, 4.9.4 throws at once (see the README).
-        A ``shape`` rule's refusals are shaped instead (:meth:`_shape`).
-        """
-        if self.limits is not None and self.limits.is_shape(scanner.limited):
-            return self._shape(frame, scanner.limited)
-        rule = self.limits.rule_description(scanner.limited) if self.limits is not None else "a send limit"
-        remark = f"rmqfast: {rule}; retry later"
-        data = encode(make_response(frame.command(), C.SYSTEM_BUSY, remark,
-                                    ext_fields={"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}))
-        return Verdict("reply", data=data)
-
-    def _shape(self, frame: Frame, index: int) -> Verdict:
-        """Peak shaving: the send is committed (synced) to the worker's spill and released to the
-        broker later at the rule's rate (rmqfast.limits.shaper); the answer is SUCCESS, made here.
-        This pump waits for the group commit; other connections go on meanwhile."""
-        from rmqfast.limits.shaper import shape_send
-
-        verdict = shape_send(self.limits, frame, index, self.upstream_addr)
-        if verdict.kind == "divert" and frame.is_oneway:
-            self.stats.count_result(code_slot(frame.code), R_ONEWAY)
-        return verdict
-
-    def _track(self, frame: Frame, direction: int) -> None:
-        """A policy request is forwarded: time it like the scanner times the others."""
-        slot = code_slot(frame.code)
-        if frame.is_oneway:
-            self.stats.count_result(slot, R_ONEWAY)
-        elif self.inflight is not None and not self.inflight.track(
-            direction, frame.opaque, slot, time.monotonic_ns(), len(frame.data), want=frame.want_response
-        ):
-            self.stats.untracked += 1
-
-    def _on_c2u(self, frame: Frame) -> Verdict:
-        if frame.flag & C.FLAG_RESPONSE:
-            return self.chain.on_response(self, frame)
-        return self.chain.on_request(self, frame)
-
-    def _on_u2c(self, frame: Frame) -> Verdict:
-        if frame.flag & C.FLAG_RESPONSE:
-            return self.chain.on_response(self, frame)
-        return Verdict("pass")
+    def release(self) -> None:
+        self.view.release()
+        BUDGET.used -= self.held
+        self.held = 0

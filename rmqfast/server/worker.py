@@ -35,6 +35,7 @@ from rmqfast.codec import codes as C
 from rmqfast.codec._scan_py import result_index
 from rmqfast.codec.admincodes import preset_codes
 from rmqfast.config import Config, HostPort
+from rmqfast.limits.filter import SendLimitFilter
 from rmqfast.log import ctx
 from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
@@ -153,6 +154,9 @@ class Worker:
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
         # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
         acl: list[Filter] = [AclTopics(self.cfg.acl, self._denied)] if self.cfg.acl.enabled else []
+        # [limits]: sends the scanner's limiter refused get SYSTEM_BUSY or are shaped, before the
+        # filters that hold or copy sends (a refused send is neither held nor copied)
+        limit: list[Filter] = [SendLimitFilter(self.limits)] if self.limits is not None else []
         ns_allow = [*pol.allow_codes, *preset_codes(pol.preset, "namesrv")]
         broker_allow = [*pol.allow_codes, *preset_codes(pol.preset, "broker")]
         self.chains = {
@@ -168,6 +172,7 @@ class Worker:
                 [
                     DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied),
                     *acl,
+                    *limit,
                     *broker_filters,
                     self.message_addresses,
                 ]
@@ -293,8 +298,7 @@ class Worker:
                 ups = lst[k:] + lst[:k]
             if upstream is not None and self._serve_failover(sock, client, upstream):
                 return
-            session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self,
-                              limits=self.limits if role == "broker" else None)
+            session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self)
             self._next_conn += 1
             session.conn_id = self._next_conn
             self.clients[session.conn_id] = client
