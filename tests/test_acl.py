@@ -265,3 +265,35 @@ def test_on_deny_callback_counts() -> None:
 def test_json_dump_of_section_is_plain_data() -> None:
     cfg = config.from_dict({**BASE, "acl": {"topics": {AK: ["Orders"]}}})
     assert json.loads(cfg.to_json())["acl"] == {"topics": {AK: ["Orders"]}, "unsigned": "deny", "other_keys": "deny"}
+
+
+# --------------------------------------------------------------------------- shaping and signatures
+
+
+def test_shape_rule_refuses_signed_sends_instead_of_holding_them(tmp_path: Any) -> None:
+    """Peak shaving releases a held send later as a request of its own, which the proxy cannot
+    sign: a signed send over a shape rule gets SYSTEM_BUSY (the client retries) and nothing is held;
+    an unsigned one is shaped as before."""
+    from rmqfast.limits import create_shared
+    from rmqfast.limits.rules import parse_limits
+    from rmqfast.limits.shaper import Shaper
+    from rmqfast.limits.worker import WorkerLimits
+
+    cfg = config.Config()
+    cfg.proxy.state_dir = str(tmp_path / "state")
+    cfg.limits = parse_limits({"rule": [{"topic": "Orders", "rate": 1, "burst": 1, "mode": "shape"}]})
+    create_shared(tmp_path)
+    limits = WorkerLimits(tmp_path / "limits.shm", cfg.limits)
+    shaper = Shaper(cfg, 0, limits, publish=False)
+    limits.shaper = shaper
+    try:
+        ext = {"a": "PG", "b": "Orders", "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": "1700000000000",
+               "h": "0", "i": "UNIQ_KEY\x017F0000011A2B18B4AAC2123456780000\x02", "j": "0", "k": "false",
+               "m": "false", "n": "broker-a"}
+        r = answer(shaper.shape(frame_of(C.SEND_MESSAGE_V2, ext), 0, "127.0.0.1:9"))
+        assert r.code == C.SYSTEM_BUSY and "a signed send (AccessKey) cannot be released later" in r.remark
+        assert shaper.shaped == 0 and shaper.refused == 1
+        v = shaper.shape(frame_of(C.SEND_MESSAGE_V2, ext, creds=None), 0, "127.0.0.1:9")
+        assert answer(v).code == C.SUCCESS and shaper.shaped == 1
+    finally:
+        shaper.close()

@@ -263,6 +263,18 @@ class Shaper:
             return divert(why)
         return reply(busy_answer(cmd, f"rmqfast: {what} and the send cannot be shaped ({why}); retry later"))
 
+    def _unshapeable(self, ext: dict[str, str], upstream_addr: str) -> str:
+        """Why a send with these header fields cannot be shaped now ("": it can)."""
+        if not ext.get("b"):
+            return "the send names no topic"
+        if _int(ext.get("f")) & TRANSACTION_PREPARED:
+            return "a prepared transaction half needs a broker offset"
+        if self.closed:
+            return "the worker is stopping"
+        if not upstream_addr:
+            return "no broker connection"
+        return ""
+
     def shape(self, frame: Frame, index: int, upstream_addr: str) -> Verdict:
         """Commit a send refused by shape rule ``index`` to the spill; the relay's verdict.
 
@@ -278,18 +290,16 @@ class Shaper:
         except ValueError as exc:
             return self._refuse(None, frame, rule, f"undecodable send: {exc}")
         ext = cmd.ext_fields or {}
+        if "AccessKey" in ext:  # ACL (rmqfast.proxy.acl): the release is the proxy's own request
+            return self._refuse(cmd, frame, rule, "a signed send (AccessKey) cannot be released later: the proxy "
+                                "holds no secret key to sign the release")
         if frame.code == C.SEND_MESSAGE:
             ext = {k: ext[v] for k, v in _V1.items() if ext.get(v) is not None}
-        topic = ext.get("b")
-        if not topic:
-            return self._refuse(cmd, frame, rule, "the send names no topic")
+        why = self._unshapeable(ext, upstream_addr)
+        if why:
+            return self._refuse(cmd, frame, rule, why)
+        topic = ext["b"]
         sys_flag = _int(ext.get("f"))
-        if sys_flag & TRANSACTION_PREPARED:
-            return self._refuse(cmd, frame, rule, "a prepared transaction half needs a broker offset")
-        if self.closed:
-            return self._refuse(cmd, frame, rule, "the worker is stopping")
-        if not upstream_addr:
-            return self._refuse(cmd, frame, rule, "no broker connection")
         props = ext.get("i") or ""
         batch = frame.code == C.SEND_BATCH_MESSAGE
         msgs = 1
