@@ -145,6 +145,17 @@ cdef class InFlight:
             return (slot, t)
         return None
 
+    def waiting(self, int direction):
+        """``[(opaque, slot)]`` of the requests of ``direction`` still waiting, oldest first."""
+        cdef Py_ssize_t i
+        cdef list found = []
+        for i in range(self.size):
+            if self.tab[i].key >= 0 and (self.tab[i].key >> 32) == direction:
+                found.append((self.tab[i].t_ns, <int32_t>(<uint32_t>(self.tab[i].key & 0xFFFFFFFF)),
+                              self.tab[i].slot))
+        found.sort()
+        return [(o, s) for _, o, s in found]
+
     def abandon(self, ScanStats stats not None):
         """The connection closed: every request still waiting ends as ``unanswered``."""
         cdef Py_ssize_t i, n = self.count

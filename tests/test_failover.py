@@ -12,11 +12,13 @@ from gevent.server import StreamServer
 
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.config import HostPort
 from rmqfast.proxy.failover import (
     SERVICE_NOT_AVAILABLE,
     FailoverService,
     RouteBook,
     SendInfo,
+    answer_in_flight,
     candidates,
     ordered_reason,
     retarget,
@@ -25,6 +27,12 @@ from rmqfast.proxy.failover import (
 from rmqfast.proxy.goaway import V5_3_1, GoAway
 from rmqfast.proxy.health import BrokerHealth, FailoverSection
 from rmqfast.proxy.policy import Frame
+from tests.test_relay import connect as relay_connect
+from tests.test_relay import (
+    proxy,  # noqa: F401  (the relay fixture: a session per parametrized pump)
+    send_frame,
+    wait_until,
+)
 
 _I32 = struct.Struct(">i")
 
@@ -303,3 +311,69 @@ def test_go_away_only_for_clients_that_reconnect_on_it() -> None:
     assert f.on_request(S(), Frame(old, C.SEND_MESSAGE_V2, 0, 9)) is None
     oneway = encode(RemotingCommand(code=C.SEND_MESSAGE_V2, flag=C.FLAG_ONEWAY, version=V5_3_1 + 4, ext_fields={}))
     assert f.on_request(S(), Frame(oneway, C.SEND_MESSAGE_V2, C.FLAG_ONEWAY, 0)) is None
+
+
+# In-flight requests of a connection (what the relay answers when its upstream dies) ------------------
+
+
+def test_inflight_waiting_is_the_same_in_both_twins() -> None:
+    import random
+
+    from rmqfast import codec
+
+    twins = [codec.InFlightPy] + ([codec.InFlightC] if codec.InFlightC is not None else [])
+    rng = random.Random(7)
+    ops = [(rng.randrange(2), rng.randrange(-2**31, 2**31), rng.randrange(60), rng.randrange(10**6),
+            rng.random() < 0.3) for _ in range(3000)]
+    got = []
+    for cls in twins:
+        table = cls(500)
+        for d, o, slot, t, take in ops:
+            if take:
+                table.take(d, o)
+            else:
+                table.track(d, o, slot, t)
+        got.append((table.waiting(0), table.waiting(1)))
+    assert all(g == got[0] for g in got)
+    assert got[0][0] and got[0][1]
+    for cls in twins:  # oldest first; negative opaques come back as they went in
+        t = cls(8)
+        t.track(0, 5, 3, 100)
+        t.track(0, -7, 4, 50)
+        t.track(1, 9, 2, 10)
+        t.track(0, 2**31 - 1, 1, 200)
+        assert t.waiting(0) == [(-7, 4), (5, 3), (2**31 - 1, 1)] and t.waiting(1) == [(9, 2)]
+
+
+def test_relay_answers_requests_in_flight_when_the_broker_connection_dies(proxy: Any) -> None:  # noqa: F811
+    """The broker reads two sends and closes its connection without answering (a kill -9): the
+    client gets SYSTEM_ERROR for both, with their opaques, before its connection closes."""
+    port, _broker, stats, events, upstreams, sessions = proxy
+    seen: list[int] = []
+
+    def swallow(sock: socket.socket, _addr: Any) -> None:
+        buf = bytearray()
+        while len(seen) < 2:
+            f = _read_frame(sock, buf)
+            if f is None:
+                return
+            seen.append(decode_frame(f).opaque)
+        sock.close()
+
+    dying = StreamServer(("127.0.0.1", 0), swallow)
+    dying.start()
+    upstreams[:] = [HostPort("127.0.0.1", dying.server_port)]
+    lost: list[tuple[int, int]] = []
+    events.upstream_lost = lambda session: lost.append(answer_in_flight(session, "rmqfast: broker gone; send again"))
+    s = relay_connect(port)
+    s.sendall(send_frame(41) + send_frame(42))
+    buf = bytearray()
+    answers = []
+    with gevent.Timeout(10):
+        while (f := _read_frame(s, buf)) is not None:
+            answers.append(decode_frame(f))
+    assert sorted(a.opaque for a in answers) == [41, 42]
+    assert all(a.code == C.SYSTEM_ERROR and a.is_response and "send again" in (a.remark or "") for a in answers)
+    assert lost == [(2, 2)]
+    wait_until(lambda: not sessions)
+    dying.stop(timeout=1)

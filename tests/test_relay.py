@@ -537,11 +537,14 @@ def _drain(sessions, timeout: float):
     """Worker.drain over the fixture's sessions (the part of a worker it uses)."""
     from types import SimpleNamespace
 
+    from rmqfast.proxy.health import FailoverSection
     from rmqfast.server.worker import Worker
 
     fake = SimpleNamespace(draining=False, listeners={}, sessions=sessions, index=0, records=None, shaper=None,
-                           replication=None, publish=lambda: None,
-                           cfg=SimpleNamespace(proxy=SimpleNamespace(drain_timeout=timeout)))
+                           replication=None, delay=None, publish=lambda: None,
+                           failover=SimpleNamespace(stopping=False), health_metrics=None,
+                           cfg=SimpleNamespace(proxy=SimpleNamespace(drain_timeout=timeout),
+                                               failover=FailoverSection()))
     return gevent.spawn(Worker.drain, fake)
 
 

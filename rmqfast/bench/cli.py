@@ -30,6 +30,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--real", action="store_true",
                     help="real-broker mode instead: the Java producer against a real RocketMQ, direct vs rmqfast "
                          "(see rmqfast bench --real --help)")
+    ap.add_argument("--failover", action="store_true",
+                    help="broker-a killed (kill -9) and restarted under Java producers, through rmqfast and direct "
+                         "(see rmqfast bench --failover --help)")
     ap.add_argument("--clouds", action="store_true",
                     help="cross-cloud mode instead: durable vs fast copies between two real RocketMQ clusters "
                          "(see rmqfast bench --clouds --help)")
@@ -65,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from rmqfast.bench import clouds
 
         return clouds.main(argv)
+    if "--failover" in argv:
+        from rmqfast.bench import failover
+
+        return failover.main(argv)
     args = _parse(argv)
     if args.report:
         from rmqfast.bench.report import report

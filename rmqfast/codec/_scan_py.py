@@ -306,6 +306,12 @@ class InFlight:
         self._want.discard((direction, opaque))
         return self._pending.pop((direction, opaque), None)
 
+    def waiting(self, direction: int) -> list[tuple[int, int]]:
+        """``[(opaque, slot)]`` of the requests of ``direction`` still waiting, oldest first."""
+        direction = c_int("direction", direction, "int")
+        found = sorted((e[1], o, e[0]) for (d, o), e in self._pending.items() if d == direction)
+        return [(o, s) for _, o, s in found]
+
     def abandon(self, stats: ScanStats) -> int:
         """The connection closed: every request still waiting ends as ``unanswered``."""
         if not isinstance(stats, ScanStats):

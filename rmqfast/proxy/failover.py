@@ -21,9 +21,10 @@ reads: the frame sent there is re-encoded from that decoding):
 * Every other request (pulls, heartbeats, offsets...) is answered ``SYSTEM_ERROR`` naming the
   unreachable broker, as the refusal without failover did; oneway requests are dropped.
 
-The connection is closed, once nothing is in flight, as soon as the broker is seen alive again:
-the client reconnects and is relayed to its own broker.  Consumers are untouched: route healing
-keeps the dead broker's queues readable, so they resume where they were.
+The connection is closed, once nothing is in flight, as soon as the broker is seen alive again
+(the client reconnects and is relayed to its own broker), and after a second without requests.
+Consumers are untouched: route healing keeps the dead broker's queues readable, so they resume
+where they were.
 
 Routes come from :class:`RouteBook`: what the worker's route rewrites saw, else asked of the
 name servers (on this path only, never on the relay path).
@@ -45,6 +46,8 @@ from gevent.event import Event
 from gevent.lock import Semaphore
 
 from rmqfast.codec import codes as C
+from rmqfast.codec import slot_code
+from rmqfast.codec._scan_py import result_index
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
@@ -198,6 +201,36 @@ def retarget(cmd: RemotingCommand, info: SendInfo, broker_name: str, write_queue
     return replace(cmd, ext_fields=ext)
 
 
+# A relayed connection whose upstream died -------------------------------------------------------------
+
+
+def answer_in_flight(session: Any, remark: str) -> tuple[int, int]:
+    """Answer the client requests still waiting on ``session`` (its upstream connection just ended)
+    with SYSTEM_ERROR, which 4.x and 5.x producers retry on another broker at once.
+
+    Without it the client only sees the connection close: a 5.x client fails the waiting requests
+    at once (``failFast`` on an inactive channel), a 4.9.4 client waits for each one's timeout
+    (3 s for a send: the producer has no time left to retry and reports a failure).  The answers
+    go out only if the stream to the client is at a frame boundary.  Returns (requests answered,
+    sends among them: each may have been stored by the dying broker, so the retry may duplicate it).
+    """
+    inflight = session.inflight
+    out = session.to_client
+    if inflight is None or out is None or out.queue or not out.at_boundary():
+        return 0, 0
+    answered = sends = 0
+    for opaque, slot in inflight.waiting(0):
+        if inflight.take(0, opaque) is None:
+            continue
+        data = encode(RemotingCommand(code=C.SYSTEM_ERROR, flag=C.FLAG_RESPONSE, opaque=opaque, remark=remark))
+        session.stats.count_result(slot, result_index(C.SYSTEM_ERROR))
+        session.answer(out, data, True)
+        answered += 1
+        if slot_code(slot) in SEND_CODES:
+            sends += 1
+    return answered, sends
+
+
 # Serving a client whose broker is down -------------------------------------------------------------
 
 
@@ -226,6 +259,9 @@ class FailoverService:
         self.moved = 0
         self.refused = 0
         self.stopping = False  # the worker drains: connections close once nothing is in flight
+        #: a connection without requests for this long is closed (the client reconnects when it needs to;
+        #: a client that only waits, a consumer, then learns at once that its broker is still away)
+        self.idle_close = 1.0
 
     # One send -----------------------------------------------------------------------------------
 
@@ -237,6 +273,10 @@ class FailoverService:
         """
         info = send_info(cmd)
         assert info is not None
+        if "AccessKey" in (cmd.ext_fields or {}):  # ACL (rmqfast.proxy.acl): a move would void the signature
+            return self._refuse(cmd, dead_addr, "signed", f"rmqfast: broker {dead_addr} is unreachable and this "
+                                "signed send (AccessKey) is not moved to another broker: its signature covers the "
+                                "broker name and queue id a move changes; retry (on another broker)")
         reason = ordered_reason(info, self.cfg)
         if reason is not None:
             return self._refuse(cmd, dead_addr, "ordered", f"rmqfast: broker {dead_addr} is unreachable and this "
@@ -313,8 +353,8 @@ class FailoverService:
                     answer, to = self.move(cmd, dead_addr)
                     log.debug("send moved", extra=ctx(broker=dead_addr, to=to, client=client_addr))
                 else:
-                    answer = make_response(cmd, C.SYSTEM_ERROR,
-                                           f"rmqfast: broker {dead_addr} is unreachable; retry later")
+                    remark = f"rmqfast: upstream unreachable ({dead_addr}: broker seen dead); retry later"
+                    answer = make_response(cmd, C.SYSTEM_ERROR, remark)
                 if on_answer is not None:
                     on_answer(cmd.code, answer.code)
                 if not cmd.is_oneway:
@@ -328,13 +368,17 @@ class FailoverService:
 
         log.info("serving a client of a dead broker: sends are moved", extra=ctx(broker=dead_addr, client=client_addr))
         client.settimeout(None)
-        reader = gevent.spawn(self._read_loop, client, in_flight, done, handle)
+        last = [time.monotonic()]  # when the last request arrived
+        reader = gevent.spawn(self._read_loop, client, in_flight, done, handle, last)
         try:
             while not reader.dead:
-                if in_flight[0] == 0 and (self.stopping or not self.health.is_down(dead_addr)):
-                    log.info("closing a failover connection", extra=ctx(
-                        broker=dead_addr, client=client_addr, why="draining" if self.stopping else "broker is back"))
-                    break
+                if in_flight[0] == 0:
+                    why = ("draining" if self.stopping else "broker is back" if not self.health.is_down(dead_addr)
+                           else "idle" if time.monotonic() - last[0] > self.idle_close else "")
+                    if why:
+                        log.info("closing a failover connection", extra=ctx(broker=dead_addr, client=client_addr,
+                                                                            why=why))
+                        break
                 gevent.wait([reader], timeout=self.cfg.probe_interval_down)
         finally:
             reader.kill(block=True, timeout=1)
@@ -348,7 +392,7 @@ class FailoverService:
                 pass
 
     def _read_loop(self, client: socket.socket, in_flight: list[int], done: Any,
-                   handle: Callable[[RemotingCommand], None]) -> None:
+                   handle: Callable[[RemotingCommand], None], last: list[float]) -> None:
         buf = bytearray()
         try:
             while True:
@@ -370,6 +414,7 @@ class FailoverService:
                     if cmd.is_response:
                         continue  # answers to broker-to-client requests: no broker to give them to
                     in_flight[0] += 1
+                    last[0] = time.monotonic()
                     done.clear()
                     gevent.spawn(handle, cmd)
         except (OSError, ValueError) as exc:

@@ -400,10 +400,23 @@ class Session(SessionCore):
                     "connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc))
                 )
         finally:
+            if not from_client and not self.closed:
+                self._upstream_lost()
             self.close()
             out = self._outs.get(dst)
             if out is not None:
                 out.pump = None  # its buffers (and budget share) go now, not when the session is collected
+
+    def _upstream_lost(self) -> None:
+        """The upstream connection ended first: the worker hears of it (broker health) and may answer
+        the client's requests still waiting (rmqfast.proxy.failover.answer_in_flight) before the close."""
+        hook = getattr(self.events, "upstream_lost", None)
+        if hook is None:
+            return
+        try:
+            hook(self)
+        except Exception:  # bookkeeping must never break the close
+            log.exception("upstream_lost hook failed", extra=ctx(role=self.role, client=self.client_addr))
 
     def _protocol_error(self, side: str, scanner: FrameScanner) -> None:
         # One log line (the scanner counted it); only this connection closes.

@@ -40,7 +40,7 @@ from rmqfast.log import ctx
 from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
-from rmqfast.proxy.failover import FailoverService, RouteBook
+from rmqfast.proxy.failover import FailoverService, RouteBook, answer_in_flight
 from rmqfast.proxy.goaway import GoAway, draining
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
@@ -322,6 +322,9 @@ class Worker:
         addr = str(upstream)
         if not self.cfg.failover.enabled or not self.health.is_down(addr) or self.draining:
             return False
+        self.upstream_error("broker")
+        log.warning("upstream unreachable", extra=ctx(role="broker", client=client, errors=f"{addr}: broker seen dead",
+                                                     failover="sends are moved to another master"))
         stats = self.stats["broker"]
         gauge = self.metrics.connections_active.labels("broker")
         self.metrics.connections.labels("broker").inc()
@@ -338,6 +341,21 @@ class Worker:
         self.health.watch(str(ep.upstream) for ep in self.registry.endpoints() if not ep.vip)
 
     # Session events ----------------------------------------------------------------------------
+
+    def upstream_lost(self, session: Session) -> None:
+        """A broker connection ended on the broker's side: probe it now; answer what was in flight."""
+        addr = session.upstream_addr
+        if session.role != "broker" or not addr or not self.cfg.failover.enabled:
+            return
+        self.health.suspect(addr, "a relayed connection ended on the broker's side")
+        answered, sends = answer_in_flight(
+            session, f"rmqfast: broker {addr} closed the connection with this request in flight (a send may "
+                     "have been stored); send it again")
+        if answered:
+            log.info("requests in flight answered SYSTEM_ERROR: the broker connection ended",
+                     extra=ctx(broker=addr, client=session.client_addr, requests=answered, sends=sends))
+        if sends:
+            self.health_metrics.possible_duplicates.labels(addr).inc(sends)
 
     def upstream_error(self, role: str) -> None:
         self.metrics.upstream_errors.labels(role).inc()

@@ -157,12 +157,16 @@ class RocketMQCluster:
         fast_start: bool = True,
         start_timeout: float = 90.0,
         acl: bool = False,
+        join: RocketMQCluster | None = None,
     ) -> None:
         if version not in ("5", "4"):
             raise ValueError(f"version must be '5' or '4', not {version!r}")
         if acl and version != "5":
             raise ValueError("acl=True needs a 5.x broker (ACL 2.0); 4.9.x plain ACL is not set up here")
         self.acl = acl
+        #: another cluster whose name server this one's broker registers with (no name server of its own):
+        #: two masters (distinct ``broker_name``) of one cluster, e.g. for failover tests
+        self.join = join
         self.version: BrokerVersion = version
         self._jars = jars
         self._workdir_arg = Path(workdir) if workdir is not None else None
@@ -199,7 +203,9 @@ class RocketMQCluster:
 
     @property
     def namesrv_addr(self) -> str:
-        """``127.0.0.1:PORT`` of the name server."""
+        """``127.0.0.1:PORT`` of the name server (the joined cluster's, with ``join``)."""
+        if self.join is not None:
+            return self.join.namesrv_addr
         return f"127.0.0.1:{self._ns_port}"
 
     @property
@@ -272,6 +278,8 @@ class RocketMQCluster:
 
     @property
     def namesrv_running(self) -> bool:
+        if self.join is not None:
+            return self.join.namesrv_running
         return self._namesrv is not None and self._namesrv.poll() is None
 
     @property
@@ -315,7 +323,8 @@ class RocketMQCluster:
                 self._ports_lease, self._ns_port, self._broker_port = _pick_ports()
                 self._write_files()
                 try:
-                    self._start_namesrv()
+                    if self.join is None:
+                        self._start_namesrv()
                     self._start_broker(first=True)
                     return self
                 except _PortClash:

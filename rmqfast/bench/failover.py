@@ -1,0 +1,275 @@
+"""Failover mode of the bench: a broker killed under load, through rmqfast and direct, same run.
+
+``rmqfast bench --failover`` (or ``python -m rmqfast.bench --failover``) starts one name server and
+two RocketMQ masters (``broker-a``, ``broker-b``, each registering on its own) that both hold the
+topic, one rmqfast proxy in front of the name server, and real Java producers (rocketmq-client
+5.3.3 and 4.9.4, default retry settings, synchronous sends one after the other,
+``io.rmqfast.driver.FailoverProducer``): one of each through rmqfast, one of each straight to the
+name server, all at once.  Once every producer has acknowledged sends, ``broker-a`` is killed
+with ``kill -9``; it stays down until every producer made progress without it (and at least
+``--down`` seconds), then restarts; once every producer has sent again the producers stop.  Then
+every message of the topic is read from both brokers (PULL from offset 0 of every queue).
+
+Per producer: sends attempted, acknowledged, failed (as the producer saw them), success ratio,
+the longest gap between two acknowledged sends, acknowledged sends missing from the brokers
+(lost: must be 0) and copies beyond the first (duplicates).  Phases are paced by the producers'
+progress, each bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.store import decode_records
+from rmqfast.testing import RocketMQCluster, ensure_jars, remoting_request
+from rmqfast.testing.jvm import kill_group
+from rmqfast.testing.maven import JarPaths
+from rmqfast.testing.proxy import ProxyProcess
+from rmqfast.testing.tools import java_executable
+
+TOPIC = "RmqfastFailover"
+QUEUES = 4
+MAIN = "io.rmqfast.driver.FailoverProducer"
+PROXY_CONFIG = """
+[failover]
+probe_interval = 0.5
+probe_interval_down = 0.1
+"""
+
+
+@dataclass
+class Producer:
+    """One FailoverProducer JVM and what it printed so far."""
+
+    name: str  # e.g. "rmqfast/5"
+    client: str
+    namesrv: str
+    run: str
+    out_path: Path
+    stop_file: Path
+    proc: subprocess.Popen[bytes] | None = None
+    ok: list[tuple[int, int, str]] = field(default_factory=list)  # (idx, epoch ms, broker name)
+    failed: list[tuple[int, int, str]] = field(default_factory=list)  # (idx, epoch ms, error)
+    ended: bool = False
+    _pos: int = 0
+
+    def start(self, jars: JarPaths, log_dir: Path) -> None:
+        cmd = [java_executable(), "-Xms32m", "-Xmx128m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+               f"-Drocketmq.client.logRoot={log_dir}", "-Drocketmq.client.logUseSlf4j=false",
+               "-cp", jars.driver_classpath(self.client), MAIN, "failover", "--namesrv", self.namesrv,
+               "--topic", TOPIC, "--run", self.run, "--stop-file", str(self.stop_file), "--max-ms", "900000"]
+        err = (log_dir / f"{self.run}.err").open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.out_path.open("wb"), stderr=err, start_new_session=True)
+
+    def poll(self) -> None:
+        """Read the lines printed since the last call."""
+        try:
+            with self.out_path.open("rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n")
+        if end < 0:
+            return
+        self._pos += end + 1
+        for line in data[: end + 1].decode("utf-8", "replace").splitlines():
+            parts = line.split(" ", 6)
+            if parts[0] == "OK" and len(parts) >= 4:
+                self.ok.append((int(parts[1]), int(parts[2]), parts[3]))
+            elif parts[0] == "FAIL" and len(parts) >= 3:
+                self.failed.append((int(parts[1]), int(parts[2]), parts[4] if len(parts) > 4 else ""))
+            elif parts[0] == "END":
+                self.ended = True
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.stop_file.touch()
+        deadline = time.monotonic() + timeout
+        while self.proc is not None and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc)
+        self.poll()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc)
+
+
+def longest_gap_ms(acks: list[int], start: int | None = None, end: int | None = None) -> int:
+    """The longest time (ms) without an acknowledged send between ``start`` and ``end`` (epoch ms)."""
+    ts = sorted(acks)
+    if start is not None:
+        ts = [start, *[t for t in ts if t >= start]]
+    if end is not None:
+        ts = [*[t for t in ts if t <= end], end]
+    return max((b - a for a, b in zip(ts, ts[1:], strict=False)), default=0)
+
+
+def read_topic(broker_addrs: list[str], topic: str = TOPIC, queues: int = QUEUES,
+               timeout: float = 30.0) -> Counter[str]:
+    """Copies of every message body prefix ``fo|RUN|IDX`` stored in ``topic`` on these brokers."""
+    seen: Counter[str] = Counter()
+    for addr in broker_addrs:
+        for qid in range(queues):
+            r = remoting_request(addr, C.GET_MAX_OFFSET, {"topic": topic, "queueId": qid}, timeout=timeout)
+            if r.code != C.SUCCESS:
+                raise RuntimeError(f"GET_MAX_OFFSET {topic}/{qid} at {addr}: {r.code} {r.remark}")
+            top = int((r.ext_fields or {}).get("offset", "0"))
+            off = 0
+            while off < top:
+                pull = {"consumerGroup": "rmqfast_failover_check", "topic": topic, "queueId": qid,
+                        "queueOffset": off, "maxMsgNums": 32, "sysFlag": 4, "commitOffset": 0,
+                        "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 0, "expressionType": "TAG"}
+                r = remoting_request(addr, C.PULL_MESSAGE, pull, timeout=timeout)
+                nxt = int((r.ext_fields or {}).get("nextBeginOffset", off))
+                if r.code == C.SUCCESS:
+                    for rec in decode_records(r.body):
+                        parts = bytes(rec.body).split(b"|")
+                        if len(parts) >= 3 and parts[0] == b"fo":
+                            seen[f"{parts[1].decode()}|{parts[2].decode()}"] += 1
+                if nxt <= off:
+                    raise RuntimeError(f"pull of {topic}/{qid} at {addr} made no progress at offset {off}: "
+                                       f"code {r.code} {r.remark}")
+                off = nxt
+    return seen
+
+
+def _wait(cond: Any, timeout: float, what: str, producers: list[Producer]) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in producers:
+            p.poll()
+        if cond():
+            return
+        dead = [p.name for p in producers if p.proc is not None and p.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"producer(s) {dead} exited while waiting until {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f} s: {what}; "
+                               + ", ".join(f"{p.name}: {len(p.ok)} ok {len(p.failed)} failed" for p in producers))
+        time.sleep(0.1)
+
+
+def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5", "4"),
+                 before: int = 100, during: int = 200, after: int = 100, down_min: float = 10.0,
+                 phase_timeout: float = 240.0, workers: int = 2, log: Any = print) -> dict[str, Any]:
+    """One run: both paths, every client, one kill -9 and restart of broker-a.  Returns the figures."""
+    jars = jars or ensure_jars(rocketmq4="4" in clients)
+    work = Path(tempfile.mkdtemp(prefix="rmqfast-failover-"))
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(RocketMQCluster(jars=jars, broker_name="broker-a"))
+        b = stack.enter_context(RocketMQCluster(jars=jars, broker_name="broker-b", join=a))
+        a.create_topic(TOPIC, QUEUES)
+        b.create_topic(TOPIC, QUEUES)
+        deadline = time.monotonic() + 60
+        while True:
+            route = a.topic_route(TOPIC) or {}
+            names = {q.get("brokerName") for q in route.get("queueDatas", []) if isinstance(q, dict)}
+            if {"broker-a", "broker-b"} <= names:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"route of {TOPIC} does not name both brokers: {route}")
+            time.sleep(0.2)
+        proxy = stack.enter_context(ProxyProcess([a.namesrv_addr], workers=workers, extra_config=PROXY_CONFIG))
+        producers: list[Producer] = []
+        for path, ns in (("rmqfast", proxy.namesrv_addr), ("direct", a.namesrv_addr)):
+            for client in clients:
+                run = f"{path}{client}x{int(time.time() * 1000) % 10**8}"
+                p = Producer(f"{path}/{client}", client, ns, run, work / f"{run}.out", work / f"{run}.stop")
+                producers.append(p)
+        stack.callback(lambda: [p.kill() for p in producers])
+        for p in producers:
+            p.start(jars, work)
+        log(f"producers started: {', '.join(p.name for p in producers)}")
+        _wait(lambda: all(len(p.ok) >= before for p in producers), phase_timeout,
+              f"every producer has {before} acknowledged sends", producers)
+        marks = {p.name: len(p.ok) for p in producers}
+        kill_ms = int(time.time() * 1000)
+        a.stop_broker()  # kill -9 (process group)
+        log(f"broker-a killed (kill -9) at {kill_ms}")
+        t_kill = time.monotonic()
+        _wait(lambda: all(len(p.ok) >= marks[p.name] + during for p in producers)
+              and time.monotonic() - t_kill >= down_min, phase_timeout + down_min,
+              f"every producer has {during} acknowledged sends with broker-a down", producers)
+        a.start_broker()
+        restart_ms = int(time.time() * 1000)
+        log(f"broker-a restarted and registered at {restart_ms}")
+        marks = {p.name: len(p.ok) for p in producers}
+        _wait(lambda: all(len(p.ok) >= marks[p.name] + after for p in producers), phase_timeout,
+              f"every producer has {after} acknowledged sends after the restart", producers)
+        for p in producers:
+            p.stop()
+        seen = read_topic([a.broker_addr, b.broker_addr])
+        m = proxy.metrics()
+        fo = {name: sum(v for (n, _), v in m.items() if n == name) for name in (
+            "rmqfast_failovers_total", "rmqfast_failover_refused_total", "rmqfast_failover_possible_duplicates_total",
+            "rmqfast_route_heals_total", "rmqfast_broker_down_total")}
+    rows = []
+    for p in producers:
+        acked = {idx for idx, _, _ in p.ok}
+        lost = sorted(i for i in acked if seen[f"{p.run}|{i}"] == 0)
+        dups = sum(max(0, seen[f"{p.run}|{i}"] - 1) for i in range(max(acked | {-1}) + 1 + len(p.failed)))
+        attempts = len(p.ok) + len(p.failed)
+        acks = [t for _, t, _ in p.ok]
+        rows.append({
+            "producer": p.name, "attempted": attempts, "acknowledged": len(p.ok), "failed": len(p.failed),
+            "success_ratio": len(p.ok) / attempts if attempts else 0.0,
+            "failed_in_fault": sum(1 for _, t, _ in p.failed if kill_ms <= t <= restart_ms),
+            "longest_gap_ms": longest_gap_ms(acks),
+            "longest_gap_after_kill_ms": longest_gap_ms(acks, kill_ms, restart_ms),
+            "lost": len(lost), "lost_idx": lost[:20], "duplicates": dups,
+            "failed_examples": sorted({e for _, _, e in p.failed})[:5],
+        })
+    return {"rows": rows, "kill_ms": kill_ms, "restart_ms": restart_ms, "proxy_metrics": fo}
+
+
+def render(result: dict[str, Any]) -> str:
+    head = (f"{'producer':<12} {'sent':>6} {'acked':>6} {'failed':>6} {'success':>9} {'gap ms':>7} "
+            f"{'gap@kill':>8} {'lost':>5} {'dups':>5}")
+    lines = [head]
+    for r in result["rows"]:
+        lines.append(f"{r['producer']:<12} {r['attempted']:>6} {r['acknowledged']:>6} {r['failed']:>6} "
+                     f"{100 * r['success_ratio']:>8.3f}% {r['longest_gap_ms']:>7} {r['longest_gap_after_kill_ms']:>8} "
+                     f"{r['lost']:>5} {r['duplicates']:>5}")
+    fo = result["proxy_metrics"]
+    lines.append("rmqfast: " + ", ".join(f"{k.removeprefix('rmqfast_')}={v:g}" for k, v in fo.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rmqfast bench --failover", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--failover", action="store_true", help="this mode")
+    ap.add_argument("--clients", default="5,4", help="rocketmq-client builds: 5 (5.3.3), 4 (4.9.4); default 5,4")
+    ap.add_argument("--runs", type=int, default=1, help="kill/restart runs (default 1)")
+    ap.add_argument("--down", type=float, default=40.0,
+                    help="at least this many seconds broker-a stays down (default 40: longer than the clients' 30 s "
+                         "route refresh)")
+    ap.add_argument("--during", type=int, default=300, help="acknowledged sends per producer while broker-a is down")
+    ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    ap.add_argument("--results", type=Path, default=Path("results/bench"), help="folder for failover.jsonl")
+    args = ap.parse_args(argv)
+    clients = tuple(c.strip() for c in args.clients.split(",") if c.strip())
+    args.results.mkdir(parents=True, exist_ok=True)
+    code = 0
+    for k in range(args.runs):
+        res = run_scenario(clients=clients, during=args.during, down_min=args.down,
+                           log=lambda s, k=k: print(f"[failover run {k + 1}] {s}", file=sys.stderr))
+        res["run"] = k + 1
+        with (args.results / "failover.jsonl").open("a") as f:
+            f.write(json.dumps(res) + "\n")
+        print(json.dumps(res) if args.json else render(res))
+        if any(r["lost"] for r in res["rows"]):
+            code = 1
+    return code
