@@ -297,3 +297,25 @@ def test_shape_rule_refuses_signed_sends_instead_of_holding_them(tmp_path: Any) 
         assert answer(v).code == C.SUCCESS and shaper.shaped == 1
     finally:
         shaper.close()
+
+
+def test_failover_does_not_move_signed_sends() -> None:
+    """Moving a send to another master rewrites its broker name and queue id, which the signature
+    covers: a signed send to a dead broker gets SERVICE_NOT_AVAILABLE (producers retry it on another
+    broker themselves, signed) instead of a move the other broker would refuse."""
+    from rmqfast.proxy.failover import SERVICE_NOT_AVAILABLE, FailoverService, RouteBook
+    from rmqfast.proxy.health import BrokerHealth, FailoverSection
+
+    fast = FailoverSection(probe_interval=0.2, probe_interval_down=0.05, probe_timeout=0.5, send_timeout=2.0)
+    health = BrokerHealth(fast)
+    svc = FailoverService(fast, health, RouteBook(lambda: []))
+    try:
+        ext = {"a": "PG", "b": "Orders", "e": "1", "f": "0", "i": "", "n": "broker-a"}
+        signed = decode_frame(frame_of(C.SEND_MESSAGE_V2, ext).data)
+        ans, to = svc.move(signed, "127.0.0.1:1")
+        assert ans.code == SERVICE_NOT_AVAILABLE and to == "refused:signed"
+        assert "signed send (AccessKey) is not moved" in (ans.remark or "")
+        unsigned = decode_frame(frame_of(C.SEND_MESSAGE_V2, ext, creds=None).data)
+        assert svc.move(unsigned, "127.0.0.1:1")[1] == "refused:no_route"  # the usual path: no route known here
+    finally:
+        health.close()
