@@ -377,3 +377,16 @@ def test_relay_answers_requests_in_flight_when_the_broker_connection_dies(proxy:
     assert lost == [(2, 2)]
     wait_until(lambda: not sessions)
     dying.stop(timeout=1)
+
+
+def test_draining_session_close_rule() -> None:
+    from rmqfast.proxy.goaway import QUIET, may_close
+
+    class S:
+        def __init__(self, **state: Any) -> None:
+            self.state = state
+
+    assert may_close(S(go_away=1), 0.0)  # told to go away: it reconnects
+    assert may_close(S(go_away_capable=False), 0.0)  # an old client: nothing better than closing when idle
+    assert not may_close(S(), 0.0) and may_close(S(), QUIET + 0.1)  # not heard from yet: a quiet moment first
+    assert not may_close(S(go_away_capable=True), 0.1)  # its next request gets GO_AWAY

@@ -39,12 +39,33 @@ class GoAway(Filter):
         return set(range(CODE_SLOTS))
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
-        if frame.is_oneway or frame.command().version <= V5_3_1:
+        if frame.is_oneway:
+            return None
+        capable = frame.command().version > V5_3_1
+        session.state["go_away_capable"] = capable
+        if not capable:
             return None
         session.state["go_away"] = session.state.get("go_away", 0) + 1
         if self.on_go_away is not None:
             self.on_go_away(session, frame.code)
         return reply(error_response(frame, C.GO_AWAY, REMARK))
+
+
+#: A draining session whose client has not shown its version yet stays open this long without
+#: requests (its next request would get GO_AWAY) before it is closed.
+QUIET = 0.5
+
+
+def may_close(session: Session, idle: float) -> bool:
+    """Whether a draining session with nothing in flight may be closed now.
+
+    Closed at once: a client that got GO_AWAY (it reconnects), or one whose requests show it
+    does not understand GO_AWAY (nothing better to do).  A client not heard from since the drain
+    began is closed after :data:`QUIET` seconds without requests: closing while it writes a
+    request is the race GO_AWAY avoids (4.9.4 would wait for that request's timeout).
+    """
+    st = session.state
+    return bool(st.get("go_away")) or st.get("go_away_capable") is False or idle > QUIET
 
 
 def draining(chain: FilterChain, go_away: GoAway) -> FilterChain:

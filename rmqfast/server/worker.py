@@ -41,7 +41,7 @@ from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.failover import FailoverService, RouteBook, answer_in_flight
-from rmqfast.proxy.goaway import GoAway, draining
+from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
 from rmqfast.proxy.policy import Session as PolicySession
@@ -440,9 +440,11 @@ class Worker:
                 s.chain = draining(s.chain, go_away)
                 if s.c2u is not None:
                     s.c2u.set_actions(s.chain.request_actions)
+        go = self.cfg.failover.go_away
         while self.sessions and time.monotonic() < deadline:
+            now = time.monotonic()
             for s in list(self.sessions):
-                if s.in_flight == 0:
+                if s.in_flight == 0 and (not go or may_close(s, s.idle_for(now))):
                     s.close()
             gevent.sleep(0.05)
         left = len(self.sessions)
