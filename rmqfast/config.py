@@ -15,7 +15,7 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,8 +24,8 @@ from typing import Any
 from rmqfast.delay.settings import DelaySection, parse_delay
 from rmqfast.errors import ConfigError
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
-from rmqfast.proxy.health import FailoverSection, parse_failover
 from rmqfast.proxy.acl import AclSection, parse_acl
+from rmqfast.proxy.health import FailoverSection, parse_failover
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -583,97 +583,16 @@ def from_dict(raw: dict[str, Any]) -> Config:
     with errs.check():
         _check_keys("", raw, set(_KNOWN))
     cfg = Config()
-    px = _section(errs, raw, "proxy")
-    p = cfg.proxy
-    ints = (("workers", 0, 256, " (one per CPU)"), ("max_frame_size", 1024, 1 << 30, ""),
-            ("max_header_size", 64, 0xFFFFFF, ""), ("buffer_size", 4096, 64 << 20, ""))
-    for k, lo, hi, what in ints:
-        with errs.check():
-            if k in px:
-                setattr(p, k, _int(f"proxy.{k}", px[k], lo, hi, what))
-    for k, flo, fhi in (("connect_timeout", 0.1, 60), ("idle_timeout", 20, 86400), ("drain_timeout", 0, 600)):
-        with errs.check():
-            if k in px:
-                setattr(p, k, _float(f"proxy.{k}", px[k], flo, fhi))
-    for k in ("advertise_host", "state_dir"):
-        with errs.check():
-            if k in px:
-                setattr(p, k, _str(f"proxy.{k}", px[k]))
-    with errs.check():
-        if "frame_timeout" in px:
-            p.frame_timeout = _float("proxy.frame_timeout", px["frame_timeout"], 0, 3600)
-            if 0 < p.frame_timeout < 1:
-                raise ConfigError(f"proxy.frame_timeout: {p.frame_timeout!r} is not allowed; use 0 (no deadline) "
-                                  "or at least 1 second")
-    with errs.check():
-        if "buffer_budget" in px:
-            p.buffer_budget = _int("proxy.buffer_budget", px["buffer_budget"], 1 << 20, 1 << 40, " (1 MiB)")
-    if p.max_header_size > p.max_frame_size:
-        errs.messages.append(
-            f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "
-            f"proxy.max_frame_size ({p.max_frame_size})"
-        )
-
-    ns = _section(errs, raw, "namesrv")
-    with errs.check():
-        cfg.namesrv.listen = parse_hostport("namesrv.listen", ns.get("listen", DEFAULT_NAMESRV_LISTEN))
-    with errs.check():
-        ups = ns.get("upstreams", [])
-        if not isinstance(ups, list | str) or not ups:
-            raise ConfigError(
-                f"namesrv.upstreams: {_t(ups)} is not allowed; expected a non-empty list of \"host:port\" "
-                "(the real RocketMQ name servers), e.g. [\"10.0.0.1:9876\"]"
-            )
-        cfg.namesrv.upstreams = parse_hostport_list("namesrv.upstreams", ups)
-
-    br = _section(errs, raw, "brokers")
-    b = cfg.brokers
-    with errs.check():
-        if "port_range" in br:
-            b.port_range = parse_port_range("brokers.port_range", br["port_range"])
-    with errs.check():
-        if "listen_host" in br:
-            b.listen_host = _str("brokers.listen_host", br["listen_host"])
-    with errs.check():
-        if "vip_channel" in br:
-            b.vip_channel = _bool("brokers.vip_channel", br["vip_channel"])
-    statics = br.get("static", [])
-    if not isinstance(statics, list):
-        errs.messages.append(f"brokers.static: {_t(statics)} is not allowed; expected an array of tables")
-        statics = []
-    for i, s in enumerate(statics):
-        key = f"brokers.static[{i}]"
-        with errs.check():
-            s = _table(key, s)
-            _check_keys(key, s, {"listen", "upstream"})
-            if "listen" not in s or "upstream" not in s:
-                raise ConfigError(f"{key}: both 'listen' and 'upstream' are required")
-            b.static.append(StaticBroker(parse_hostport(f"{key}.listen", s["listen"]),
-                                         parse_hostport(f"{key}.upstream", s["upstream"])))
-
-    po = _section(errs, raw, "policy")
-    with errs.check():
-        cfg.policy.allow_codes = _codes("policy.allow_codes", po.get("allow_codes", []))
-    with errs.check():
-        cfg.policy.deny_codes = _codes("policy.deny_codes", po.get("deny_codes", []))
-    with errs.check():
-        if "preset" in po:
-            cfg.policy.preset = _choice("policy.preset", po["preset"], ("", "read-only-admin"))
-    with errs.check():
-        if "message_addresses" in po:
-            cfg.policy.message_addresses = _choice(
-                "policy.message_addresses", po["message_addresses"], ("records", "all", "off"))
-
+    _parse_proxy(cfg, raw, errs)
+    _parse_namesrv(cfg, raw, errs)
+    _parse_brokers(cfg, raw, errs)
+    _parse_policy(cfg, raw, errs)
     ad = _section(errs, raw, "admin")
     with errs.check():
         if ad.get("listen"):
             cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
-    with errs.check():
-        if "token" in ad:
-            cfg.admin.token = _str("admin.token", ad["token"])
-
+    _set(errs, ad, cfg.admin, "admin", "token", _str)
     _parse_limits(cfg, raw, errs)
-
     lg = _section(errs, raw, "log")
     with errs.check():
         cfg.log.format = _choice("log.format", lg.get("format", "json"), ("json", "human"))
@@ -697,6 +616,85 @@ def from_dict(raw: dict[str, Any]) -> Config:
         _check_ports(cfg, errs)
     errs.raise_if_any()
     return cfg
+
+
+def _set(errs: _Errors, section: dict[str, Any], target: Any, where: str, key: str,
+         parse: Callable[[str, Any], Any]) -> None:
+    """``target.key = parse("where.key", value)`` when the section has the key; a problem is recorded."""
+    with errs.check():
+        if key in section:
+            setattr(target, key, parse(f"{where}.{key}", section[key]))
+
+
+def _parse_proxy(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
+    px = _section(errs, raw, "proxy")
+    p = cfg.proxy
+    ints = (("workers", 0, 256, " (one per CPU)"), ("max_frame_size", 1024, 1 << 30, ""),
+            ("max_header_size", 64, 0xFFFFFF, ""), ("buffer_size", 4096, 64 << 20, ""))
+    for k, lo, hi, what in ints:
+        _set(errs, px, p, "proxy", k, lambda key, v, lo=lo, hi=hi, what=what: _int(key, v, lo, hi, what))
+    for k, flo, fhi in (("connect_timeout", 0.1, 60), ("idle_timeout", 20, 86400), ("drain_timeout", 0, 600)):
+        _set(errs, px, p, "proxy", k, lambda key, v, flo=flo, fhi=fhi: _float(key, v, flo, fhi))
+    for k in ("advertise_host", "state_dir"):
+        _set(errs, px, p, "proxy", k, _str)
+    with errs.check():
+        if "frame_timeout" in px:
+            p.frame_timeout = _float("proxy.frame_timeout", px["frame_timeout"], 0, 3600)
+            if 0 < p.frame_timeout < 1:
+                raise ConfigError(f"proxy.frame_timeout: {p.frame_timeout!r} is not allowed; use 0 (no deadline) "
+                                  "or at least 1 second")
+    _set(errs, px, p, "proxy", "buffer_budget", lambda key, v: _int(key, v, 1 << 20, 1 << 40, " (1 MiB)"))
+    if p.max_header_size > p.max_frame_size:
+        errs.messages.append(
+            f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "
+            f"proxy.max_frame_size ({p.max_frame_size})"
+        )
+
+
+def _parse_namesrv(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
+    ns = _section(errs, raw, "namesrv")
+    with errs.check():
+        cfg.namesrv.listen = parse_hostport("namesrv.listen", ns.get("listen", DEFAULT_NAMESRV_LISTEN))
+    with errs.check():
+        ups = ns.get("upstreams", [])
+        if not isinstance(ups, list | str) or not ups:
+            raise ConfigError(
+                f"namesrv.upstreams: {_t(ups)} is not allowed; expected a non-empty list of \"host:port\" "
+                "(the real RocketMQ name servers), e.g. [\"10.0.0.1:9876\"]"
+            )
+        cfg.namesrv.upstreams = parse_hostport_list("namesrv.upstreams", ups)
+
+
+def _parse_brokers(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
+    br = _section(errs, raw, "brokers")
+    b = cfg.brokers
+    _set(errs, br, b, "brokers", "port_range", parse_port_range)
+    _set(errs, br, b, "brokers", "listen_host", _str)
+    _set(errs, br, b, "brokers", "vip_channel", _bool)
+    statics = br.get("static", [])
+    if not isinstance(statics, list):
+        errs.messages.append(f"brokers.static: {_t(statics)} is not allowed; expected an array of tables")
+        statics = []
+    for i, s in enumerate(statics):
+        key = f"brokers.static[{i}]"
+        with errs.check():
+            s = _table(key, s)
+            _check_keys(key, s, {"listen", "upstream"})
+            if "listen" not in s or "upstream" not in s:
+                raise ConfigError(f"{key}: both 'listen' and 'upstream' are required")
+            b.static.append(StaticBroker(parse_hostport(f"{key}.listen", s["listen"]),
+                                         parse_hostport(f"{key}.upstream", s["upstream"])))
+
+
+def _parse_policy(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
+    po = _section(errs, raw, "policy")
+    with errs.check():
+        cfg.policy.allow_codes = _codes("policy.allow_codes", po.get("allow_codes", []))
+    with errs.check():
+        cfg.policy.deny_codes = _codes("policy.deny_codes", po.get("deny_codes", []))
+    _set(errs, po, cfg.policy, "policy", "preset", lambda key, v: _choice(key, v, ("", "read-only-admin")))
+    _set(errs, po, cfg.policy, "policy", "message_addresses",
+         lambda key, v: _choice(key, v, ("records", "all", "off")))
 
 
 def _parse_limits(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:

@@ -119,15 +119,7 @@ class StatsPublisher:
             if count != c0:
                 m.requests.labels(role, _code_label(slot), RESULTS[result]).inc(count - c0)
                 self._results[(slot, result)] = count
-        for slot, buckets, sum_ns in st.latencies():
-            old_buckets, old_sum = self._lat.get(slot, ((0,) * len(buckets), 0))
-            if sum_ns != old_sum or buckets != old_buckets:
-                add_to_histogram(
-                    m.request_duration.labels(role, _code_label(slot)),
-                    [b - a for a, b in zip(old_buckets, buckets, strict=True)],
-                    (sum_ns - old_sum) / 1e9,
-                )
-                self._lat[slot] = (buckets, sum_ns)
+        self._publish_latencies()
         if st.untracked != self._untimed:
             m.untimed.labels(role).inc(st.untracked - self._untimed)
             self._untimed = st.untracked
@@ -136,25 +128,41 @@ class StatsPublisher:
             if count != c0:
                 m.responses.labels(role, _code_label(slot)).inc(count - c0)
                 self._resp[slot] = count
-        for topic, sends, msgs, pulls, nbytes in st.topics():
-            old = self._topics.get(topic, (0, 0, 0, 0))
-            new = (sends, msgs, pulls, nbytes)
-            if new != old:
-                t = topic.decode("utf-8", "replace")
-                if sends != old[0]:
-                    m.topic_sends.labels(t).inc(sends - old[0])
-                if msgs != old[1]:
-                    m.topic_messages.labels(t).inc(msgs - old[1])
-                if pulls != old[2]:
-                    m.topic_pulls.labels(t).inc(pulls - old[2])
-                m.topic_bytes.labels(t).inc(nbytes - old[3])
-                self._topics[topic] = new
+        self._publish_topics()
         if st.bytes != self._bytes:
             m.frame_bytes.labels(role).inc(st.bytes - self._bytes)
             self._bytes = st.bytes
         if st.protocol_errors != self._errors:
             m.protocol_errors.labels(role).inc(st.protocol_errors - self._errors)
             self._errors = st.protocol_errors
+
+    def _publish_latencies(self) -> None:
+        for slot, buckets, sum_ns in self.stats.latencies():
+            old_buckets, old_sum = self._lat.get(slot, ((0,) * len(buckets), 0))
+            if sum_ns != old_sum or buckets != old_buckets:
+                add_to_histogram(
+                    self.m.request_duration.labels(self.role, _code_label(slot)),
+                    [b - a for a, b in zip(old_buckets, buckets, strict=True)],
+                    (sum_ns - old_sum) / 1e9,
+                )
+                self._lat[slot] = (buckets, sum_ns)
+
+    def _publish_topics(self) -> None:
+        m = self.m
+        for topic, sends, msgs, pulls, nbytes in self.stats.topics():
+            old = self._topics.get(topic, (0, 0, 0, 0))
+            new = (sends, msgs, pulls, nbytes)
+            if new == old:
+                continue
+            t = topic.decode("utf-8", "replace")
+            if sends != old[0]:
+                m.topic_sends.labels(t).inc(sends - old[0])
+            if msgs != old[1]:
+                m.topic_messages.labels(t).inc(msgs - old[1])
+            if pulls != old[2]:
+                m.topic_pulls.labels(t).inc(pulls - old[2])
+            m.topic_bytes.labels(t).inc(nbytes - old[3])
+            self._topics[topic] = new
 
 
 def add_to_histogram(child: Any, bucket_deltas: list[int], sum_delta: float) -> None:

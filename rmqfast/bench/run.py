@@ -45,19 +45,8 @@ def started(targets: list[Target]) -> Iterator[list[Target]]:
 def run(args: argparse.Namespace) -> int:
     """One whole run with the options ``rmqfast.bench.cli`` parsed; the exit status."""
     tools = build_tools(args.build_dir)
-    haproxy_exe = None
-    if any(t.startswith("haproxy") for t in args.target_list):
-        haproxy_exe = ensure_haproxy(install=not args.no_install)
-        if haproxy_exe is None:
-            print("bench: skipping the HAProxy targets", file=sys.stderr)
-            args.target_list = [t for t in args.target_list if not t.startswith("haproxy")]
-    machine = machine_info(tools, haproxy_exe)
-    before = machine_cpu()["task"]
-    time.sleep(1.0)
-    machine["busy_cores_before"] = round(machine_cpu()["task"] - before, 2)
-    if machine["busy_cores_before"] > 2 * NOISE_CORES:
-        print(f"bench: WARNING: the machine is busy before the bench starts ({machine['busy_cores_before']} cores "
-              "used by other processes); results will be disturbed", file=sys.stderr)
+    haproxy_exe = _haproxy(args)
+    machine = _machine(tools, haproxy_exe)
     run_id, out_path, common = results_file(args.results, (machine["git_commit"] or "nogit")[:8],
                                             "short" if args.short else "full")
     common["machine"] = machine
@@ -65,47 +54,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench: {len(args.target_list)} targets x {len(scenarios)} scenarios x {args.rounds} rounds, "
           f"{args.warmup:g} s warm-up + {args.duration:g} s each; results -> {out_path}", file=sys.stderr)
 
-    runs: list[dict[str, Any]] = []
     rss: dict[str, list[dict[str, int]]] = {}
-    failed = 0
     with open(out_path, "a") as out, NullBroker(tools) as broker:
 
         def emit(rec: dict[str, Any]) -> None:
             out.write(json.dumps({**common, "ts": now_iso(), **rec}) + "\n")
             out.flush()
 
-        targets: list[Target] = []
-        for name in args.target_list:
-            if name == "direct":
-                targets.append(DirectTarget(broker))
-            elif name.startswith("haproxy"):
-                assert haproxy_exe is not None
-                targets.append(HAProxyTarget(haproxy_exe, broker.port, 1 if name == "haproxy-1t" else 2, name))
-            else:
-                targets.append(RmqfastTarget(broker.port, workers=args.workers, pure=name == "rmqfast-pure", name=name))
+        targets = _targets(args, broker, haproxy_exe)
         with started(targets):
-            step = 0
-            for rnd in range(args.rounds):
-                for sc in scenarios:
-                    order = targets[step % len(targets):] + targets[: step % len(targets)]
-                    step += 1
-                    for t in order:
-                        wait_idle([pid for x in targets for pid in x.pids()] + broker.pids)
-                        try:
-                            res = run_loadgen(tools, t.port, sc, warmup=args.warmup, duration=args.duration,
-                                              cpu_groups={"target": t.pids(), "nullbroker": broker.pids})
-                        except BenchError as exc:
-                            failed += 1
-                            print(f"bench: {sc.name} {t.name}: {exc}", file=sys.stderr)
-                            emit({"kind": "error", "round": rnd, "scenario": sc.name, "target": t.name,
-                                  "error": str(exc)})
-                            continue
-                        rec = _run_record(rnd, sc, t, res)
-                        if rec["loadgen"]["errors"] or not rec["loadgen"]["responses"]:
-                            failed += 1
-                        runs.append(rec)
-                        emit(rec)
-                        _progress(rec, args.rounds)
+            runs, failed = _rounds(args, tools, broker, targets, scenarios, emit)
             for t in targets:
                 if isinstance(t, RmqfastTarget):
                     rss[t.name] = [{"pid": pid, **memory_kib(pid)} for pid in t.worker_pids()]
@@ -114,7 +72,83 @@ def run(args: argparse.Namespace) -> int:
     if broker.final_stats:
         with open(out_path, "a") as out:
             out.write(json.dumps({**common, "kind": "nullbroker", **broker.final_stats}) + "\n")
+    _summary(args, run_id, out_path, common, machine, runs, rss)
+    if failed:
+        print(f"bench: {failed} run(s) failed or counted errors (see the results file)", file=sys.stderr)
+        return 1
+    return 0
 
+
+def _haproxy(args: argparse.Namespace) -> Any:
+    """The HAProxy executable when a HAProxy target was asked for (else, or not found, None:
+    the HAProxy targets are dropped from ``args.target_list``)."""
+    if not any(t.startswith("haproxy") for t in args.target_list):
+        return None
+    exe = ensure_haproxy(install=not args.no_install)
+    if exe is None:
+        print("bench: skipping the HAProxy targets", file=sys.stderr)
+        args.target_list = [t for t in args.target_list if not t.startswith("haproxy")]
+    return exe
+
+
+def _machine(tools: Any, haproxy_exe: Any) -> dict[str, Any]:
+    """The machine's description, with the cores other processes used in the second before."""
+    machine = machine_info(tools, haproxy_exe)
+    before = machine_cpu()["task"]
+    time.sleep(1.0)
+    machine["busy_cores_before"] = round(machine_cpu()["task"] - before, 2)
+    if machine["busy_cores_before"] > 2 * NOISE_CORES:
+        print(f"bench: WARNING: the machine is busy before the bench starts ({machine['busy_cores_before']} cores "
+              "used by other processes); results will be disturbed", file=sys.stderr)
+    return machine
+
+
+def _targets(args: argparse.Namespace, broker: NullBroker, haproxy_exe: Any) -> list[Target]:
+    targets: list[Target] = []
+    for name in args.target_list:
+        if name == "direct":
+            targets.append(DirectTarget(broker))
+        elif name.startswith("haproxy"):
+            assert haproxy_exe is not None
+            targets.append(HAProxyTarget(haproxy_exe, broker.port, 1 if name == "haproxy-1t" else 2, name))
+        else:
+            targets.append(RmqfastTarget(broker.port, workers=args.workers, pure=name == "rmqfast-pure", name=name))
+    return targets
+
+
+def _rounds(args: argparse.Namespace, tools: Any, broker: NullBroker, targets: list[Target],
+            scenarios: list[Scenario], emit: Any) -> tuple[list[dict[str, Any]], int]:
+    """Every scenario against every target, round after round (the target order rotates);
+    the run records and how many runs failed."""
+    runs: list[dict[str, Any]] = []
+    failed = 0
+    step = 0
+    for rnd in range(args.rounds):
+        for sc in scenarios:
+            order = targets[step % len(targets):] + targets[: step % len(targets)]
+            step += 1
+            for t in order:
+                wait_idle([pid for x in targets for pid in x.pids()] + broker.pids)
+                try:
+                    res = run_loadgen(tools, t.port, sc, warmup=args.warmup, duration=args.duration,
+                                      cpu_groups={"target": t.pids(), "nullbroker": broker.pids})
+                except BenchError as exc:
+                    failed += 1
+                    print(f"bench: {sc.name} {t.name}: {exc}", file=sys.stderr)
+                    emit({"kind": "error", "round": rnd, "scenario": sc.name, "target": t.name, "error": str(exc)})
+                    continue
+                rec = _run_record(rnd, sc, t, res)
+                if rec["loadgen"]["errors"] or not rec["loadgen"]["responses"]:
+                    failed += 1
+                runs.append(rec)
+                emit(rec)
+                _progress(rec, args.rounds)
+    return runs, failed
+
+
+def _summary(args: argparse.Namespace, run_id: str, out_path: Any, common: dict[str, Any], machine: dict[str, Any],
+             runs: list[dict[str, Any]], rss: dict[str, list[dict[str, int]]]) -> None:
+    """Summary and checks: appended to the results file and printed (a table, or JSON)."""
     cells = summarize(runs)
     found = checks(cells, rss)
     with open(out_path, "a") as out:
@@ -126,20 +160,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"run_id": run_id, "results": str(out_path), "machine": machine,
                           "cells": [asdict(c) for c in cells.values()], "checks": [asdict(c) for c in found],
                           "rss": rss}, indent=2))
-    else:
-        print()
-        print(headline(run_id, machine))
-        print(f"{args.rounds} round(s), {args.warmup:g} s warm-up + {args.duration:g} s per run; medians; "
-              "proxy CPU = cores used by the target's processes; CPU us/req = their CPU time per answered request; "
-              "other = cores used by processes outside the bench")
-        print()
-        print(render(cells, args.scenario_list, args.target_list, rss, found))
-        print()
-        print(f"results: {out_path}")
-    if failed:
-        print(f"bench: {failed} run(s) failed or counted errors (see the results file)", file=sys.stderr)
-        return 1
-    return 0
+        return
+    print()
+    print(headline(run_id, machine))
+    print(f"{args.rounds} round(s), {args.warmup:g} s warm-up + {args.duration:g} s per run; medians; "
+          "proxy CPU = cores used by the target's processes; CPU us/req = their CPU time per answered request; "
+          "other = cores used by processes outside the bench")
+    print()
+    print(render(cells, args.scenario_list, args.target_list, rss, found))
+    print()
+    print(f"results: {out_path}")
 
 
 def _run_record(rnd: int, sc: Scenario, t: Target, res: dict[str, Any]) -> dict[str, Any]:

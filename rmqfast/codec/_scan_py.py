@@ -391,7 +391,9 @@ class FrameScanner:
             raise ValueError(f"action table must have {CODE_SLOTS} entries, got {len(actions)}")
         self._actions[:] = actions
 
-    def scan(
+    # The pure-Python twin of the C scanner, branch for branch, run per frame: splitting it would add
+    # Python calls per frame.
+    def scan(  # noqa: C901
         self, buf: bytes | bytearray | memoryview, start: int, end: int, now_ns: int = -1
     ) -> tuple[int, int, int]:
         """See the module docstring; ``now_ns`` (monotonic) times requests, read once per call if -1."""

@@ -293,26 +293,7 @@ def _emit(value: Any, legacy: bool, sort: bool, out: list[str], in_addrs: bool =
             raise ValueError(f"route value {value!r} has no JSON representation")
         out.append(repr(value))
     elif isinstance(value, dict):
-        items: list[tuple[Any, Any]] = []
-        for key, item in value.items():
-            if in_addrs and isinstance(key, str) and _BROKER_ID.fullmatch(key):
-                key = int(key)  # a brokerAddrs map is Map<Long, String>
-            elif isinstance(key, bool) or not isinstance(key, int | str):
-                raise TypeError(f"route key {key!r} must be a str or an int")
-            items.append((key, item))
-        if sort:
-            items.sort(key=lambda kv: _sort_key(kv[0]))
-        out.append("{")
-        for n, (key, item) in enumerate(items):
-            if n:
-                out.append(",")
-            if isinstance(key, int):
-                out.append(str(key) if legacy else f'"{key}"')
-            else:
-                out.append(fastjson_quote(key, browser_compatible=not legacy))
-            out.append(":")
-            _emit(item, legacy, sort, out, in_addrs=key == "brokerAddrs")
-        out.append("}")
+        _emit_object(value, legacy, sort, out, in_addrs)
     elif isinstance(value, list | tuple | set | frozenset):
         seq = sorted(value) if sort and isinstance(value, set | frozenset) else value
         out.append("[")
@@ -323,6 +304,29 @@ def _emit(value: Any, legacy: bool, sort: bool, out: list[str], in_addrs: bool =
         out.append("]")
     else:
         raise TypeError(f"route value {value!r} of type {type(value).__name__} is not JSON")
+
+
+def _emit_object(value: dict[Any, Any], legacy: bool, sort: bool, out: list[str], in_addrs: bool) -> None:
+    items: list[tuple[Any, Any]] = []
+    for key, item in value.items():
+        if in_addrs and isinstance(key, str) and _BROKER_ID.fullmatch(key):
+            key = int(key)  # a brokerAddrs map is Map<Long, String>
+        elif isinstance(key, bool) or not isinstance(key, int | str):
+            raise TypeError(f"route key {key!r} must be a str or an int")
+        items.append((key, item))
+    if sort:
+        items.sort(key=lambda kv: _sort_key(kv[0]))
+    out.append("{")
+    for n, (key, item) in enumerate(items):
+        if n:
+            out.append(",")
+        if isinstance(key, int):
+            out.append(str(key) if legacy else f'"{key}"')
+        else:
+            out.append(fastjson_quote(key, browser_compatible=not legacy))
+        out.append(":")
+        _emit(item, legacy, sort, out, in_addrs=key == "brokerAddrs")
+    out.append("}")
 
 
 def encode_route(obj: dict[Any, Any], dialect: Dialect, *, sort_keys: bool = False) -> bytes:

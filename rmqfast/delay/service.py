@@ -167,6 +167,33 @@ class DelayService:
             return divert(why)
         return reply(refusal(cmd, code, f"rmqfast: {why}"))
 
+    def _due(self, props_text: str, batch_body: bytes, now: int) -> tuple[int | None, dict[str, str], Any]:
+        """(due time in ms or None, the send's properties, a batch's entries or None); a batch
+        is due when its latest message is.  Raises DelayInvalid."""
+        props = parse_properties(props_text) if props_text else {}
+        due = due_ms(props, now, self.levels)
+        if not batch_body:
+            return due, props, None
+        try:
+            entries = decode_batch(batch_body)
+        except ValueError:
+            return due, props, None  # the broker answers an undecodable batch itself
+        dues = [d for d in (due_ms(e.properties, now, self.levels) for e in entries) if d is not None]
+        if dues:
+            due = max([*dues, due] if due is not None else dues)
+        return due, props, entries
+
+    def _unholdable(self, sys_flag: int, due: int, now: int, session: Session) -> tuple[int, str, str] | None:
+        """(answer code, reason, why) when a delayed send cannot be held; None: it can."""
+        if sys_flag & TRANSACTION_PREPARED:
+            return MESSAGE_ILLEGAL, "transaction", "a prepared transaction half cannot be delayed by the proxy"
+        if due - now > self.cfg.max_delay_ms:
+            return (MESSAGE_ILLEGAL, "too_far", f"delivery time {due} is {(due - now) / 1000:.0f} s away, more than "
+                    f"delay.max_delay ({self.cfg.max_delay_ms / 1000:.0f} s)")
+        if self.closed or not session.upstream_addr:
+            return C.SYSTEM_BUSY, "unavailable", "the worker is stopping or has no broker connection; retry"
+        return None
+
     def hold(self, session: Session, frame: Frame, cmd: RemotingCommand) -> Verdict | None:
         """Store a delayed send of a delay topic and answer it; None: not a delay request (relay it)."""
         ext = cmd.ext_fields or {}
@@ -178,44 +205,19 @@ class DelayService:
         props_text = ext.get("i") or ""
         batch = frame.code == C.SEND_BATCH_MESSAGE
         now = now_ms()
-        entries = None
         try:
-            props = parse_properties(props_text) if props_text else {}
-            due = due_ms(props, now, self.levels)
-            if batch and cmd.body:
-                try:
-                    entries = decode_batch(cmd.body)
-                except ValueError:
-                    entries = None  # the broker answers an undecodable batch itself
-                if entries:
-                    dues = [d for d in (due_ms(e.properties, now, self.levels) for e in entries) if d is not None]
-                    if dues:
-                        due = max([*dues, due] if due is not None else dues)
+            due, props, entries = self._due(props_text, cmd.body if batch else b"", now)
         except DelayInvalid as exc:
             return self._refuse(frame, cmd, MESSAGE_ILLEGAL, "invalid", f"invalid delivery time: {exc}")
         if due is None:
             return None
         sys_flag = _int(ext.get("f"))
-        if sys_flag & TRANSACTION_PREPARED:
-            return self._refuse(frame, cmd, MESSAGE_ILLEGAL, "transaction",
-                                "a prepared transaction half cannot be delayed by the proxy")
-        if due - now > self.cfg.max_delay_ms:
-            return self._refuse(frame, cmd, MESSAGE_ILLEGAL, "too_far",
-                                f"delivery time {due} is {(due - now) / 1000:.0f} s away, more than delay.max_delay "
-                                f"({self.cfg.max_delay_ms / 1000:.0f} s)")
-        if self.closed or not session.upstream_addr:
-            return self._refuse(frame, cmd, C.SYSTEM_BUSY, "unavailable",
-                                "the worker is stopping or has no broker connection; retry")
+        refusal = self._unholdable(sys_flag, due, now, session)
+        if refusal is not None:
+            return self._refuse(frame, cmd, *refusal)
         body = cmd.body
         if entries:
-            for e in entries:
-                if has_delay_property(e.properties):
-                    for k in ("DELAY", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", "TIMER_DELIVER_MS", "__STARTDELIVERTIME"):
-                        e.properties.pop(k, None)
-            body = encode_batch(entries)
-            ids = [e.properties.get(UNIQ_KEY) for e in entries]
-            msg_id = ",".join(i for i in ids if i) or uuid.uuid4().hex.upper()
-            keys = " ".join(e.properties.get(KEYS, "") for e in entries).strip()
+            body, msg_id, keys = _batch_without_delay(entries)
         else:
             msg_id = props.get(UNIQ_KEY) or ""
             keys = props.get(KEYS, "")
@@ -499,3 +501,15 @@ class Releaser:
         for g in list(self._lane_greenlets.values()):
             g.kill(block=True, timeout=2)
         self.pool.close()
+
+
+def _batch_without_delay(entries: list[Any]) -> tuple[bytes, str, str]:
+    """A held batch: (its body without the delay properties, msgId, keys)."""
+    for e in entries:
+        if has_delay_property(e.properties):
+            for k in ("DELAY", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", "TIMER_DELIVER_MS", "__STARTDELIVERTIME"):
+                e.properties.pop(k, None)
+    ids = [e.properties.get(UNIQ_KEY) for e in entries]
+    msg_id = ",".join(i for i in ids if i) or uuid.uuid4().hex.upper()
+    keys = " ".join(e.properties.get(KEYS, "") for e in entries).strip()
+    return encode_batch(entries), msg_id, keys

@@ -64,6 +64,59 @@ def parse_duration(key: str, value: Any) -> int:
                       "\"5m\", \"2h\", \"365d\" (or an integer of seconds)")
 
 
+def _topics(v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise ConfigError(f"delay.topics: {_t(v)} is not allowed; expected a list of topics "
+                          "(a name, a prefix ending in '*', or '*')")
+    for x in v:
+        if "*" in x[:-1]:
+            raise ConfigError(f"delay.topics: {_t(x)} is not allowed; '*' may only end a prefix")
+    return list(v)
+
+
+def _max_pending_bytes(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not (1 << 20) <= v <= (1 << 50):
+        raise ConfigError(f"delay.max_pending_bytes: {_t(v)} is not allowed; expected an integer from "
+                          f"{1 << 20} (1 MiB) to {1 << 50}")
+    return v
+
+
+def _max_delay_ms(v: Any) -> int:
+    ms = parse_duration("delay.max_delay", v)
+    if not 1000 <= ms <= _MAX_DELAY_LIMIT:
+        raise ConfigError(f"delay.max_delay: {_t(v)} is not allowed; expected from 1s to 36500d")
+    return ms
+
+
+def _release_in_flight(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+        raise ConfigError(f"delay.release_in_flight: {_t(v)} is not allowed; expected an integer from 1 to 4096")
+    return v
+
+
+#: (key, DelaySection attribute, parser): the keys with one value, in the order they are checked.
+_FIELDS = (("topics", "topics", _topics), ("max_pending_bytes", "max_pending_bytes", _max_pending_bytes),
+           ("max_delay", "max_delay_ms", _max_delay_ms), ("release_in_flight", "release_in_flight", _release_in_flight))
+
+
+def _parse_levels(lv: Any, d: DelaySection, errs: list[str]) -> None:
+    if not isinstance(lv, dict):
+        errs.append(f"delay.levels: {_t(lv)} is not allowed; expected a table of level = duration, "
+                    "e.g. {{ 19 = \"1d\" }}")
+        return
+    for k, v in lv.items():
+        try:
+            if not str(k).isdigit() or not 1 <= int(k) <= 1000:
+                raise ConfigError(f"delay.levels.{k}: the level must be an integer from 1 to 1000")
+            ms = parse_duration(f"delay.levels.{k}", v)
+            if not 1 <= ms <= d.max_delay_ms:
+                raise ConfigError(f"delay.levels.{k}: {_t(v)} is not allowed; expected from 1ms to "
+                                  "delay.max_delay")
+            d.levels[str(int(k))] = ms
+        except ConfigError as exc:
+            errs.append(str(exc))
+
+
 def parse_delay(raw: Any) -> DelaySection:
     """Validate the ``[delay]`` table; every problem is reported (ConfigErrors for several)."""
     from rmqfast.config import ConfigErrors
@@ -75,62 +128,14 @@ def parse_delay(raw: Any) -> DelaySection:
     for k in raw:
         if k not in KNOWN:
             errs.append(f"delay.{k}: unknown key; expected one of {', '.join(sorted(KNOWN))}")
-    try:
-        if "topics" in raw:
-            v = raw["topics"]
-            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-                raise ConfigError(f"delay.topics: {_t(v)} is not allowed; expected a list of topics "
-                                  "(a name, a prefix ending in '*', or '*')")
-            for x in v:
-                if "*" in x[:-1]:
-                    raise ConfigError(f"delay.topics: {_t(x)} is not allowed; '*' may only end a prefix")
-            d.topics = list(v)
-    except ConfigError as exc:
-        errs.append(str(exc))
-    try:
-        if "max_pending_bytes" in raw:
-            v = raw["max_pending_bytes"]
-            if isinstance(v, bool) or not isinstance(v, int) or not (1 << 20) <= v <= (1 << 50):
-                raise ConfigError(f"delay.max_pending_bytes: {_t(v)} is not allowed; expected an integer from "
-                                  f"{1 << 20} (1 MiB) to {1 << 50}")
-            d.max_pending_bytes = v
-    except ConfigError as exc:
-        errs.append(str(exc))
-    try:
-        if "max_delay" in raw:
-            ms = parse_duration("delay.max_delay", raw["max_delay"])
-            if not 1000 <= ms <= _MAX_DELAY_LIMIT:
-                raise ConfigError(f"delay.max_delay: {_t(raw['max_delay'])} is not allowed; expected from 1s "
-                                  "to 36500d")
-            d.max_delay_ms = ms
-    except ConfigError as exc:
-        errs.append(str(exc))
-    try:
-        if "release_in_flight" in raw:
-            v = raw["release_in_flight"]
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
-                raise ConfigError(f"delay.release_in_flight: {_t(v)} is not allowed; expected an integer from "
-                                  "1 to 4096")
-            d.release_in_flight = v
-    except ConfigError as exc:
-        errs.append(str(exc))
+    for key, attr, parse in _FIELDS:
+        if key in raw:
+            try:
+                setattr(d, attr, parse(raw[key]))
+            except ConfigError as exc:
+                errs.append(str(exc))
     if "levels" in raw:
-        lv = raw["levels"]
-        if not isinstance(lv, dict):
-            errs.append(f"delay.levels: {_t(lv)} is not allowed; expected a table of level = duration, "
-                        "e.g. {{ 19 = \"1d\" }}")
-        else:
-            for k, v in lv.items():
-                try:
-                    if not str(k).isdigit() or not 1 <= int(k) <= 1000:
-                        raise ConfigError(f"delay.levels.{k}: the level must be an integer from 1 to 1000")
-                    ms = parse_duration(f"delay.levels.{k}", v)
-                    if not 1 <= ms <= d.max_delay_ms:
-                        raise ConfigError(f"delay.levels.{k}: {_t(v)} is not allowed; expected from 1ms to "
-                                          "delay.max_delay")
-                    d.levels[str(int(k))] = ms
-                except ConfigError as exc:
-                    errs.append(str(exc))
+        _parse_levels(raw["levels"], d, errs)
     if len(errs) == 1:
         raise ConfigError(errs[0])
     if errs:

@@ -218,66 +218,74 @@ class RemoteSender:
         delay = self.retry_initial
         rec = item.record
         while True:
-            err = ""
             try:
-                if key[2] < 0:
-                    bname, qid = self.target(rec)
-                else:
-                    bname, qid = key[1], key[2]
-                    r = self.route(rec.topic)
-                    if bname not in r.masters:
-                        bname, qid = self.target(rec)
+                bname, qid = self._destination(rec, key)
                 addr = self.route(rec.topic).masters[bname]
                 code, ext, body = build_request(rec, bname, qid, self.origin)
                 resp = self.pool.request(addr, code, ext, body, timeout=self.timeout)
-                if resp.code in STORED_CODES:
-                    self._set_up(True, "")
-                    self.delivered += 1
-                    if self.metrics is not None:
-                        self.metrics.delivered(self.name, rec)
-                    return 0
-                if resp.code in PERMANENT_CODES:
-                    self.failures += 1
-                    log.error(
-                        "remote refused a copy for good; giving it up",
-                        extra=ctx(remote=self.name, topic=rec.topic, code=resp.code, remark=resp.remark),
-                    )
-                    if self.metrics is not None:
-                        self.metrics.failed(self.name, f"code_{resp.code}")
-                    return 1
-                err = f"{addr} answered code {resp.code}: {resp.remark}"
-                if resp.code == 17:
-                    self.routes.pop(rec.topic, None)
+                done, err = self._answered(rec, addr, resp)
+                if done is not None:
+                    return done
             except RemoteError as exc:
                 err = str(exc)
                 self.routes.pop(rec.topic, None)
                 self._set_up(False, err)
             except BodyError as exc:  # a batch body we cannot re-encode: it can never be sent
-                self.failures += 1
-                log.error("cannot encode a copy; giving it up", extra=ctx(remote=self.name, topic=rec.topic,
-                                                                          error=str(exc)))
-                if self.metrics is not None:
-                    self.metrics.failed(self.name, "unencodable")
+                self._give_up(rec, "unencodable", "cannot encode a copy; giving it up", error=str(exc))
                 return 1
             except Exception as exc:  # anything else (a route that changed under us...): retry, never lose
                 err = f"{type(exc).__name__}: {exc}"
                 self.routes.pop(rec.topic, None)
                 log.exception("unexpected error sending a copy; retrying", extra=ctx(remote=self.name,
                                                                                     topic=rec.topic))
-            item.attempts += 1
-            self.retries += 1
-            if self.metrics is not None:
-                self.metrics.retried(self.name)
-            if item.attempts in (1, 10) or item.attempts % 100 == 0:
-                log.warning(
-                    "remote send failed; retrying",
-                    extra=ctx(remote=self.name, topic=rec.topic, attempt=item.attempts, error=err,
-                           retry_in_s=round(delay, 3)),
-                )
+            self._retrying(item, err, delay)
             gevent.sleep(delay)
             delay = min(self.retry_max, delay * 2)
             if not item.alive():
                 return 1  # the worker will send it again; nothing to acknowledge
+
+    def _destination(self, rec: CopyRecord, key: tuple[str, str, int]) -> tuple[str, int]:
+        """(broker name, queue id) a copy goes to: its lane's queue while that broker is a master
+        of the topic's route, else the target the route gives."""
+        if key[2] < 0:
+            return self.target(rec)
+        if key[1] not in self.route(rec.topic).masters:
+            return self.target(rec)
+        return key[1], key[2]
+
+    def _answered(self, rec: CopyRecord, addr: str, resp: Any) -> tuple[int | None, str]:
+        """The remote's answer: (0, "") stored, (1, "") refused for good, (None, error) retry."""
+        if resp.code in STORED_CODES:
+            self._set_up(True, "")
+            self.delivered += 1
+            if self.metrics is not None:
+                self.metrics.delivered(self.name, rec)
+            return 0, ""
+        if resp.code in PERMANENT_CODES:
+            self._give_up(rec, f"code_{resp.code}", "remote refused a copy for good; giving it up",
+                          code=resp.code, remark=resp.remark)
+            return 1, ""
+        if resp.code == 17:
+            self.routes.pop(rec.topic, None)
+        return None, f"{addr} answered code {resp.code}: {resp.remark}"
+
+    def _give_up(self, rec: CopyRecord, reason: str, message: str, **fields: Any) -> None:
+        self.failures += 1
+        log.error(message, extra=ctx(remote=self.name, topic=rec.topic, **fields))
+        if self.metrics is not None:
+            self.metrics.failed(self.name, reason)
+
+    def _retrying(self, item: Item, err: str, delay: float) -> None:
+        item.attempts += 1
+        self.retries += 1
+        if self.metrics is not None:
+            self.metrics.retried(self.name)
+        if item.attempts in (1, 10) or item.attempts % 100 == 0:
+            log.warning(
+                "remote send failed; retrying",
+                extra=ctx(remote=self.name, topic=item.record.topic, attempt=item.attempts, error=err,
+                          retry_in_s=round(delay, 3)),
+            )
 
     def _set_up(self, up: bool, error: str) -> None:
         if up != self.up:

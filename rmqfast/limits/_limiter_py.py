@@ -129,19 +129,25 @@ class Limiter:
             if self._lock_fd is not None:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
+    def _tag_rule(self, t: bytes, tag: bytes | None) -> int:
+        """The rule of topic ``t`` with tag ``tag`` (the first that matches), or -1."""
+        if tag is None:
+            return -1
+        for i, r in enumerate(self.rules):
+            if r["tag"] == tag and i != self.global_rule and (
+                t.startswith(r["topic"]) if r["prefix"] else t == r["topic"]
+            ):
+                return i
+        return -1
+
     def decide(self, t: bytes, props: bytes | None, esc: bool, msgs: int, nbytes: int, now: int) -> int:
         """-1: admitted; else the index of the rule that rejected the send."""
         topic_rule, has_tags = self._lookup(t)
         chain = []
         if has_tags and props is not None:
-            tag = props_tag(props, esc)
-            if tag is not None:
-                for i, r in enumerate(self.rules):
-                    if r["tag"] == tag and i != self.global_rule and (
-                        t.startswith(r["topic"]) if r["prefix"] else t == r["topic"]
-                    ):
-                        chain.append(i)
-                        break
+            tag_rule = self._tag_rule(t, props_tag(props, esc))
+            if tag_rule >= 0:
+                chain.append(tag_rule)
         if topic_rule >= 0:
             chain.append(topic_rule)
         if self.global_rule >= 0:

@@ -171,19 +171,9 @@ class Replicator:
             ln for ln in lanes
             if self.durable or ln.spilled or self.mem_count >= self.channel_size or not self.remote_up.get(ln.remote)
         ]
-        if to_db:
-            need = sum(len(lane_prefix(ln.remote, topic)) + 8 + len(value) for ln in to_db)
-            if self.store.would_exceed(need):
-                if self.on_disk_full == "reject":
-                    if self.metrics is not None:
-                        self.metrics.rejected.inc()
-                    raise SpillFull(
-                        f"rmqfast: the cross-cloud spill of worker {self.index} is full "
-                        f"({self.store.bytes} of {self.store.disk_cap_bytes} bytes, replicate.disk_cap_bytes); "
-                        "retry later"
-                    )
-                self.count_not_copied("disk_full", len(remotes))
-                return []
+        if to_db and not self._room(sum(len(lane_prefix(ln.remote, topic)) + 8 + len(value) for ln in to_db)):
+            self.count_not_copied("disk_full", len(remotes))
+            return []
         seqs = [self.store.next_seq() for _ in lanes]
         deadline = time.monotonic() + AWAIT_TIMEOUT
         if awaiting:
@@ -191,14 +181,7 @@ class Replicator:
                 self.awaiting[s] = deadline
         db_items = [(ln.remote, topic, s, value) for ln, s in zip(lanes, seqs, strict=True) if ln in to_db]
         try:
-            if self.durable and defer:
-                assert self.committer is not None
-                batch = self.committer.enqueue(db_items)
-            elif self.durable:
-                assert self.committer is not None
-                self.committer.commit_seqs(db_items)
-            elif db_items:
-                self.store.write(db_items, sync=False)
+            batch = self._store(db_items, defer)
         except (CommitFailed, Exception) as exc:
             for s in seqs:
                 self.awaiting.pop(s, None)
@@ -209,26 +192,57 @@ class Replicator:
                                 ) from exc
             return []
         for ln, s in zip(lanes, seqs, strict=True):
-            if ln in to_db:
-                if self.durable and not ln.spilled and self.mem_count < self.channel_size:
-                    ln.append_mem(_Copy(s, value, True, True))  # cached; in RocksDB too
-                    self.mem_count += 1
-                    if self.durable and defer:
-                        self.commits[s] = (batch, None)
-                else:
-                    ln.spilled = True
-                    if self.durable and defer:
-                        # not readable until synced: the lane must not look drained meanwhile
-                        ln.unsynced += 1
-                        self.commits[s] = (batch, ln)
-            else:
-                ln.append_mem(_Copy(s, value, False, True))
-                self.mem_count += 1
+            self._place(ln, s, value, ln in to_db, batch if self.durable and defer else None)
         self.copied += len(lanes)
         if self.metrics is not None:
             self.metrics.copies.inc(len(lanes))
         self.wake.set()
         return seqs
+
+    def _room(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit in the spill; over the cap with policy ``reject``:
+        :class:`SpillFull`."""
+        if not self.store.would_exceed(need):
+            return True
+        if self.on_disk_full == "reject":
+            if self.metrics is not None:
+                self.metrics.rejected.inc()
+            raise SpillFull(
+                f"rmqfast: the cross-cloud spill of worker {self.index} is full "
+                f"({self.store.bytes} of {self.store.disk_cap_bytes} bytes, replicate.disk_cap_bytes); "
+                "retry later"
+            )
+        return False
+
+    def _store(self, db_items: list[tuple[str, str, int, bytes]], defer: bool) -> Any:
+        """Write the copies that go to RocksDB: synced now, queued for a group commit (``defer``:
+        the commit batch is returned), or unsynced (not durable)."""
+        if self.durable and defer:
+            assert self.committer is not None
+            return self.committer.enqueue(db_items)
+        if self.durable:
+            assert self.committer is not None
+            self.committer.commit_seqs(db_items)
+        elif db_items:
+            self.store.write(db_items, sync=False)
+        return None
+
+    def _place(self, ln: Lane, s: int, value: bytes, in_db: bool, batch: Any) -> None:
+        """Where one taken copy waits for the deliverer (``batch``: its deferred commit, or None)."""
+        if not in_db:
+            ln.append_mem(_Copy(s, value, False, True))
+            self.mem_count += 1
+        elif self.durable and not ln.spilled and self.mem_count < self.channel_size:
+            ln.append_mem(_Copy(s, value, True, True))  # cached; in RocksDB too
+            self.mem_count += 1
+            if batch is not None:
+                self.commits[s] = (batch, None)
+        else:
+            ln.spilled = True
+            if batch is not None:
+                # not readable until synced: the lane must not look drained meanwhile
+                ln.unsynced += 1
+                self.commits[s] = (batch, ln)
 
     def synced(self, seqs: list[int]) -> None:
         """Wait until the deferred commit of these copies is done (durable mode, ``take(defer=True)``).

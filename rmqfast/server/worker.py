@@ -451,16 +451,7 @@ class Worker:
         for s in list(self.sessions):
             s.close()
         self.publish()
-        if self.records is not None:
-            self.records.close()
-        if self.shaper is not None:
-            self.shaper.close()  # before the replicator: they may share its spill
-        if self.delay is not None:
-            self.delay.close()
-        if getattr(self, "own_spill", None) is not None:
-            self.own_spill.close()
-        if getattr(self, "replication", None) is not None:
-            self.replication.close()
+        _close_services(self)
         log.info("worker stopped", extra=ctx(worker=self.index, cut_sessions=left))
 
     def reload(self, cfg: Config) -> None:
@@ -494,6 +485,22 @@ class Worker:
                 )
         self.registry.bind_all()
         log.info("configuration reloaded", extra=ctx(worker=self.index, was_workers=old.proxy.workers))
+
+
+
+def _close_services(w: Any) -> None:
+    """A draining worker's records, shaper, delay, spill and replication, in that order, once
+    its sessions are closed."""
+    if w.records is not None:
+        w.records.close()
+    if w.shaper is not None:
+        w.shaper.close()  # before the replicator: they may share its spill
+    if getattr(w, "delay", None) is not None:
+        w.delay.close()
+    if getattr(w, "own_spill", None) is not None:
+        w.own_spill.close()
+    if getattr(w, "replication", None) is not None:
+        w.replication.close()
 
 
 def main(argv: list[str] | None = None) -> int:
