@@ -56,6 +56,7 @@ class FakeBroker:
 
     def __init__(self, answer_code: int = C.SUCCESS) -> None:
         self.answer_code = answer_code
+        self.hung = False
         self.requests: list[RemotingCommand] = []
         self.server = StreamServer(("127.0.0.1", 0), self._handle)
         self.server.start()
@@ -77,6 +78,8 @@ class FakeBroker:
                 return
             cmd = decode_frame(frame)
             self.requests.append(cmd)
+            if self.hung:
+                continue  # reads, never answers (a SIGSTOPped or wedged broker keeps its sockets)
             ext = {"msgId": "AB", "queueId": (cmd.ext_fields or {}).get("e", "0"), "queueOffset": "7"}
             code = self.answer_code if cmd.code in (C.SEND_MESSAGE, C.SEND_MESSAGE_V2) else C.SUCCESS
             sock.sendall(encode(make_response(cmd, code, None, ext_fields=ext)))
@@ -174,6 +177,7 @@ def test_health_sees_kill_at_once_and_recovery() -> None:
         # the broker restarts on the same port
         broker2 = FakeBroker.__new__(FakeBroker)
         broker2.answer_code = C.SUCCESS
+        broker2.hung = False
         broker2.requests = []
         broker2.conns = []
         broker2.server = StreamServer(("127.0.0.1", port), broker2._handle)
@@ -183,6 +187,26 @@ def test_health_sees_kill_at_once_and_recovery() -> None:
         broker2.kill()
     finally:
         h.close()
+
+
+def test_hung_broker_is_down_after_two_unanswered_probes() -> None:
+    broker = FakeBroker()
+    cfg = FailoverSection(probe_interval=0.05, probe_interval_down=0.05, probe_timeout=0.3)
+    h = BrokerHealth(cfg)
+    try:
+        h.watch([broker.addr])
+        _wait(lambda: len(broker.requests) >= 1)
+        broker.hung = True
+        n = len(broker.requests)
+        _wait(lambda: len(broker.requests) >= n + 1)  # one probe unanswered...
+        assert not h.is_down(broker.addr)  # ...is not enough (a slow moment of a loaded machine)
+        _wait(lambda: h.is_down(broker.addr), timeout=5)
+        assert len(broker.requests) >= n + 2
+        broker.hung = False
+        _wait(lambda: not h.is_down(broker.addr), timeout=5)
+    finally:
+        h.close()
+        broker.kill()
 
 
 def test_connect_failed_marks_down_until_a_probe_answers() -> None:

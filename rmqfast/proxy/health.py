@@ -7,6 +7,8 @@ process is serving) every ``failover.probe_interval`` seconds while it is up, ev
 ``failover.probe_interval_down`` seconds while it is down.  The probe connection also watches
 passively: a broker killed with ``kill -9`` closes it at once, which wakes the prober at once.
 
+A refused or closed probe connection marks the broker down at once; a probe not answered in time
+does so the second time running (a hung or cut-off broker: about ``2 * probe_timeout``).
 Sessions add what they see, off the send path: a refused or timed-out upstream connect marks the
 broker down at once (:meth:`BrokerHealth.connect_failed`); an upstream connection that dies with
 requests in flight is only a hint (:meth:`BrokerHealth.suspect`): the prober asks again now.  A
@@ -242,6 +244,7 @@ class BrokerHealth:
                 log.exception("health listener failed")
 
     def _probe_once(self, w: _Watch) -> tuple[bool, str]:
+        """(answered, why not): a refused or closed connection, or no answer within probe_timeout."""
         timeout = self.cfg.probe_timeout
         try:
             if w.conn is None or w.conn.closed:
@@ -266,7 +269,10 @@ class BrokerHealth:
                 self._set(w, True, "")
             else:
                 w.fails += 1
-                self._set(w, False, f"probe failed: {reason}")
+                # a broker that does not answer in time twice running is hung (or cut off); one slow
+                # answer on a loaded machine is not enough to move its clients away
+                if w.fails >= 2 or "did not answer" not in reason:
+                    self._set(w, False, f"probe failed: {reason}")
             interval = self.cfg.probe_interval if w.up else self.cfg.probe_interval_down
             w.wake.wait(timeout=interval)
 

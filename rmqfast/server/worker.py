@@ -119,6 +119,7 @@ class Worker:
         # dead broker moved to another live master (rmqfast.proxy.health, rmqfast.proxy.failover)
         self.health_metrics = HealthMetrics()
         self.health = BrokerHealth(cfg.failover, self.health_metrics)
+        self.health.on_change(self._broker_changed)
         self.book = RouteBook(lambda: [str(u) for u in self.cfg.namesrv.upstreams])
         self.failover = FailoverService(cfg.failover, self.health, self.book, self.health_metrics,
                                         max_frame=cfg.proxy.max_frame_size)
@@ -356,6 +357,25 @@ class Worker:
                      extra=ctx(broker=addr, client=session.client_addr, requests=answered, sends=sends))
         if sends:
             self.health_metrics.possible_duplicates.labels(addr).inc(sends)
+
+    def _broker_changed(self, addr: str, up: bool) -> None:
+        """A broker seen dead: its relayed connections (a hung broker keeps them open) are cut, the
+        requests waiting on them answered SYSTEM_ERROR; their clients reconnect to failover."""
+        if up or not self.cfg.failover.enabled:
+            return
+        cut = 0
+        for s in list(self.sessions):
+            if s.role != "broker" or s.upstream_addr != addr or s.closed:
+                continue
+            answered, sends = answer_in_flight(
+                s, f"rmqfast: broker {addr} stopped answering with this request in flight (a send may have been "
+                   "stored); send it again")
+            if sends:
+                self.health_metrics.possible_duplicates.labels(addr).inc(sends)
+            s.close()
+            cut += 1
+        if cut:
+            log.warning("connections to a dead broker cut", extra=ctx(broker=addr, connections=cut))
 
     def upstream_error(self, role: str) -> None:
         self.metrics.upstream_errors.labels(role).inc()
