@@ -319,3 +319,20 @@ def test_failover_does_not_move_signed_sends() -> None:
         assert svc.move(unsigned, "127.0.0.1:1")[1] == "refused:no_route"  # the usual path: no route known here
     finally:
         health.close()
+
+
+def test_unreadable_headers_are_refused_never_raised() -> None:
+    """Whatever reaches the filter (the walk refuses most of it first), it answers, passes, or
+    closes the connection when the header cannot even be answered; it never raises."""
+    import random
+
+    rnd = random.Random(7)
+    f = filt({AK: ["Orders"]}, other_keys="allow")
+    good = frame_of(C.SEND_MESSAGE_V2, {"b": "Orders"}).data
+    good_bin = frame_of(C.SEND_MESSAGE_V2, {"b": "Orders"}, binary=True).data
+    for i in range(3000):
+        base = bytearray(good if i % 2 else good_bin)
+        for _ in range(rnd.randint(1, 6)):
+            base[rnd.randrange(8, len(base))] = rnd.randrange(256)
+        v = f.on_request(FakeSession(), Frame(bytes(base), C.SEND_MESSAGE_V2, 0, 7))
+        assert v is None or kind(v) in ("reply", "close")

@@ -48,7 +48,7 @@ from typing import Any
 from rmqfast.codec import codes as C
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, error_response, reply, slots_of
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, divert, error_response, reply, slots_of
 
 log = logging.getLogger("rmqfast.acl")
 
@@ -168,7 +168,10 @@ def read_fields(frame: Frame, topic_key: str) -> tuple[Any, Any, bool]:
     """
     data = frame.data
     if data[4] != C.SERIALIZE_JSON:
-        ext = frame.command().ext_fields or {}
+        try:
+            ext = frame.command().ext_fields or {}
+        except ValueError:  # the walk accepted it, the codec did not: nothing can be read
+            return None, None, False
         return ext.get(ACCESS_KEY), ext.get(topic_key), False
     header = data[8 : 8 + frame.header_length]
     if header.count(b'"AccessKey"') > 1 and access_key_repeated(header):
@@ -197,7 +200,7 @@ def access_key_repeated(header: bytes) -> bool:
 
     try:
         json.loads(header.decode("utf-8", "replace"), object_pairs_hook=pairs)
-    except ValueError:
+    except (ValueError, RecursionError):
         return True
     return repeated
 
@@ -275,4 +278,7 @@ class AclTopics(Filter):
             self.on_deny(session, frame.code)
         if frame.is_oneway:
             return divert(remark)
-        return reply(error_response(frame, C.NO_PERMISSION, remark))
+        try:
+            return reply(error_response(frame, C.NO_PERMISSION, remark))
+        except ValueError as exc:  # a header the codec cannot decode cannot be answered either
+            return close(f"{remark}; unreadable header ({exc})")
