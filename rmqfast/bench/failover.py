@@ -3,12 +3,13 @@
 ``rmqfast bench --failover`` (or ``python -m rmqfast.bench --failover``) starts one name server and
 two RocketMQ masters (``broker-a``, ``broker-b``, each registering on its own) that both hold the
 topic, one rmqfast proxy in front of the name server, and real Java producers (rocketmq-client
-5.3.3 and 4.9.4, default retry settings, synchronous sends one after the other,
-``io.rmqfast.driver.FailoverProducer``): one of each through rmqfast, one of each straight to the
-name server, all at once.  Once every producer has acknowledged sends, ``broker-a`` is killed
-with ``kill -9``; it stays down until every producer made progress without it (and at least
-``--down`` seconds), then restarts; once every producer has sent again the producers stop.  Then
-every message of the topic is read from both brokers (PULL from offset 0 of every queue).
+5.3.3 and 4.9.4, default retry settings, synchronous sends one after the other with a short pause,
+``--interval-ms``, so that both paths offer the same load; ``io.rmqfast.driver.FailoverProducer``):
+one of each through rmqfast, one of each straight to the name server, all at once.  Once every
+producer has acknowledged sends, ``broker-a`` is killed with ``kill -9``; it stays down until every
+producer made progress without it (and at least ``--down`` seconds), then restarts; once every
+producer has sent again the producers stop.  Then every message of the topic is read from both
+brokers (PULL from offset 0 of every queue).
 
 Per producer: sends attempted, acknowledged, failed (as the producer saw them), success ratio,
 the longest gap between two acknowledged sends, acknowledged sends missing from the brokers
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,11 +67,12 @@ class Producer:
     ended: bool = False
     _pos: int = 0
 
-    def start(self, jars: JarPaths, log_dir: Path) -> None:
+    def start(self, jars: JarPaths, log_dir: Path, interval_ms: int = 0) -> None:
         cmd = [java_executable(), "-Xms32m", "-Xmx128m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
                f"-Drocketmq.client.logRoot={log_dir}", "-Drocketmq.client.logUseSlf4j=false",
                "-cp", jars.driver_classpath(self.client), MAIN, "failover", "--namesrv", self.namesrv,
-               "--topic", TOPIC, "--run", self.run, "--stop-file", str(self.stop_file), "--max-ms", "900000"]
+               "--topic", TOPIC, "--run", self.run, "--stop-file", str(self.stop_file), "--max-ms", "900000",
+               "--interval-ms", str(interval_ms)]
         err = (log_dir / f"{self.run}.err").open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self.out_path.open("wb"), stderr=err, start_new_session=True)
 
@@ -164,8 +168,16 @@ def _wait(cond: Any, timeout: float, what: str, producers: list[Producer]) -> No
 
 def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5", "4"),
                  before: int = 100, during: int = 200, after: int = 100, down_min: float = 10.0,
-                 phase_timeout: float = 240.0, workers: int = 2, log: Any = print) -> dict[str, Any]:
-    """One run: both paths, every client, one kill -9 and restart of broker-a.  Returns the figures."""
+                 phase_timeout: float = 240.0, workers: int = 2, interval_ms: int = 5, fault: str = "kill",
+                 log: Any = print) -> dict[str, Any]:
+    """One run: both paths, every client, one fault of broker-a and its end.  Returns the figures.
+
+    ``fault``: ``"kill"`` (``kill -9``, then a restart on the same store) or ``"stop"`` (``SIGSTOP``:
+    a hung broker keeps its connections, so the name server keeps it in routes for two minutes;
+    then ``SIGCONT``).
+    """
+    if fault not in ("kill", "stop"):
+        raise ValueError(f"fault must be 'kill' or 'stop', not {fault!r}")
     jars = jars or ensure_jars(rocketmq4="4" in clients)
     work = Path(tempfile.mkdtemp(prefix="rmqfast-failover-"))
     with contextlib.ExitStack() as stack:
@@ -191,21 +203,29 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
                 producers.append(p)
         stack.callback(lambda: [p.kill() for p in producers])
         for p in producers:
-            p.start(jars, work)
+            p.start(jars, work, interval_ms)
         log(f"producers started: {', '.join(p.name for p in producers)}")
         _wait(lambda: all(len(p.ok) >= before for p in producers), phase_timeout,
               f"every producer has {before} acknowledged sends", producers)
         marks = {p.name: len(p.ok) for p in producers}
         kill_ms = int(time.time() * 1000)
-        a.stop_broker()  # kill -9 (process group)
-        log(f"broker-a killed (kill -9) at {kill_ms}")
+        pgid = os.getpgid(a.broker_pid or 0)
+        if fault == "kill":
+            a.stop_broker()  # kill -9 (process group)
+        else:
+            os.killpg(pgid, signal.SIGSTOP)
+            stack.callback(lambda: os.killpg(pgid, signal.SIGCONT) if a.broker_running else None)
+        log(f"broker-a {'killed (kill -9)' if fault == 'kill' else 'stopped (SIGSTOP)'} at {kill_ms}")
         t_kill = time.monotonic()
         _wait(lambda: all(len(p.ok) >= marks[p.name] + during for p in producers)
               and time.monotonic() - t_kill >= down_min, phase_timeout + down_min,
               f"every producer has {during} acknowledged sends with broker-a down", producers)
-        a.start_broker()
+        if fault == "kill":
+            a.start_broker()
+        else:
+            os.killpg(pgid, signal.SIGCONT)
         restart_ms = int(time.time() * 1000)
-        log(f"broker-a restarted and registered at {restart_ms}")
+        log(f"broker-a {'restarted and registered' if fault == 'kill' else 'continued (SIGCONT)'} at {restart_ms}")
         marks = {p.name: len(p.ok) for p in producers}
         _wait(lambda: all(len(p.ok) >= marks[p.name] + after for p in producers), phase_timeout,
               f"every producer has {after} acknowledged sends after the restart", producers)
@@ -232,11 +252,14 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
             "lost": len(lost), "lost_idx": lost[:20], "duplicates": dups,
             "failed_examples": sorted({e for _, _, e in p.failed})[:5],
         })
-    return {"rows": rows, "kill_ms": kill_ms, "restart_ms": restart_ms, "proxy_metrics": fo}
+    return {"rows": rows, "fault": fault, "kill_ms": kill_ms, "restart_ms": restart_ms, "interval_ms": interval_ms,
+            "proxy_metrics": fo}
 
 
 def render(result: dict[str, Any]) -> str:
-    head = (f"{'producer':<12} {'sent':>6} {'acked':>6} {'failed':>6} {'success':>9} {'gap ms':>7} "
+    down = (result["restart_ms"] - result["kill_ms"]) / 1000
+    head = (f"fault: {result.get('fault', 'kill')}, broker-a down {down:.1f} s\n"
+            f"{'producer':<12} {'sent':>6} {'acked':>6} {'failed':>6} {'success':>9} {'gap ms':>7} "
             f"{'gap@kill':>8} {'lost':>5} {'dups':>5}")
     lines = [head]
     for r in result["rows"]:
@@ -257,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="at least this many seconds broker-a stays down (default 40: longer than the clients' 30 s "
                          "route refresh)")
     ap.add_argument("--during", type=int, default=300, help="acknowledged sends per producer while broker-a is down")
+    ap.add_argument("--interval-ms", type=int, default=5,
+                    help="pause after each send (default 5: both paths offer the same load; 0: as fast as possible)")
+    ap.add_argument("--fault", choices=("kill", "stop"), default="kill",
+                    help="kill: kill -9 then restart (default); stop: SIGSTOP (a hung broker) then SIGCONT")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     ap.add_argument("--results", type=Path, default=Path("results/bench"), help="folder for failover.jsonl")
     args = ap.parse_args(argv)
@@ -264,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     code = 0
     for k in range(args.runs):
-        res = run_scenario(clients=clients, during=args.during, down_min=args.down,
+        res = run_scenario(clients=clients, during=args.during, down_min=args.down, interval_ms=args.interval_ms,
+                           fault=args.fault,
                            log=lambda s, k=k: print(f"[failover run {k + 1}] {s}", file=sys.stderr))
         res["run"] = k + 1
         with (args.results / "failover.jsonl").open("a") as f:

@@ -273,7 +273,8 @@ class BrokerHealth:
                 # answer on a loaded machine is not enough to move its clients away
                 if w.fails >= 2 or "did not answer" not in reason:
                     self._set(w, False, f"probe failed: {reason}")
-            interval = self.cfg.probe_interval if w.up else self.cfg.probe_interval_down
+            # a failed probe is asked again soon, whatever the state: a hang is confirmed (or not) quickly
+            interval = self.cfg.probe_interval if w.up and w.fails == 0 else self.cfg.probe_interval_down
             w.wake.wait(timeout=interval)
 
 

@@ -6,6 +6,8 @@ Java 5.3.3 and 4.9.4 producers with default retry settings).
   restart; then every message is read back from both brokers.  Through rmqfast: no acknowledged
   send lost and at least 99.9% of sends succeed as the producer sees them.  The direct figures are
   printed beside them (the comparison), not asserted.
+* Hung broker (SIGSTOP, later SIGCONT): the same figures; the name server keeps a hung broker in
+  routes, so this is where probes, cut connections and route healing matter.
 * Planned worker restart: SIGTERM to each worker in turn while producers send through rmqfast;
   5.3.2+ clients get GO_AWAY and reconnect: no failed send.
 
@@ -48,6 +50,21 @@ def test_broker_kill_through_rmqfast_and_direct(jars4: JarPaths, capsys: pytest.
         assert rows[name]["success_ratio"] >= 0.999, rows[name]
     m = res["proxy_metrics"]
     assert m["rmqfast_broker_down_total"] >= 1, m  # every worker saw broker-a die
+
+
+def test_hung_broker_through_rmqfast_and_direct(jars4: JarPaths, capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGSTOP: the broker keeps its connections, the name server keeps it in routes; rmqfast sees
+    probes go unanswered, cuts its connections (answering what was in flight) and moves sends."""
+    res = run_scenario(jars=jars4, clients=("5", "4"), before=50, during=30, after=30, down_min=5.0,
+                       interval_ms=5, fault="stop", phase_timeout=BOUND * 3)
+    with capsys.disabled():
+        print("\n" + render(res))
+    rows = {r["producer"]: r for r in res["rows"]}
+    for name, r in rows.items():
+        assert r["lost"] == 0, (name, r)
+    for name in ("rmqfast/5", "rmqfast/4"):
+        assert rows[name]["success_ratio"] >= 0.999, rows[name]
+    assert res["proxy_metrics"]["rmqfast_broker_down_total"] >= 1, res["proxy_metrics"]
 
 
 def _pids_changed(proxy: ProxyProcess, old: int) -> bool:
