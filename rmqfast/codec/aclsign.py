@@ -1,4 +1,9 @@
-"""Client-side request signing as RocketMQ's ``AclClientRPCHook`` does it (tests only).
+"""Request signing as RocketMQ's ``AclClientRPCHook`` does it.
+
+The proxy never signs a client's request (it holds no client's secret key).  It signs only the
+requests it makes itself with credentials of its own: cross-cloud copies and the online
+detector's questions to remote clusters whose ``[[clouds.remote]]`` has ``access_key`` and
+``secret_key``.  The test harness signs with it too (:mod:`rmqfast.testing.aclsign`).
 
 ``AclClientRPCHook.doBeforeRequest`` adds ``AccessKey`` (and ``SecurityToken`` when set) to the
 request's extFields, then signs the values of all extFields sorted by key (Java ``TreeMap``,
