@@ -480,6 +480,7 @@ class Worker:
         log_mod.setup(cfg.log.format, cfg.log.level)
         self.settings.__dict__.update(self._settings(cfg).__dict__)
         self.registry.reconfigure(cfg)
+        self.health.cfg = self.failover.cfg = cfg.failover  # probes and moved sends follow [failover]
         if self.limits_publisher is not None:
             self.limits_publisher.reconfigure(cfg.limits)  # live sessions see it at once
         self._build_chains()
