@@ -414,3 +414,22 @@ def test_draining_session_close_rule() -> None:
     assert may_close(S(go_away_capable=False), 0.0)  # an old client: nothing better than closing when idle
     assert not may_close(S(), 0.0) and may_close(S(), QUIET + 0.1)  # not heard from yet: a quiet moment first
     assert not may_close(S(go_away_capable=True), 0.1)  # its next request gets GO_AWAY
+
+
+def test_failover_config_parses_checks_and_survives_the_worker_handoff() -> None:
+    import json
+
+    from rmqfast import config
+    from rmqfast.errors import ConfigError
+
+    base = {"namesrv": {"upstreams": ["127.0.0.1:9876"]}}
+    cfg = config.from_dict({**base, "failover": {"ordered_topics": ["Orders*"], "probe_timeout": 0.5,
+                                                 "go_away": False}})
+    assert cfg.failover.ordered_topics == ["Orders*"] and cfg.failover.probe_timeout == 0.5
+    assert cfg.failover.is_ordered_topic("OrdersEU") and not cfg.failover.is_ordered_topic("Audit")
+    assert config.from_json(cfg.to_json()).failover == cfg.failover
+    assert json.loads(cfg.to_json())["failover"]["go_away"] is False
+    for bad, says in (({"bogus": 1}, "unknown key"), ({"probe_timeout": 0}, "seconds"),
+                      ({"ordered_topics": "Orders"}, "list"), ({"enabled": "yes"}, "true or false")):
+        with pytest.raises(ConfigError, match=says):
+            config.from_dict({**base, "failover": bad})
