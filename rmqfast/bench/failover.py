@@ -48,6 +48,7 @@ PROXY_CONFIG = """
 [failover]
 probe_interval = 0.5
 probe_interval_down = 0.1
+probe_timeout = {probe_timeout}
 """
 
 
@@ -169,7 +170,7 @@ def _wait(cond: Any, timeout: float, what: str, producers: list[Producer]) -> No
 def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5", "4"),
                  before: int = 100, during: int = 200, after: int = 100, down_min: float = 10.0,
                  phase_timeout: float = 240.0, workers: int = 2, interval_ms: int = 5, fault: str = "kill",
-                 log: Any = print) -> dict[str, Any]:
+                 probe_timeout: float = 1.0, log: Any = print) -> dict[str, Any]:
     """One run: both paths, every client, one fault of broker-a and its end.  Returns the figures.
 
     ``fault``: ``"kill"`` (``kill -9``, then a restart on the same store) or ``"stop"`` (``SIGSTOP``:
@@ -194,7 +195,8 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
             if time.monotonic() > deadline:
                 raise RuntimeError(f"route of {TOPIC} does not name both brokers: {route}")
             time.sleep(0.2)
-        proxy = stack.enter_context(ProxyProcess([a.namesrv_addr], workers=workers, extra_config=PROXY_CONFIG))
+        proxy = stack.enter_context(ProxyProcess([a.namesrv_addr], workers=workers, extra_config=PROXY_CONFIG.format(
+            probe_timeout=probe_timeout)))
         producers: list[Producer] = []
         for path, ns in (("rmqfast", proxy.namesrv_addr), ("direct", a.namesrv_addr)):
             for client in clients:
@@ -252,13 +254,15 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
             "lost": len(lost), "lost_idx": lost[:20], "duplicates": dups,
             "failed_examples": sorted({e for _, _, e in p.failed})[:5],
         })
-    return {"rows": rows, "fault": fault, "kill_ms": kill_ms, "restart_ms": restart_ms, "interval_ms": interval_ms,
+    return {"rows": rows, "fault": fault, "probe_timeout": probe_timeout, "kill_ms": kill_ms,
+            "restart_ms": restart_ms, "interval_ms": interval_ms,
             "proxy_metrics": fo}
 
 
 def render(result: dict[str, Any]) -> str:
     down = (result["restart_ms"] - result["kill_ms"]) / 1000
-    head = (f"fault: {result.get('fault', 'kill')}, broker-a down {down:.1f} s\n"
+    head = (f"fault: {result.get('fault', 'kill')}, broker-a down {down:.1f} s, "
+            f"probe_timeout {result.get('probe_timeout', 1.0)} s\n"
             f"{'producer':<12} {'sent':>6} {'acked':>6} {'failed':>6} {'success':>9} {'gap ms':>7} "
             f"{'gap@kill':>8} {'lost':>5} {'dups':>5}")
     lines = [head]
@@ -284,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pause after each send (default 5: both paths offer the same load; 0: as fast as possible)")
     ap.add_argument("--fault", choices=("kill", "stop"), default="kill",
                     help="kill: kill -9 then restart (default); stop: SIGSTOP (a hung broker) then SIGCONT")
+    ap.add_argument("--probe-timeout", type=float, default=1.0,
+                    help="rmqfast's failover.probe_timeout (default 1.0; a hang is seen after two)")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     ap.add_argument("--results", type=Path, default=Path("results/bench"), help="folder for failover.jsonl")
     args = ap.parse_args(argv)
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     for k in range(args.runs):
         res = run_scenario(clients=clients, during=args.during, down_min=args.down, interval_ms=args.interval_ms,
-                           fault=args.fault,
+                           fault=args.fault, probe_timeout=args.probe_timeout,
                            log=lambda s, k=k: print(f"[failover run {k + 1}] {s}", file=sys.stderr))
         res["run"] = k + 1
         with (args.results / "failover.jsonl").open("a") as f:
