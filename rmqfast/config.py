@@ -124,6 +124,14 @@ class RemoteCloud:
 
     name: str
     namesrv: list[str] = field(default_factory=list)
+    # the proxy's own credentials in that cluster (brokers with ACL on): copies and the online
+    # detector's questions are signed with them (rmqfast.codec.aclsign)
+    access_key: str = ""
+    secret_key: str = ""
+
+    @property
+    def credentials(self) -> tuple[str, str] | None:
+        return (self.access_key, self.secret_key) if self.access_key else None
 
 
 @dataclass
@@ -524,9 +532,13 @@ def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
 
 def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
     r = _table(key, r)
-    _check_keys(key, r, {"name", "namesrv"})
+    _check_keys(key, r, {"name", "namesrv", "access_key", "secret_key"})
     if "name" not in r or "namesrv" not in r:
         raise ConfigError(f"{key}: both 'name' and 'namesrv' (the remote name servers) are required")
+    creds = [_str(f"{key}.{k}", r.get(k, "")) for k in ("access_key", "secret_key")]
+    if bool(creds[0]) != bool(creds[1]):
+        raise ConfigError(f"{key}: 'access_key' and 'secret_key' go together (the proxy's own credentials in that "
+                          "cluster, for brokers with ACL on); give both or neither")
     name = _name(f"{key}.name", r["name"])
     if name == c.local:
         raise ConfigError(f"{key}.name: {_t(name)} is the local cloud's name (clouds.local); pick another")
@@ -535,7 +547,7 @@ def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
     ns = [str(hp) for hp in parse_hostport_list(f"{key}.namesrv", r["namesrv"])]
     if not ns:
         raise ConfigError(f"{key}.namesrv: [] is not allowed; expected at least one \"host:port\"")
-    return RemoteCloud(name, ns)
+    return RemoteCloud(name, ns, *creds)
 
 
 def _parse_topic_rule(key: str, t: Any, c: CloudsSection, r: ReplicateSection) -> TopicRule:

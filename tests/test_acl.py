@@ -336,3 +336,64 @@ def test_unreadable_headers_are_refused_never_raised() -> None:
             base[rnd.randrange(8, len(base))] = rnd.randrange(256)
         v = f.on_request(FakeSession(), Frame(bytes(base), C.SEND_MESSAGE_V2, 0, 7))
         assert v is None or kind(v) in ("reply", "close")
+
+
+# --------------------------------------------------------------------------- the proxy's own signed requests
+
+
+def test_remote_cloud_credentials_parse() -> None:
+    raw = {**BASE, "clouds": {"remote": [{"name": "east", "namesrv": ["10.0.0.9:9876"], "access_key": "rmqfast",
+                                          "secret_key": "s3cret"}, {"name": "west", "namesrv": "10.0.0.8:9876"}]}}
+    cfg = config.from_dict(raw)
+    assert [r.credentials for r in cfg.clouds.remotes] == [("rmqfast", "s3cret"), None]
+    assert config.from_json(cfg.to_json()) == cfg
+    raw["clouds"]["remote"][1]["access_key"] = "only-the-key"
+    with pytest.raises(ConfigError) as ei:
+        config.from_dict(raw)
+    assert "clouds.remote[1]: 'access_key' and 'secret_key' go together" in str(ei.value)
+
+
+def test_connection_pool_signs_with_the_proxys_own_credentials() -> None:
+    """What a remote broker with ACL on checks: AccessKey, and a Signature over the values and body."""
+    import gevent
+    from gevent.server import StreamServer
+
+    from rmqfast.clouds.remoting import ConnectionPool
+    from rmqfast.codec.command import make_response
+
+    seen: list[RemotingCommand] = []
+
+    def handle(sock: Any, _addr: Any) -> None:
+        buf = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            buf += chunk
+            while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">i", buf[:4])[0]:
+                n = 4 + struct.unpack(">i", buf[:4])[0]
+                cmd = decode_frame(buf[:n])
+                buf = buf[n:]
+                seen.append(cmd)
+                sock.sendall(encode(make_response(cmd, 0, None)))
+
+    server = StreamServer(("127.0.0.1", 0), handle)
+    server.start()
+    addr = f"127.0.0.1:{server.server_port}"
+    signed, plain = ConnectionPool(2.0, ("rmqfast", "s3cret")), ConnectionPool(2.0)
+    try:
+        body = b"message body \x00\x01"
+        ext = {"b": "Orders", "i": "UNIQ_KEY\x01abc\x02", "e": "1"}
+        assert signed.request(addr, C.SEND_MESSAGE_V2, dict(ext), body, timeout=5).code == 0
+        assert plain.request(addr, C.SEND_MESSAGE_V2, dict(ext), body, timeout=5).code == 0
+        got, unsigned = seen
+        fields = got.ext_fields or {}
+        assert fields["AccessKey"] == "rmqfast" and fields["b"] == "Orders"
+        assert fields["Signature"] == signature(fields, body, "s3cret")
+        assert fields["Signature"] != signature(fields, body, "other")
+        assert "AccessKey" not in (unsigned.ext_fields or {}) and "Signature" not in (unsigned.ext_fields or {})
+    finally:
+        signed.close()
+        plain.close()
+        server.stop()
+        gevent.sleep(0)

@@ -60,6 +60,7 @@ class OnlineDetector:
         interval: float = 2.0,
         timeout: float = 3.0,
         on_update: Callable[[str, str, bool], None] | None = None,
+        credentials: dict[str, tuple[str, str]] | None = None,
     ) -> None:
         self.remotes = remotes
         self.interval = interval
@@ -70,7 +71,8 @@ class OnlineDetector:
         self.cache: dict[tuple[str, str], bool] = {}
         self.checked_at: dict[tuple[str, str], float] = {}
         self.errors: dict[str, str] = {}
-        self.pools = {name: ConnectionPool(timeout) for name in remotes}
+        # a remote with ACL on: the questions are signed with the proxy's own credentials for it
+        self.pools = {name: ConnectionPool(timeout, (credentials or {}).get(name)) for name in remotes}
         self._greenlet: gevent.Greenlet | None = None
         self.first_round = gevent.event.Event()
 

@@ -18,6 +18,7 @@ from gevent import socket
 from gevent.event import AsyncResult
 from gevent.lock import Semaphore
 
+from rmqfast.codec.aclsign import sign
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.codec.route import parse_route
 
@@ -138,10 +139,15 @@ class Connection:
 
 
 class ConnectionPool:
-    """Connections by address, reopened when they broke."""
+    """Connections by address, reopened when they broke.
 
-    def __init__(self, connect_timeout: float = 3.0) -> None:
+    ``credentials`` ``(access_key, secret_key)``: every request is signed as ``AclClientRPCHook``
+    signs it (:mod:`rmqfast.codec.aclsign`), for clusters whose brokers have ACL on.
+    """
+
+    def __init__(self, connect_timeout: float = 3.0, credentials: tuple[str, str] | None = None) -> None:
         self.connect_timeout = connect_timeout
+        self.credentials = credentials
         self._conns: dict[str, Connection] = {}
 
     def get(self, addr: str) -> Connection:
@@ -153,6 +159,8 @@ class ConnectionPool:
 
     def request(self, addr: str, code: int, ext: dict[str, str] | None = None, body: bytes = b"",
                 *, timeout: float = 3.0) -> RemotingCommand:
+        if self.credentials is not None:
+            ext = sign(ext or {}, body, *self.credentials)
         return self.get(addr).request(code, ext, body, timeout=timeout)
 
     def close(self) -> None:

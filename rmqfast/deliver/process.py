@@ -107,6 +107,7 @@ class Deliverer:
             r.name: RemoteSender(
                 r.name, r.namesrv, cfg.clouds.local, retry_initial=rp.retry_initial, retry_max=rp.retry_max,
                 timeout=cfg.clouds.detect_timeout, metrics=metrics, on_status=self._status,
+                credentials=r.credentials,
             )
             for r in cfg.clouds.remotes
         }

@@ -129,6 +129,7 @@ class RemoteSender:
         route_ttl: float = 30.0,
         metrics: Any = None,
         on_status: Callable[[str, bool, str], None] | None = None,
+        credentials: tuple[str, str] | None = None,
     ) -> None:
         self.name = name
         self.namesrvs = namesrvs
@@ -139,7 +140,7 @@ class RemoteSender:
         self.route_ttl = route_ttl
         self.metrics = metrics
         self.on_status = on_status
-        self.pool = ConnectionPool(timeout)
+        self.pool = ConnectionPool(timeout, credentials)  # signed for a remote with ACL on
         self.routes: dict[str, _Route] = {}
         self.lanes: dict[tuple[str, str, int], _Lane] = {}
         self.up = True

@@ -82,6 +82,7 @@ class ReplicationService:
             interval=cfg.clouds.detect_interval,
             timeout=cfg.clouds.detect_timeout,
             on_update=self._online,
+            credentials={r.name: r.credentials for r in cfg.clouds.remotes if r.credentials is not None},
         )
         self.filter = ReplicateFilter(cfg, self.replicator, self.detector)
         self._detect_timeout = cfg.clouds.detect_timeout
