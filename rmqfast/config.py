@@ -480,15 +480,9 @@ def _section(errs: _Errors, raw: dict[str, Any], name: str) -> dict[str, Any]:
 def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
     cl = _section(errs, raw, "clouds")
     c = cfg.clouds
-    with errs.check():
-        if "local" in cl:
-            c.local = _name("clouds.local", cl["local"])
-    with errs.check():
-        if "detect_interval" in cl:
-            c.detect_interval = _float("clouds.detect_interval", cl["detect_interval"], 0.1, 3600)
-    with errs.check():
-        if "detect_timeout" in cl:
-            c.detect_timeout = _float("clouds.detect_timeout", cl["detect_timeout"], 0.1, 60)
+    _set(errs, cl, c, "clouds", "local", _name)
+    _set(errs, cl, c, "clouds", "detect_interval", lambda key, v: _float(key, v, 0.1, 3600))
+    _set(errs, cl, c, "clouds", "detect_timeout", lambda key, v: _float(key, v, 0.1, 60))
     remotes = cl.get("remote", [])
     if not isinstance(remotes, list):
         errs.messages.append(
@@ -502,9 +496,7 @@ def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
     r = cfg.replicate
     for k, choices in (("durability", ("fast", "durable")), ("default", _REPLICATE_CHOICES),
                        ("on_disk_full", ("reject", "drop"))):
-        with errs.check():
-            if k in rp:
-                setattr(r, k, _choice(f"replicate.{k}", rp[k], choices))
+        _set(errs, rp, r, "replicate", k, lambda key, v, choices=choices: _choice(key, v, choices))
     for k, lo, hi in (
         ("channel_size", 0, 10_000_000),
         ("disk_cap_bytes", 1 << 20, 1 << 50),
@@ -513,13 +505,9 @@ def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
         ("deliver_processes", 1, 64),
         ("max_in_flight", 1, 1_000_000),
     ):
-        with errs.check():
-            if k in rp:
-                setattr(r, k, _int(f"replicate.{k}", rp[k], lo, hi))
+        _set(errs, rp, r, "replicate", k, lambda key, v, lo=lo, hi=hi: _int(key, v, lo, hi))
     for k, flo, fhi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600)):
-        with errs.check():
-            if k in rp:
-                setattr(r, k, _float(f"replicate.{k}", rp[k], flo, fhi))
+        _set(errs, rp, r, "replicate", k, lambda key, v, flo=flo, fhi=fhi: _float(key, v, flo, fhi))
     topics = rp.get("topic", [])
     if not isinstance(topics, list):
         errs.messages.append(
@@ -725,20 +713,14 @@ def _parse_limits(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
 def _parse_records(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
     rc = _section(errs, raw, "records")
     r = cfg.records
-    with errs.check():
-        if "enabled" in rc:
-            r.enabled = _bool("records.enabled", rc["enabled"])
+    _set(errs, rc, r, "records", "enabled", _bool)
     with errs.check():
         if "dir" in rc:
             r.dir = _str("records.dir", rc["dir"])
             if not r.dir:
                 raise ConfigError("records.dir: \"\" is not allowed; expected a directory path (created if missing)")
-    with errs.check():
-        if "rotate_seconds" in rc:
-            r.rotate_seconds = _float("records.rotate_seconds", rc["rotate_seconds"], 1, 86400)
-    with errs.check():
-        if "rotate_bytes" in rc:
-            r.rotate_bytes = _int("records.rotate_bytes", rc["rotate_bytes"], 4096, 1 << 40)
+    _set(errs, rc, r, "records", "rotate_seconds", lambda key, v: _float(key, v, 1, 86400))
+    _set(errs, rc, r, "records", "rotate_bytes", lambda key, v: _int(key, v, 4096, 1 << 40))
     with errs.check():
         if "sample_rate" in rc:
             v = rc["sample_rate"]
@@ -748,9 +730,7 @@ def _parse_records(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
                     "records) to 1 (every request)"
                 )
             r.sample_rate = float(v)
-    with errs.check():
-        if "format" in rc:
-            r.format = _choice("records.format", rc["format"], ("parquet", "jsonl"))
+    _set(errs, rc, r, "records", "format", lambda key, v: _choice(key, v, ("parquet", "jsonl")))
 
 
 def _check_ports(cfg: Config, errs: _Errors) -> None:

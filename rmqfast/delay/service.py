@@ -27,42 +27,32 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from rmqfast.clouds.remoting import ConnectionPool, RemoteError
+from rmqfast.clouds.remoting import ConnectionPool
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch, encode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import KEYS, UNIQ_KEY, parse_properties
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
 from rmqfast.delay.semantics import DelayInvalid, due_ms, has_delay_property, strip_delay
 from rmqfast.delay.settings import DelaySection
 from rmqfast.delay.store import DUE_PREFIX, DelayStore, Held, StoreFull, WriteFailed, split_due_key
-from rmqfast.deliver.sender import PERMANENT_CODES, STORED_CODES, build_request
-from rmqfast.errors import BodyError
+from rmqfast.deliver.sender import send_until_stored
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, slots_of
-from rmqfast.spill.record import KIND_BATCH, KIND_SINGLE, CopyRecord
+from rmqfast.spill.record import CopyRecord
 
 log = logging.getLogger("rmqfast.delay")
 
 SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 MESSAGE_ILLEGAL = 13
-TRANSACTION_PREPARED = 1 << 2
 HELD_QUEUE_OFFSET = -1
 HELD_REMARK = "rmqfast: accepted by rmqfast proxy (delayed); delivered at its due time"
 _RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
-_V1 = {"a": "producerGroup", "b": "topic", "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag",
-       "i": "properties", "j": "reconsumeTimes", "l": "maxReconsumeTimes", "n": "bname"}
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _int(v: str | None, default: int = 0) -> int:
-    try:
-        return int(v) if v is not None else default
-    except ValueError:
-        return default
 
 
 class DelayMetrics:
@@ -196,9 +186,7 @@ class DelayService:
 
     def hold(self, session: Session, frame: Frame, cmd: RemotingCommand) -> Verdict | None:
         """Store a delayed send of a delay topic and answer it; None: not a delay request (relay it)."""
-        ext = cmd.ext_fields or {}
-        if frame.code == C.SEND_MESSAGE:
-            ext = {k: ext[v] for k, v in _V1.items() if ext.get(v) is not None}
+        ext = send_fields(frame.code, cmd.ext_fields)
         topic = ext.get("b")
         if not topic or not self.cfg.covers(topic):
             return None
@@ -211,8 +199,7 @@ class DelayService:
             return self._refuse(frame, cmd, MESSAGE_ILLEGAL, "invalid", f"invalid delivery time: {exc}")
         if due is None:
             return None
-        sys_flag = _int(ext.get("f"))
-        refusal = self._unholdable(sys_flag, due, now, session)
+        refusal = self._unholdable(field_int(ext.get("f")), due, now, session)
         if refusal is not None:
             return self._refuse(frame, cmd, *refusal)
         body = cmd.body
@@ -226,13 +213,8 @@ class DelayService:
             msg_id = uuid.uuid4().hex.upper()
             stripped = stripped + ("" if not stripped or stripped.endswith("\x02") else "\x02") + \
                 f"{UNIQ_KEY}\x01{msg_id}\x02"
-        queue_id = _int(ext.get("e"))
-        rec = CopyRecord(
-            topic=topic, body=body, properties=stripped, queue_id=queue_id, sys_flag=sys_flag,
-            born_timestamp=_int(ext.get("g")), flag=_int(ext.get("h")), reconsume_times=_int(ext.get("j")),
-            max_reconsume_times=_int(ext.get("l"), 16), broker_name=ext.get("n") or "",
-            producer_group=ext.get("a") or "", kind=KIND_BATCH if batch else KIND_SINGLE, created_ms=now,
-        )
+        rec = CopyRecord.from_send(ext, body=body, properties=stripped, batch=batch, created_ms=now)
+        queue_id = rec.queue_id
         held = Held(session.upstream_addr, msg_id.split(",")[0] if batch else msg_id, keys, rec)
         try:
             _dkey, pending = self.store.put(held, due)
@@ -462,35 +444,9 @@ class Releaser:
                 if self.svc.m is not None:
                     self.svc.m.duplicates_avoided.inc()
                 return True
-        delay = self.retry_initial
-        attempts = 0
-        while not self.closed:
-            try:
-                code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
-                if not rec.broker_name:
-                    ext.pop("n", None)
-                resp = self.pool.request(held.addr, code, ext, body, timeout=self.request_timeout)
-                if resp.code in STORED_CODES:
-                    return True
-                if resp.code in PERMANENT_CODES:
-                    log.error("broker refused a delayed message for good; giving it up",
-                              extra=ctx(worker=self.svc.index, broker=held.addr, topic=rec.topic, code=resp.code,
-                                        remark=resp.remark, msg_id=held.msg_id))
-                    return False
-                err = f"{held.addr} answered code {resp.code}: {resp.remark}"
-            except RemoteError as exc:
-                err = str(exc)
-            except BodyError as exc:
-                log.error("cannot encode a delayed message; giving it up", extra=ctx(topic=rec.topic, error=str(exc)))
-                return False
-            attempts += 1
-            if attempts in (1, 10) or attempts % 100 == 0:
-                log.warning("releasing a delayed message failed; retrying",
-                            extra=ctx(worker=self.svc.index, broker=held.addr, topic=rec.topic, attempt=attempts,
-                                      error=err, retry_in_s=round(delay, 3)))
-            gevent.sleep(delay)
-            delay = min(self.retry_max, delay * 2)
-        return None
+        return send_until_stored(self.pool, held.addr, rec, what="delayed", logger=log, stopping=lambda: self.closed,
+                                 retry_initial=self.retry_initial, retry_max=self.retry_max,
+                                 timeout=self.request_timeout, worker=self.svc.index, msg_id=held.msg_id)
 
     def close(self) -> None:
         self.closed = True

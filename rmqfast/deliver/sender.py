@@ -91,6 +91,46 @@ def build_request(rec: CopyRecord, broker_name: str, queue_id: int,
     return (SEND_BATCH_MESSAGE if rec.is_batch else SEND_MESSAGE_V2), ext, body
 
 
+def send_until_stored(pool: ConnectionPool, addr: str, rec: CopyRecord, *, what: str, logger: logging.Logger,
+                      stopping: Callable[[], bool], retry_initial: float, retry_max: float, timeout: float,
+                      drop: Callable[[str], None] | None = None, **fields: Any) -> bool | None:
+    """Send a message the proxy held (``what``: "shaped", "delayed") to the local broker ``addr``
+    with the producer's header fields and queue, retrying with backoff: True once stored, False
+    when refused for good (``drop(reason)`` is told why), None when ``stopping()``."""
+    delay = retry_initial
+    attempts = 0
+    while not stopping():
+        try:
+            code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
+            if not rec.broker_name:
+                ext.pop("n", None)
+            resp = pool.request(addr, code, ext, body, timeout=timeout)
+            if resp.code in STORED_CODES:
+                return True
+            if resp.code in PERMANENT_CODES:
+                logger.error(f"broker refused a {what} message for good; giving it up",
+                             extra=ctx(**fields, broker=addr, topic=rec.topic, code=resp.code, remark=resp.remark))
+                if drop is not None:
+                    drop(f"code_{resp.code}")
+                return False
+            err = f"{addr} answered code {resp.code}: {resp.remark}"
+        except RemoteError as exc:
+            err = str(exc)
+        except BodyError as exc:
+            logger.error(f"cannot encode a {what} message; giving it up", extra=ctx(topic=rec.topic, error=str(exc)))
+            if drop is not None:
+                drop("unencodable")
+            return False
+        attempts += 1
+        if attempts in (1, 10) or attempts % 100 == 0:
+            logger.warning(f"releasing a {what} message failed; retrying",
+                           extra=ctx(**fields, broker=addr, topic=rec.topic, attempt=attempts, error=err,
+                                     retry_in_s=round(delay, 3)))
+        gevent.sleep(delay)
+        delay = min(retry_max, delay * 2)
+    return None
+
+
 @dataclass
 class Item:
     seq: int

@@ -41,19 +41,19 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from rmqfast.clouds.remoting import ConnectionPool, RemoteError
+from rmqfast.clouds.remoting import ConnectionPool
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import TAGS, UNIQ_KEY, parse_properties
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
 from rmqfast.config import Config
-from rmqfast.deliver.sender import PERMANENT_CODES, STORED_CODES, build_request
-from rmqfast.errors import BodyError
+from rmqfast.deliver.sender import send_until_stored
 from rmqfast.limits.filter import RESPONSE_EXT, busy_answer
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Frame, Verdict, divert, reply
 from rmqfast.spill.commit import CommitFailed, GroupCommitter
-from rmqfast.spill.record import KIND_BATCH, KIND_SINGLE, CopyRecord
+from rmqfast.spill.record import CopyRecord
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX, SpillStore, lane_prefix, worker_dir
 
 log = logging.getLogger("rmqfast.limits")
@@ -65,10 +65,6 @@ SHAPED_REMARK = "rmqfast: accepted by rmqfast proxy (shaped); delivered later"
 READ_AHEAD = 64
 #: A drained lane's releaser ends after this many idle seconds (a new backlog starts another).
 LANE_IDLE = 30.0
-TRANSACTION_PREPARED = 1 << 2
-# SendMessageRequestHeader (code 10) field names by SendMessageRequestHeaderV2 short name.
-_V1 = {"a": "producerGroup", "b": "topic", "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag",
-       "i": "properties", "j": "reconsumeTimes", "l": "maxReconsumeTimes", "n": "bname"}
 
 
 def lane_remote(broker_addr: str) -> str:
@@ -88,13 +84,6 @@ def shaped_answer(request: RemotingCommand, msg_id: str, queue_id: int, remark: 
     ext = {"msgId": msg_id, "queueId": str(max(queue_id, 0)), "queueOffset": str(SHAPED_QUEUE_OFFSET),
            **RESPONSE_EXT}
     return encode(make_response(request, C.SUCCESS, remark, ext_fields=ext))
-
-
-def _int(v: str | None, default: int = 0) -> int:
-    try:
-        return int(v) if v is not None else default
-    except ValueError:
-        return default
 
 
 class ShapeMetrics:
@@ -267,7 +256,7 @@ class Shaper:
         """Why a send with these header fields cannot be shaped now ("": it can)."""
         if not ext.get("b"):
             return "the send names no topic"
-        if _int(ext.get("f")) & TRANSACTION_PREPARED:
+        if field_int(ext.get("f")) & TRANSACTION_PREPARED:
             return "a prepared transaction half needs a broker offset"
         if self.closed:
             return "the worker is stopping"
@@ -293,13 +282,11 @@ class Shaper:
         if "AccessKey" in ext:  # ACL (rmqfast.proxy.acl): the release is the proxy's own request
             return self._refuse(cmd, frame, rule, "a signed send (AccessKey) cannot be released later: the proxy "
                                 "holds no secret key to sign the release")
-        if frame.code == C.SEND_MESSAGE:
-            ext = {k: ext[v] for k, v in _V1.items() if ext.get(v) is not None}
+        ext = send_fields(frame.code, ext)
         why = self._unshapeable(ext, upstream_addr)
         if why:
             return self._refuse(cmd, frame, rule, why)
         topic = ext["b"]
-        sys_flag = _int(ext.get("f"))
         props = ext.get("i") or ""
         batch = frame.code == C.SEND_BATCH_MESSAGE
         msgs = 1
@@ -316,14 +303,9 @@ class Shaper:
             if not msg_id:  # clients other than Java may not set one: give it one, so msgId means something
                 msg_id = uuid.uuid4().hex.upper()
                 props = props + ("" if not props or props.endswith("\x02") else "\x02") + f"{UNIQ_KEY}\x01{msg_id}\x02"
-        queue_id = _int(ext.get("e"))
-        rec = CopyRecord(
-            topic=topic, body=cmd.body, properties=props, queue_id=queue_id, sys_flag=sys_flag,
-            born_timestamp=_int(ext.get("g")), flag=_int(ext.get("h")), reconsume_times=_int(ext.get("j")),
-            max_reconsume_times=_int(ext.get("l"), 16), broker_name=ext.get("n") or "",
-            producer_group=ext.get("a") or "", kind=KIND_BATCH if batch else KIND_SINGLE,
-            created_ms=int(time.time() * 1000),
-        )
+        rec = CopyRecord.from_send(ext, body=cmd.body, properties=props, batch=batch,
+                                   created_ms=int(time.time() * 1000))
+        queue_id = rec.queue_id
         value = rec.encode()
         remote = lane_remote(upstream_addr)
         if self.store.would_exceed(len(lane_prefix(remote, topic)) + 8 + len(value)):
@@ -449,37 +431,10 @@ class Shaper:
 
     def _send(self, ln: ShapeLane, rec: CopyRecord) -> bool | None:
         """Send to the local broker until it stores it (True) or refuses it for good (False)."""
-        delay = self.retry_initial
-        attempts = 0
-        while not self.closed:
-            try:
-                code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
-                if not rec.broker_name:
-                    ext.pop("n", None)
-                resp = self.pool.request(ln.addr, code, ext, body, timeout=self.request_timeout)
-                if resp.code in STORED_CODES:
-                    return True
-                if resp.code in PERMANENT_CODES:
-                    log.error("broker refused a shaped message for good; giving it up",
-                              extra=ctx(worker=self.index, broker=ln.addr, topic=rec.topic, code=resp.code,
-                                        remark=resp.remark))
-                    self._drop(rec.topic, f"code_{resp.code}")
-                    return False
-                err = f"{ln.addr} answered code {resp.code}: {resp.remark}"
-            except RemoteError as exc:
-                err = str(exc)
-            except BodyError as exc:
-                log.error("cannot encode a shaped message; giving it up", extra=ctx(topic=rec.topic, error=str(exc)))
-                self._drop(rec.topic, "unencodable")
-                return False
-            attempts += 1
-            if attempts in (1, 10) or attempts % 100 == 0:
-                log.warning("releasing a shaped message failed; retrying",
-                            extra=ctx(worker=self.index, broker=ln.addr, topic=rec.topic, attempt=attempts,
-                                      error=err, retry_in_s=round(delay, 3)))
-            gevent.sleep(delay)
-            delay = min(self.retry_max, delay * 2)
-        return None
+        return send_until_stored(self.pool, ln.addr, rec, what="shaped", logger=log, stopping=lambda: self.closed,
+                                 retry_initial=self.retry_initial, retry_max=self.retry_max,
+                                 timeout=self.request_timeout, drop=lambda why: self._drop(rec.topic, why),
+                                 worker=self.index)
 
     def _drop(self, topic: str, reason: str) -> None:
         self.dropped += 1

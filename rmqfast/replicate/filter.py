@@ -34,6 +34,7 @@ from typing import Any
 from rmqfast.clouds.detector import OnlineDetector
 from rmqfast.codec import codes as C
 from rmqfast.codec.properties import TAGS, parse_properties
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
 from rmqfast.config import Config, TopicRule
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import (
@@ -49,29 +50,15 @@ from rmqfast.proxy.policy import (
 )
 from rmqfast.replicate.replicator import Replicator, SpillFull
 from rmqfast.spill.commit import CommitFailed
-from rmqfast.spill.record import KIND_BATCH, KIND_SINGLE, ORIGIN_PROPERTY, CopyRecord
+from rmqfast.spill.record import ORIGIN_PROPERTY, CopyRecord
 
 log = logging.getLogger("rmqfast.replicate")
 
 SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
-TRANSACTION_PREPARED = 1 << 2
 _SYSTEM_PREFIXES = ("%RETRY%", "%DLQ%", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC", "TBW102", "RMQ_")
 _ORIGIN_MARK = ORIGIN_PROPERTY + "\x01"
 
-# SendMessageRequestHeader field names, by SendMessageRequestHeaderV2 short name.
-_V1 = {
-    "a": "producerGroup", "b": "topic", "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag",
-    "i": "properties", "j": "reconsumeTimes", "l": "maxReconsumeTimes", "n": "bname",
-}
-
 _PENDING = "replicate_pending"
-
-
-def _int(v: str | None, default: int = 0) -> int:
-    try:
-        return int(v) if v is not None else default
-    except ValueError:
-        return default
 
 
 class ReplicateFilter(Filter):
@@ -122,9 +109,7 @@ class ReplicateFilter(Filter):
             cmd = frame.command()
         except ValueError:
             return None  # the broker answers malformed frames itself
-        ext = cmd.ext_fields or {}
-        if frame.code == C.SEND_MESSAGE:
-            ext = {k: ext.get(v) for k, v in _V1.items() if ext.get(v) is not None}  # type: ignore[misc]
+        ext = send_fields(frame.code, cmd.ext_fields)
         topic = ext.get("b")
         if not topic:
             return None
@@ -132,8 +117,7 @@ class ReplicateFilter(Filter):
         if _ORIGIN_MARK in props_text:
             self.replicator.count_not_copied("copy_of_copy")
             return None
-        sys_flag = _int(ext.get("f"))
-        if sys_flag & TRANSACTION_PREPARED:
+        if field_int(ext.get("f")) & TRANSACTION_PREPARED:
             return None
         tag = parse_properties(props_text).get(TAGS) if props_text else None
         batch = frame.code == C.SEND_BATCH_MESSAGE
@@ -145,21 +129,8 @@ class ReplicateFilter(Filter):
         remotes = self.targets(topic, tag)
         if not remotes:
             return None
-        rec = CopyRecord(
-            topic=topic,
-            body=cmd.body,
-            properties=props_text,
-            queue_id=_int(ext.get("e")),
-            sys_flag=sys_flag,
-            born_timestamp=_int(ext.get("g")),
-            flag=_int(ext.get("h")),
-            reconsume_times=_int(ext.get("j")),
-            max_reconsume_times=_int(ext.get("l"), 16),
-            broker_name=ext.get("n") or "",
-            producer_group=ext.get("a") or "",
-            kind=KIND_BATCH if batch else KIND_SINGLE,
-            created_ms=int(time.time() * 1000),
-        )
+        rec = CopyRecord.from_send(ext, body=cmd.body, properties=props_text, batch=batch,
+                                   created_ms=int(time.time() * 1000))
         try:
             # Durable: a oneway send has no answer to hold, so it waits for its fsync here; any
             # other send is forwarded at once and its answer waits (on_response), which lets the

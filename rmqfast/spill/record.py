@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from rmqfast.codec.sendheader import field_int
 from rmqfast.errors import BodyError
 
 VERSION = 1
@@ -55,6 +56,19 @@ class CopyRecord:
     @property
     def is_batch(self) -> bool:
         return self.kind == KIND_BATCH
+
+    @classmethod
+    def from_send(cls, ext: dict[str, str], *, body: bytes, properties: str, batch: bool,
+                  created_ms: int) -> CopyRecord:
+        """A send kept by the proxy, from its header fields by short name
+        (:func:`rmqfast.codec.sendheader.send_fields`)."""
+        return cls(
+            topic=ext["b"], body=body, properties=properties, queue_id=field_int(ext.get("e")),
+            sys_flag=field_int(ext.get("f")), born_timestamp=field_int(ext.get("g")), flag=field_int(ext.get("h")),
+            reconsume_times=field_int(ext.get("j")), max_reconsume_times=field_int(ext.get("l"), 16),
+            broker_name=ext.get("n") or "", producer_group=ext.get("a") or "",
+            kind=KIND_BATCH if batch else KIND_SINGLE, created_ms=created_ms,
+        )
 
     def encode(self) -> bytes:
         t = self.topic.encode()

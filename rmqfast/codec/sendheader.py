@@ -1,0 +1,34 @@
+"""A send's header fields by their SendMessageRequestHeaderV2 short names, whatever its code.
+
+SEND_MESSAGE (10) names the fields in full (``topic``, ``properties``...); SEND_MESSAGE_V2
+(310) and SEND_BATCH_MESSAGE (320) use the short names ``a`` .. ``n``.  The filters that take
+a send over (shaping, delayed messages, cross-cloud copies) read them through :func:`send_fields`.
+"""
+
+from __future__ import annotations
+
+from rmqfast.codec import codes as C
+
+#: SendMessageRequestHeader field names by SendMessageRequestHeaderV2 short name.
+V1_FIELDS = {
+    "a": "producerGroup", "b": "topic", "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag",
+    "i": "properties", "j": "reconsumeTimes", "l": "maxReconsumeTimes", "n": "bname",
+}
+#: ``sysFlag`` bit of a prepared transaction half.
+TRANSACTION_PREPARED = 1 << 2
+
+
+def send_fields(code: int, ext: dict[str, str] | None) -> dict[str, str]:
+    """The send's ext fields by short name (``b`` the topic, ``i`` the properties...)."""
+    ext = ext or {}
+    if code == C.SEND_MESSAGE:
+        return {k: ext[v] for k, v in V1_FIELDS.items() if ext.get(v) is not None}
+    return ext
+
+
+def field_int(v: str | None, default: int = 0) -> int:
+    """An integer header field; ``default`` when absent or not a number."""
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default
