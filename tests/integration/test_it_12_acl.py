@@ -229,3 +229,49 @@ def test_allowlist_follows_sighup(acl_cluster: RocketMQCluster, jars: JarPaths) 
         res = adrive("produce", p.namesrv_addr, "5", topic="AclB", count=2, mode="sync", timeout=90, **creds(ALICE))
         assert res["sent_count"] == 2, res
         assert json.loads(p.get("/healthz")[1])["worker_pids"] == pids
+
+
+def stored(cluster: RocketMQCluster, topic: str, queues: int, credentials: tuple[str, str] | None) -> int:
+    """Messages ``cluster``'s broker holds for ``topic`` (GET_MAX_OFFSET of every queue)."""
+    total = 0
+    for q in range(queues):
+        r = remoting_request(cluster.broker_addr, 30, {"topic": topic, "queueId": q}, credentials=credentials,
+                             timeout=BOUND)
+        assert r.code == 0, (r.code, r.remark)
+        total += int(r.ext_fields.get("offset", 0))
+    return total
+
+
+def test_cross_cloud_copies_signed_with_the_proxys_own_credentials(acl_cluster: RocketMQCluster,
+                                                                   jars: JarPaths) -> None:
+    """A local cluster without ACL, the ACL cluster as the remote cloud: copies reach it only when
+    ``[[clouds.remote]]`` gives the proxy credentials of its own there (a user allowed to publish)."""
+    topic = unique("AclRepl")
+    acl_cluster.create_user("rmqfast-proxy", "proxy-secret")
+    acl_cluster.grant("rmqfast-proxy", [f"Topic:{topic}"], actions=("Pub",))
+    acl_cluster.create_topic(topic, queues=2)
+
+    def clouds(creds: str) -> str:
+        return (f'[clouds]\nlocal = "local"\n[[clouds.remote]]\nname = "acl-cloud"\n'
+                f'namesrv = ["{acl_cluster.namesrv_addr}"]\n{creds}'
+                f'[replicate]\nretry_initial = 0.05\nretry_max = 0.5\n'
+                f'[[replicate.topic]]\nname = "{topic}"\nreplicate = "always"\n')
+
+    with RocketMQCluster(jars=jars, cluster_name="LocalCloud", broker_name="broker-l") as local:
+        local.create_topic(topic, queues=2)
+        # without credentials: the remote broker refuses the copies (they wait in the spill, retried)
+        with ProxyProcess([local.namesrv_addr], extra_config=clouds("")) as p:
+            res = adrive("produce", p.namesrv_addr, "5", topic=topic, count=3, mode="sync", timeout=90)
+            assert res["sent_count"] == 3
+            wait_metric(p, "rmqfast_deliver_retries_total", 3)
+            assert stored(acl_cluster, topic, 2, acl_cluster.ADMIN) == 0
+        # with them: every copy is stored (the 3 left in the spill by the first proxy need not be:
+        # each proxy keeps its own state directory)
+        creds = 'access_key = "rmqfast-proxy"\nsecret_key = "proxy-secret"\n'
+        with ProxyProcess([local.namesrv_addr], extra_config=clouds(creds)) as p:
+            res = adrive("produce", p.namesrv_addr, "4", topic=topic, count=10, mode="sync", timeout=90)
+            assert res["sent_count"] == 10
+            wait_until(lambda: stored(acl_cluster, topic, 2, acl_cluster.ADMIN) >= 10, BOUND,
+                       "10 copies stored in the ACL cluster")
+            assert stored(acl_cluster, topic, 2, acl_cluster.ADMIN) == 10
+            assert stored(local, topic, 2, None) == 13
