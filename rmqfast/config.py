@@ -26,6 +26,7 @@ from rmqfast.errors import ConfigError
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
 from rmqfast.proxy.health import FailoverSection, parse_failover
+from rmqfast.proxy.tls import TlsSection, parse_tls
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -184,6 +185,7 @@ class Config:
     failover: FailoverSection = field(default_factory=FailoverSection)  # [failover] (rmqfast.proxy.health)
     delay: DelaySection = field(default_factory=DelaySection)  # [delay] (rmqfast.delay)
     acl: AclSection = field(default_factory=AclSection)  # [acl]: per-AccessKey topic allowlist (rmqfast.proxy.acl)
+    tls: TlsSection = field(default_factory=TlsSection)  # [tls.listen], [tls.upstream] (rmqfast.proxy.tls)
 
     @property
     def replication_enabled(self) -> bool:
@@ -443,6 +445,7 @@ _KNOWN = {
     },
     "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight"},
     "acl": {"topics", "unsigned", "other_keys"},
+    "tls": {"listen", "upstream"},
     "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout",
                  "send_timeout", "ordered_topics", "ordered_property", "go_away"},
 }
@@ -610,6 +613,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     with errs.check():
         if "acl" in raw:
             cfg.acl = parse_acl(raw["acl"])
+    with errs.check():
+        if "tls" in raw:
+            cfg.tls = parse_tls(raw["tls"])  # loads the certificate files: a bad file is a config error
 
     # cross-field checks only on values that parsed (else they would report the defaults)
     if not errs.any_under("namesrv.listen", "brokers", "admin.listen", "proxy.advertise_host"):
@@ -862,6 +868,8 @@ def from_json(text: str) -> Config:
         cfg.delay = DelaySection(**d["delay"])
     if "acl" in d:
         cfg.acl = AclSection.from_dict(d["acl"])
+    if "tls" in d:
+        cfg.tls = TlsSection.from_dict(d["tls"])
     if "failover" in d:
         cfg.failover = FailoverSection.from_dict(d["failover"])
     return cfg

@@ -37,6 +37,7 @@ from rmqfast.codec._scan_py import R_ONEWAY, result_index
 from rmqfast.log import ctx
 from rmqfast.proxy.core import PumpState, SessionCore, Writer
 from rmqfast.proxy.policy import FilterChain, Frame, error_response
+from rmqfast.proxy.tls import is_tls
 
 if TYPE_CHECKING:
     from rmqfast.codec import ScanStats
@@ -313,9 +314,12 @@ class Session(SessionCore):
 
     def _connect(self) -> socket.socket | None:
         errors = []
+        tls = getattr(self.events, "tls", None)
         for hp in self.upstreams:
             try:
                 sock = socket.create_connection((hp.host, hp.port), timeout=self.settings.connect_timeout)
+                if tls is not None and tls.upstream_enabled(self.role):  # rmqfast.proxy.tls
+                    sock = tls.connect(self.role, sock, hp.host, self.settings.connect_timeout)
             except OSError as exc:
                 errors.append(f"{hp}: {exc.strerror or exc}")
                 self.events.upstream_error(self.role)
@@ -387,7 +391,7 @@ class Session(SessionCore):
             out = self._outs.get(dst)
             if self.closed or out is None:
                 return  # closed before this pump started (a connect-and-close health probe)
-            if Pump is not None and codec.is_compiled(scanner):
+            if Pump is not None and codec.is_compiled(scanner) and not (is_tls(src) or is_tls(dst)):
                 self._pump_c(src, dst, scanner, side, out, from_client)
             else:
                 self._pump_py(src, dst, scanner, side, out, from_client)

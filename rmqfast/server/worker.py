@@ -46,6 +46,7 @@ from rmqfast.proxy.health import BrokerHealth, HealthMetrics
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
 from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
+from rmqfast.proxy.tls import TlsContexts
 from rmqfast.records import StatsDelta, TrafficRecorder
 
 log = logging.getLogger("rmqfast.worker")
@@ -115,6 +116,7 @@ class Worker:
         self.ns_preferred = 0
         self.draining = False
         self.settings = self._settings(cfg)
+        self.tls = TlsContexts(cfg.tls)  # listener and upstream TLS (rmqfast.proxy.tls); the relay reads it
         # [failover]: broker health probed in the background, routes healed, sends of clients of a
         # dead broker moved to another live master (rmqfast.proxy.health, rmqfast.proxy.failover)
         self.health_metrics = HealthMetrics()
@@ -291,6 +293,9 @@ class Worker:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client = f"{addr[0]}:{addr[1]}"
+            sock = self.tls.accept(role, sock, client)  # the same socket unless this listener has TLS
+            if sock is None:
+                return
             if upstream is not None:
                 ups = [upstream]
             else:
@@ -479,6 +484,7 @@ class Worker:
         self.cfg = cfg
         log_mod.setup(cfg.log.format, cfg.log.level)
         self.settings.__dict__.update(self._settings(cfg).__dict__)
+        self.tls.reload(cfg.tls)  # certificate files read again; new connections use them
         self.registry.reconfigure(cfg)
         self.health.cfg = self.failover.cfg = cfg.failover  # probes and moved sends follow [failover]
         if self.limits_publisher is not None:

@@ -1,0 +1,593 @@
+"""TLS on the client-facing listeners and on the upstream connections.
+
+Configuration (``[tls.listen]``, ``[tls.upstream]``), validation that loads the certificate
+files (so ``rmqfast check-config`` and a reload refuse a missing file or bad PEM), the SSL
+contexts of a worker (rebuilt from the files on every reload; a reload that cannot build
+them keeps the running ones) and :class:`TlsSocket`, a TLS connection that the relay's
+Python pump drives like a plain non-blocking socket.
+
+Listener modes follow RocketMQ's ``tls.server.mode``:
+
+- ``disabled``: plain TCP only;
+- ``permissive``: the first byte a client sends decides, read with ``MSG_PEEK``: 0x16 (a TLS
+  handshake record) starts TLS, anything else is relayed as plain Remoting;
+- ``enforcing``: TLS only; a client that does not start a TLS handshake is closed.
+
+The compiled pump receives and sends on raw file descriptors, so a session with TLS on either
+side runs the Python pump over :class:`TlsSocket` (OpenSSL encrypts and decrypts, the frame
+scanner, compiled or pure, scans the plaintext exactly as without TLS).
+
+Only the standard library is imported at module level: the configuration is validated in
+processes that never load gevent (``rmqfast check-config``, the supervisor).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket as _stdsocket
+import ssl
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rmqfast.errors import ConfigError
+from rmqfast.log import ctx
+
+log = logging.getLogger("rmqfast.tls")
+
+MODES = ("disabled", "permissive", "enforcing")
+ROLES = ("namesrv", "broker")
+VERIFY_CLIENT = ("none", "optional", "require")
+TLS_RECORD_HANDSHAKE = 0x16  # first byte of a TLS ClientHello record (what RocketMQ's TlsModeHandler looks for)
+
+
+# Configuration -------------------------------------------------------------------------------
+
+
+@dataclass
+class TlsListenSection:
+    """``[tls.listen]``: TLS on the listeners clients connect to (name server and broker endpoints)."""
+
+    mode: str = "disabled"  # disabled | permissive | enforcing
+    roles: list[str] = field(default_factory=lambda: list(ROLES))  # listeners that use ``mode``
+    cert: str = ""  # PEM certificate chain presented to clients
+    key: str = ""  # PEM private key of ``cert``
+    key_password: str = ""
+    ca: str = ""  # PEM CA bundle that client certificates must chain to (verify_client)
+    verify_client: str = "none"  # none | optional | require
+    handshake_timeout: float = 10.0
+
+    def mode_for(self, role: str) -> str:
+        return self.mode if role in self.roles else "disabled"
+
+
+@dataclass
+class TlsUpstreamSection:
+    """``[tls.upstream]``: TLS on the connections to the real name servers and brokers."""
+
+    enable: bool = False
+    roles: list[str] = field(default_factory=lambda: list(ROLES))
+    verify: bool = True  # check the upstream's certificate (against ``ca``, else the system store)
+    ca: str = ""
+    server_name: str = ""  # name checked in the certificate and sent as SNI ("" : the upstream's host)
+    cert: str = ""  # client certificate, for upstreams that ask for one
+    key: str = ""
+    key_password: str = ""
+
+    def enabled_for(self, role: str) -> bool:
+        return self.enable and role in self.roles
+
+
+@dataclass
+class TlsSection:
+    listen: TlsListenSection = field(default_factory=TlsListenSection)
+    upstream: TlsUpstreamSection = field(default_factory=TlsUpstreamSection)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TlsSection:
+        return cls(TlsListenSection(**d.get("listen", {})), TlsUpstreamSection(**d.get("upstream", {})))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def active(self) -> bool:
+        return self.listen.mode != "disabled" or self.upstream.enable
+
+
+_LISTEN_KEYS = {"mode", "roles", "cert", "key", "key_password", "ca", "verify_client", "handshake_timeout"}
+_UPSTREAM_KEYS = {"enable", "roles", "verify", "ca", "server_name", "cert", "key", "key_password"}
+
+
+def _t(value: Any) -> str:
+    from rmqfast.config import toml_value
+
+    return toml_value(value)
+
+
+def _path(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a file path (a string)")
+    if not value:
+        return ""
+    # absolute: workers run in another working directory
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def _read(key: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {_t(path)} ({exc.strerror or exc})") from None
+
+
+def _check_pem(key: str, path: str, marker: bytes, what: str) -> None:
+    data = _read(key, path)
+    if b"-----BEGIN " not in data or marker not in data:
+        raise ConfigError(f"{key}: {_t(path)} is not a PEM file with {what} (no \"-----BEGIN ...{marker.decode()}\" "
+                          "block)")
+
+
+def _roles(key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or any(v not in ROLES for v in value):
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a non-empty list of {', '.join(ROLES)}")
+    return list(dict.fromkeys(value))
+
+
+def parse_tls(raw: Any) -> TlsSection:
+    """Validate ``[tls]`` (a table with ``listen`` and ``upstream`` tables); loads the files.
+
+    Raises :class:`ConfigError` (one problem) or ``rmqfast.config.ConfigErrors`` (several).
+    """
+    from rmqfast.config import _check_keys, _Errors, _table
+
+    errs = _Errors()
+    out = TlsSection()
+    tbl = _table("tls", raw)
+    with errs.check():
+        _check_keys("tls", tbl, {"listen", "upstream"})
+    li: dict[str, Any] = {}
+    up: dict[str, Any] = {}
+    with errs.check():
+        li = _table("tls.listen", tbl.get("listen", {}))
+        _check_keys("tls.listen", li, _LISTEN_KEYS)
+    with errs.check():
+        up = _table("tls.upstream", tbl.get("upstream", {}))
+        _check_keys("tls.upstream", up, _UPSTREAM_KEYS)
+    _parse_listen(out.listen, li, errs)
+    _parse_upstream(out.upstream, up, errs)
+    errs.raise_if_any()
+    # Files: only for the sides in use, and only once the keys themselves parsed.
+    _check_listen_files(out.listen, errs)
+    _check_upstream_files(out.upstream, errs)
+    errs.raise_if_any()
+    return out
+
+
+def _parse_listen(L: TlsListenSection, li: dict[str, Any], errs: Any) -> None:
+    from rmqfast.config import _choice, _float, _str
+
+    with errs.check():
+        if "mode" in li:
+            L.mode = _choice("tls.listen.mode", li["mode"], MODES)
+    with errs.check():
+        if "roles" in li:
+            L.roles = _roles("tls.listen.roles", li["roles"])
+    with errs.check():
+        if "verify_client" in li:
+            L.verify_client = _choice("tls.listen.verify_client", li["verify_client"], VERIFY_CLIENT)
+    with errs.check():
+        if "handshake_timeout" in li:
+            L.handshake_timeout = _float("tls.listen.handshake_timeout", li["handshake_timeout"], 0.1, 300)
+    for k in ("cert", "key", "ca"):
+        with errs.check():
+            if k in li:
+                setattr(L, k, _path(f"tls.listen.{k}", li[k]))
+    with errs.check():
+        if "key_password" in li:
+            L.key_password = _str("tls.listen.key_password", li["key_password"])
+
+
+def _parse_upstream(U: TlsUpstreamSection, up: dict[str, Any], errs: Any) -> None:
+    from rmqfast.config import _bool, _str, valid_host
+
+    for k in ("enable", "verify"):
+        with errs.check():
+            if k in up:
+                setattr(U, k, _bool(f"tls.upstream.{k}", up[k]))
+    with errs.check():
+        if "roles" in up:
+            U.roles = _roles("tls.upstream.roles", up["roles"])
+    for k in ("ca", "cert", "key"):
+        with errs.check():
+            if k in up:
+                setattr(U, k, _path(f"tls.upstream.{k}", up[k]))
+    for k in ("server_name", "key_password"):
+        with errs.check():
+            if k in up:
+                setattr(U, k, _str(f"tls.upstream.{k}", up[k]))
+    if U.server_name and not valid_host(U.server_name):
+        errs.messages.append(f"tls.upstream.server_name: {_t(U.server_name)} is not allowed; expected a host name "
+                             "or IP address")
+
+
+def _check_listen_files(L: TlsListenSection, errs: Any) -> None:
+    if L.mode == "disabled":
+        return
+    before = len(errs.messages)
+    if not L.cert or not L.key:
+        errs.messages.append(f"tls.listen: mode {_t(L.mode)} needs both 'cert' and 'key' (PEM files)")
+    if L.verify_client != "none" and not L.ca:
+        errs.messages.append(f"tls.listen.ca: required when verify_client is {_t(L.verify_client)} (the CA "
+                             "bundle client certificates must chain to)")
+    if len(errs.messages) == before:
+        with errs.check():
+            server_context(L)
+
+
+def _check_upstream_files(U: TlsUpstreamSection, errs: Any) -> None:
+    if not U.enable:
+        return
+    if bool(U.cert) != bool(U.key):
+        errs.messages.append("tls.upstream: 'cert' and 'key' (the client certificate) go together; set both or "
+                             "neither")
+        return
+    with errs.check():
+        client_context(U)
+
+
+# SSL contexts --------------------------------------------------------------------------------
+
+
+def _load_chain(ctx: ssl.SSLContext, prefix: str, cert: str, key: str, password: str) -> None:
+    _check_pem(f"{prefix}.cert", cert, b"CERTIFICATE-----", "a certificate")
+    _check_pem(f"{prefix}.key", key, b"PRIVATE KEY-----", "a private key")
+    try:
+        ctx.load_cert_chain(cert, key, password=password or None)
+    except ssl.SSLError as exc:
+        reason = exc.reason or str(exc)
+        if "MISMATCH" in str(reason).upper():
+            raise ConfigError(f"{prefix}.key: {_t(key)} is not the private key of {prefix}.cert {_t(cert)}") from None
+        raise ConfigError(f"{prefix}.cert/{prefix}.key: cannot load {_t(cert)} with {_t(key)} ({reason}; a "
+                          "password-protected key needs key_password)") from None
+    except OSError as exc:
+        raise ConfigError(f"{prefix}.cert: cannot load {_t(cert)} ({exc.strerror or exc})") from None
+
+
+def _load_ca(ctx: ssl.SSLContext, key: str, ca: str) -> None:
+    _check_pem(key, ca, b"CERTIFICATE-----", "CA certificates")
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"{key}: cannot load CA certificates from {_t(ca)} ({getattr(exc, 'reason', None) or exc})"
+                          ) from None
+
+
+def _harden(ctx: ssl.SSLContext) -> None:
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= getattr(ssl, "OP_NO_RENEGOTIATION", 0) | ssl.OP_NO_COMPRESSION
+
+
+def server_context(sec: TlsListenSection) -> ssl.SSLContext:
+    """The listeners' context, built from the files now (ConfigError naming the key on failure)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _harden(ctx)
+    _load_chain(ctx, "tls.listen", sec.cert, sec.key, sec.key_password)
+    if sec.ca:
+        _load_ca(ctx, "tls.listen.ca", sec.ca)
+    ctx.verify_mode = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "require": ssl.CERT_REQUIRED}[
+        sec.verify_client]
+    return ctx
+
+
+def client_context(sec: TlsUpstreamSection) -> ssl.SSLContext:
+    """The upstream connections' context (ConfigError naming the key on failure)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    _harden(ctx)
+    if sec.verify:
+        ctx.check_hostname = True
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        if sec.ca:
+            _load_ca(ctx, "tls.upstream.ca", sec.ca)
+        else:
+            ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    else:  # like RocketMQ's tls.client.authServer=false: encrypted, the server not checked
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if sec.cert:
+        _load_chain(ctx, "tls.upstream", sec.cert, sec.key, sec.key_password)
+    return ctx
+
+
+class TlsContexts:
+    """A worker's TLS state: which listeners and upstreams use TLS, and their SSL contexts."""
+
+    def __init__(self, sec: TlsSection) -> None:
+        self.sec = sec
+        self.server: ssl.SSLContext | None = None
+        self.client: ssl.SSLContext | None = None
+        self.handshakes = 0  # completed, both sides
+        self.failures = 0  # handshakes that failed or timed out, both sides
+        self._build(sec, keep_on_error=False)
+
+    def _build(self, sec: TlsSection, keep_on_error: bool) -> bool:
+        server = client = None
+        try:
+            if sec.listen.mode != "disabled":
+                server = server_context(sec.listen)
+            if sec.upstream.enable:
+                client = client_context(sec.upstream)
+        except ConfigError as exc:
+            if not keep_on_error:
+                raise
+            log.error("TLS certificates not reloaded; new connections keep using the running ones",
+                      extra=ctx(error=str(exc)))
+            return False
+        self.sec, self.server, self.client = sec, server, client
+        return True
+
+    def reload(self, sec: TlsSection) -> bool:
+        """Rebuild the contexts from the files (new connections use them); False: the old ones stay."""
+        ok = self._build(sec, keep_on_error=True)
+        if ok and sec.active:
+            log.info("TLS certificates loaded", extra=ctx(listen_mode=sec.listen.mode,
+                                                        upstream=sec.upstream.enable))
+        return ok
+
+    def listen_mode(self, role: str) -> str:
+        return self.sec.listen.mode_for(role) if self.server is not None else "disabled"
+
+    def upstream_enabled(self, role: str) -> bool:
+        return self.client is not None and self.sec.upstream.enabled_for(role)
+
+    # Accept and connect (run in gevent greenlets) -----------------------------------------------
+
+    def accept(self, role: str, sock: Any, client: str) -> Any:
+        """The connection to relay for an accepted client socket: ``sock`` itself (plain), a
+        :class:`TlsSocket` after a completed handshake, or None (closed: handshake failed,
+        timed out, or the client left before sending anything)."""
+        mode = self.listen_mode(role)
+        if mode == "disabled":
+            return sock
+        server_ctx = self.server
+        assert server_ctx is not None
+        timeout = self.sec.listen.handshake_timeout
+        try:
+            if mode == "permissive":
+                first = _peek_first_byte(sock, timeout)
+                if first is None:
+                    sock.close()
+                    return None
+                if first != TLS_RECORD_HANDSHAKE:
+                    return sock
+            conn = _handshake(server_ctx, sock, True, None, timeout)
+            self.handshakes += 1
+            return conn
+        except OSError as exc:
+            self.failures += 1
+            log.info("TLS handshake with a client failed; connection closed",
+                     extra=ctx(role=role, client=client, error=str(exc)))
+            sock.close()
+            return None
+
+    def connect(self, role: str, sock: Any, host: str, timeout: float) -> Any:
+        """TLS over a connected upstream socket; OSError (socket closed) when the handshake fails."""
+        client_ctx = self.client
+        assert client_ctx is not None
+        name = self.sec.upstream.server_name or host
+        try:
+            conn = _handshake(client_ctx, sock, False, name, timeout)
+        except OSError:
+            self.failures += 1
+            sock.close()
+            raise
+        self.handshakes += 1
+        return conn
+
+
+def _wait(fd: int, events: int, timeout: float | None) -> None:
+    """Wait (gevent) until ``fd`` is readable (1) or writable (2); OSError(ETIMEDOUT) after ``timeout``."""
+    import gevent
+
+    hub = gevent.get_hub()
+    watcher = hub.loop.io(fd, events)
+    try:
+        if timeout is None:
+            hub.wait(watcher)
+        else:
+            with gevent.Timeout(timeout, False):
+                hub.wait(watcher)
+                return
+            raise OSError(errno.ETIMEDOUT, f"no progress within {timeout:g} s")
+    finally:
+        watcher.close()
+
+
+def _peek_first_byte(sock: Any, timeout: float) -> int | None:
+    raw = sock._sock
+    while True:
+        try:
+            b = raw.recv(1, _stdsocket.MSG_PEEK)
+        except BlockingIOError:
+            _wait(raw.fileno(), 1, timeout)
+            continue
+        return b[0] if b else None
+
+
+def _handshake(ctx: ssl.SSLContext, sock: Any, server_side: bool, name: str | None, timeout: float) -> TlsSocket:
+    """A completed handshake on gevent socket ``sock`` (its raw socket stays non-blocking)."""
+    raw = sock._sock
+    raw.setblocking(False)
+    try:
+        sslobj = ctx._wrap_socket(raw, server_side, server_hostname=name if not server_side else None)  # type: ignore[attr-defined]
+    except ValueError as exc:  # e.g. check_hostname with no name
+        raise OSError(errno.EINVAL, f"TLS setup failed: {exc}") from None
+    import time
+
+    deadline = time.monotonic() + timeout
+    fd = raw.fileno()
+    while True:
+        try:
+            sslobj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            events = 1
+        except ssl.SSLWantWriteError:
+            events = 2
+        except ssl.SSLError as exc:
+            detail = getattr(exc, "verify_message", None)
+            why = f"{exc.reason or exc}" + (f" ({detail})" if detail else "")
+            raise OSError(errno.EPROTO, f"TLS handshake failed: {why}") from None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OSError(errno.ETIMEDOUT, f"TLS handshake timed out after {timeout:g} s")
+        try:
+            _wait(fd, events, left)
+        except OSError as exc:
+            if exc.errno == errno.ETIMEDOUT:
+                raise OSError(errno.ETIMEDOUT, f"TLS handshake timed out after {timeout:g} s") from None
+            raise
+    return TlsSocket(sock, sslobj)
+
+
+# The connection object the relay drives -------------------------------------------------------
+
+
+class _TlsIO:
+    """What the relay's Python pump calls on ``sock._sock``: non-blocking ``recv_into`` and
+    ``send`` that raise BlockingIOError when the TLS layer must wait for the socket."""
+
+    __slots__ = ("_ssl", "_fd")
+
+    def __init__(self, sslobj: Any, fd: int) -> None:
+        self._ssl = sslobj
+        self._fd = fd
+
+    def recv_into(self, buf: Any) -> int:
+        """Plaintext into ``buf``: every TLS record available without waiting, until ``buf`` is full.
+
+        A short count therefore means the socket was drained (the pump then waits for
+        readiness: no decrypted bytes are left behind in OpenSSL's buffer). 0 is the end of
+        the stream (close_notify, or the peer closed the TCP connection).
+        """
+        view = memoryview(buf)
+        total = len(view)
+        n = 0
+        read = self._ssl.read
+        while n < total:
+            try:
+                got = read(total - n, view[n:])
+            except ssl.SSLWantReadError:
+                if n:
+                    return n
+                raise BlockingIOError(errno.EAGAIN, "TLS: waiting for the peer") from None
+            except ssl.SSLWantWriteError:  # a key update answer waits for buffer space
+                _wait(self._fd, 2, 30.0)
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                got = 0
+            except ssl.SSLError as exc:
+                raise OSError(errno.EPROTO, f"TLS error: {exc.reason or exc}") from None
+            if got == 0:
+                return n
+            n += got
+        return n
+
+    def send(self, data: Any) -> int:
+        """All of ``data`` (OpenSSL writes whole or asks to be called again with the same bytes)."""
+        while True:
+            try:
+                return int(self._ssl.write(data))
+            except ssl.SSLWantWriteError:
+                raise BlockingIOError(errno.EAGAIN, "TLS: socket buffer full") from None
+            except ssl.SSLWantReadError:  # renegotiation is off; only a handshake message could need it
+                _wait(self._fd, 1, 30.0)
+            except ssl.SSLEOFError:
+                raise BrokenPipeError(errno.EPIPE, "TLS: connection closed") from None
+            except ssl.SSLError as exc:
+                raise OSError(errno.EPROTO, f"TLS error: {exc.reason or exc}") from None
+
+    def pending(self) -> int:
+        return int(self._ssl.pending())
+
+
+class TlsSocket:
+    """A TLS connection, shaped like the gevent socket the relay uses.
+
+    ``_sock`` is what the Python pump reads and writes (:class:`_TlsIO`); ``fileno`` is the
+    TCP socket's descriptor (the relay waits on it); ``recv_into``/``sendall``/``settimeout``
+    are blocking (gevent) versions for the relay's refusal path.
+    """
+
+    is_tls = True
+
+    def __init__(self, sock: Any, sslobj: Any) -> None:
+        self._gsock = sock
+        self._sslobj = sslobj
+        self._fd = sock.fileno()
+        self._sock = _TlsIO(sslobj, self._fd)
+        self._timeout: float | None = None
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._fd if not self._closed else -1
+
+    def setsockopt(self, *args: Any) -> None:
+        self._gsock.setsockopt(*args)
+
+    def getpeername(self) -> Any:
+        return self._gsock.getpeername()
+
+    def version(self) -> str | None:
+        return self._sslobj.version()  # type: ignore[no-any-return]
+
+    def cipher(self) -> Any:
+        return self._sslobj.cipher()
+
+    def getpeercert(self, binary_form: bool = False) -> Any:
+        return self._sslobj.getpeercert(binary_form)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+
+    def recv_into(self, buf: Any, nbytes: int = 0) -> int:
+        view = memoryview(buf)
+        if nbytes:
+            view = view[:nbytes]
+        while True:
+            try:
+                return self._sock.recv_into(view)
+            except BlockingIOError:
+                _wait(self._fd, 1, self._timeout)
+
+    def recv(self, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.recv_into(buf)
+        return bytes(buf[:got])
+
+    def sendall(self, data: Any) -> None:
+        while True:
+            try:
+                self._sock.send(data)
+                return
+            except BlockingIOError:
+                _wait(self._fd, 2, self._timeout)
+
+    def close(self) -> None:
+        """Send close_notify if the socket takes it now (never waits), then close."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sslobj.shutdown()
+        except (ssl.SSLError, OSError, ValueError):
+            pass
+        self._gsock.close()
+
+
+def is_tls(sock: Any) -> bool:
+    return getattr(sock, "is_tls", False) is True
