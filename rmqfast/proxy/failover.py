@@ -65,6 +65,8 @@ TRY_NEXT_CODES = frozenset({C.SYSTEM_ERROR, C.SYSTEM_BUSY, SERVICE_NOT_AVAILABLE
 #: MessageSysFlag.TRANSACTION_PREPARED_TYPE
 TRANSACTION_PREPARED = 1 << 2
 ROUTE_TTL = 30.0
+#: Requests of one failover connection handled at once; its reading pauses beyond that.
+MAX_IN_FLIGHT = 1024
 
 Route = tuple[dict[str, str], list[tuple[str, int, int]]]  # masters by name, (name, write queues, perm)
 
@@ -363,8 +365,7 @@ class FailoverService:
                 log.info("failover answer not written", extra=ctx(client=client_addr, error=str(exc)))
             finally:
                 in_flight[0] -= 1
-                if in_flight[0] == 0:
-                    done.set()
+                done.set()
 
         log.info("serving a client of a dead broker: sends are moved", extra=ctx(broker=dead_addr, client=client_addr))
         client.settimeout(None)
@@ -413,6 +414,9 @@ class FailoverService:
                     cmd = decode_frame(frame)
                     if cmd.is_response:
                         continue  # answers to broker-to-client requests: no broker to give them to
+                    while in_flight[0] >= MAX_IN_FLIGHT:  # a client pipelining without end waits here
+                        done.clear()
+                        done.wait(timeout=0.1)
                     in_flight[0] += 1
                     last[0] = time.monotonic()
                     done.clear()
