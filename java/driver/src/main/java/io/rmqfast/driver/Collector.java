@@ -58,6 +58,7 @@ final class Collector {
         Map<String, Object> r = describe(m, brokerName, maxBodyPrint);
         r.put("via", via);
         r.put("recv_ms", System.currentTimeMillis() - t0);
+        r.put("recv_epoch_ms", System.currentTimeMillis());
         Integer idx = (Integer) r.get("idx");
         boolean ack = true;
         if (failEvery > 0 && idx != null && Math.floorMod(idx, failEvery) == 0 && m.getReconsumeTimes() == 0) {

@@ -45,6 +45,7 @@ import org.apache.rocketmq.client.producer.TransactionSendResult;
 import org.apache.rocketmq.common.MQVersion;
 import org.apache.rocketmq.common.consumer.ConsumeFromWhere;
 import org.apache.rocketmq.common.message.Message;
+import org.apache.rocketmq.common.message.MessageAccessor;
 import org.apache.rocketmq.common.message.MessageClientIDSetter;
 import org.apache.rocketmq.common.message.MessageExt;
 import org.apache.rocketmq.common.message.MessageQueue;
@@ -76,6 +77,8 @@ import org.apache.rocketmq.remoting.RPCHook;
  * Producing    --count 10  --start-index 0  --mode sync  --tags TagA,TagB,TagC ("" = no tag)
  *              --shard-keys K (default 4 for ordered)  --body-size B  --body-kind repeat|hex
  *              --unicode  --props k=v,k2=v2  --delay-level L  --batch-size 10  --async-inflight 64
+ *              --delay-prop TIMER_DELIVER_MS|TIMER_DELAY_SEC|TIMER_DELAY_MS|__STARTDELIVERTIME
+ *              --delay-ms 5000  --delay-step-ms 0 (message k asks for delay-ms + k * delay-step-ms)
  *              --send-timeout-ms 5000  --retries 2  --queues 4 (new-topic queues)  --compress-over N
  *              --max-message-size N  --oneway-linger-ms 300  --allow-failures
  * Consuming    --expect N (default --count)  --sub "TagA || TagB" | --sql "idx IS NOT NULL"
@@ -327,6 +330,33 @@ public final class RmqDriver {
         final Map<Integer, Spec> specs = new LinkedHashMap<>();
     }
 
+    /**
+     * --delay-prop NAME (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS or __STARTDELIVERTIME) with
+     * --delay-ms D and --delay-step-ms S: message k of the run asks to be delivered D + k*S ms after it is
+     * built (set as the client sets it: Message.setDeliverTimeMs / setDelayTimeSec / setDelayTimeMs in 5.x, which
+     * 4.9.4 lacks, hence MessageAccessor); the user property due_ms holds that time (epoch ms) for the consumer to compare.
+     */
+    private void applyDeliveryTime(Message m, int k) {
+        String prop = o.str("delay-prop", null);
+        if (prop == null) {
+            return;
+        }
+        long after = o.lng("delay-ms", 5000) + k * o.lng("delay-step-ms", 0);
+        long now = System.currentTimeMillis();
+        switch (prop) {
+            case "TIMER_DELAY_SEC":
+                after = after / 1000 * 1000;
+                MessageAccessor.putProperty(m, prop, String.valueOf(after / 1000));
+                break;
+            case "TIMER_DELAY_MS":
+                MessageAccessor.putProperty(m, prop, String.valueOf(after));
+                break;
+            default:
+                MessageAccessor.putProperty(m, prop, String.valueOf(now + after));
+        }
+        m.putUserProperty("due_ms", String.valueOf(now + after));
+    }
+
     private static void putResult(Map<String, Object> rec, SendResult r) {
         rec.put("status", r.getSendStatus() == null ? null : r.getSendStatus().name());
         rec.put("msg_id", r.getMsgId());
@@ -358,6 +388,7 @@ public final class RmqDriver {
                     if (delayLevel > 0) {
                         m.setDelayTimeLevel(delayLevel);
                     }
+                    applyDeliveryTime(m, s.idx - start);
                     Map<String, Object> rec = s.describe(maxBodyPrint);
                     try {
                         SendResult r;
@@ -389,6 +420,7 @@ public final class RmqDriver {
                     if (delayLevel > 0) {
                         m.setDelayTimeLevel(delayLevel);
                     }
+                    applyDeliveryTime(m, s.idx - start);
                     Map<String, Object> rec = s.describe(maxBodyPrint);
                     sem.acquire();
                     try {
@@ -440,6 +472,7 @@ public final class RmqDriver {
                     if (delayLevel > 0) {
                         m.setDelayTimeLevel(delayLevel);
                     }
+                    applyDeliveryTime(m, s.idx - start);
                     Map<String, Object> rec = s.describe(maxBodyPrint);
                     try {
                         p.sendOneway(m);
