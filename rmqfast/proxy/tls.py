@@ -303,6 +303,29 @@ def client_context(sec: TlsUpstreamSection) -> ssl.SSLContext:
     return ctx
 
 
+_probe_cache: dict[str, ssl.SSLContext] = {}
+
+
+def probe_tls(sec: TlsSection) -> tuple[ssl.SSLContext, str] | None:
+    """What the supervisor's readiness probe of the name servers needs: ``(context, server
+    name)`` when ``[tls.upstream]`` covers them, else None.  The context is built once per
+    configuration; a file that cannot be read now makes the probe fail (not ready), never raise."""
+    up = sec.upstream
+    if not up.enabled_for("namesrv"):
+        return None
+    key = repr(up)
+    context = _probe_cache.get(key)
+    if context is None:
+        try:
+            context = client_context(up)
+        except ConfigError as exc:
+            log.error("readiness probe: cannot build the upstream TLS context", extra=ctx(error=str(exc)))
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies against nothing: the probe fails
+        _probe_cache.clear()
+        _probe_cache[key] = context
+    return context, up.server_name
+
+
 class TlsContexts:
     """A worker's TLS state: which listeners and upstreams use TLS, and their SSL contexts."""
 

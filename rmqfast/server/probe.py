@@ -13,11 +13,13 @@ deadline, so a silent, slow or chatty non-Remoting server costs at most ``timeou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_header, encode
@@ -54,8 +56,11 @@ class _Deadline:
         return buf
 
 
-def probe_remoting(host: str, port: int, timeout: float = 1.0) -> ProbeResult:
-    """One Remoting round trip to ``host:port`` within ``timeout`` seconds (never raises)."""
+def probe_remoting(host: str, port: int, timeout: float = 1.0, tls: Any = None) -> ProbeResult:
+    """One Remoting round trip to ``host:port`` within ``timeout`` seconds (never raises).
+
+    ``tls``: ``(ssl.SSLContext, server name or "")`` for an upstream that speaks TLS
+    (``[tls.upstream]``, :func:`rmqfast.proxy.tls.probe_tls`)."""
     t0 = time.monotonic()
     opaque = int.from_bytes(os.urandom(3), "big") + 1
     request = encode(RemotingCommand(code=PROBE_CODE, opaque=opaque, version=0,
@@ -65,7 +70,10 @@ def probe_remoting(host: str, port: int, timeout: float = 1.0) -> ProbeResult:
         return ProbeResult(ok, detail, time.monotonic() - t0)
 
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        with contextlib.ExitStack() as stack:
+            sock = stack.enter_context(socket.create_connection((host, port), timeout=timeout))
+            if tls is not None:  # the handshake runs within the socket's timeout
+                sock = stack.enter_context(tls[0].wrap_socket(sock, server_hostname=tls[1] or host))
             d = _Deadline(sock, max(0.01, timeout - (time.monotonic() - t0)))
             sock.settimeout(max(0.01, d.end - time.monotonic()))
             sock.sendall(request)

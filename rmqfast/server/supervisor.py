@@ -48,6 +48,7 @@ from rmqfast.errors import ConfigError
 from rmqfast.limits import create_shared, reset_changed
 from rmqfast.limits.rules import LimitsSection
 from rmqfast.log import ctx
+from rmqfast.proxy.tls import probe_tls
 from rmqfast.server.admin import AdminServer
 from rmqfast.server.probe import ProbeResult, probe_remoting
 from rmqfast.server.spawn import child_command, child_cwd, child_env, identity_mismatch
@@ -413,9 +414,10 @@ class Supervisor:
             if time.monotonic() - t < READY_CACHE_SECONDS:
                 return ok, why
             ups = list(self.cfg.namesrv.upstreams)
+            tls = probe_tls(self.cfg.tls)  # None unless name servers are reached over TLS
             with ThreadPoolExecutor(max_workers=min(8, len(ups))) as pool:
                 results: list[ProbeResult] = list(
-                    pool.map(lambda hp: probe_remoting(hp.host, hp.port, READY_PROBE_TIMEOUT), ups))
+                    pool.map(lambda hp: probe_remoting(hp.host, hp.port, READY_PROBE_TIMEOUT, tls), ups))
             detail = {str(hp): ("ok: " if r.ok else "failed: ") + r.detail for hp, r in zip(ups, results, strict=True)}
             if any(r.ok for r in results):
                 ok, why = True, "ok"

@@ -117,3 +117,27 @@ def serial_of(cert_pem_or_der: bytes) -> int:
     if cert_pem_or_der.lstrip().startswith(b"-----"):
         return int(x509.load_pem_x509_certificate(cert_pem_or_der).serial_number)
     return int(x509.load_der_x509_certificate(cert_pem_or_der).serial_number)
+
+
+def rocketmq_server_opts(certs: CertSet, mode: str = "permissive") -> list[str]:
+    """JVM options for a RocketMQ name server or broker serving TLS with ``certs`` (its
+    ``tls.server.*`` system properties; later ``-D`` options override the harness defaults)."""
+    return [
+        f"-Dtls.server.mode={mode}",
+        "-Dtls.test.mode.enable=false",  # else Netty serves a self-signed certificate of its own
+        f"-Dtls.server.certPath={certs.server_cert}",
+        f"-Dtls.server.keyPath={certs.server_key}",
+        "-Dtls.server.need.client.auth=none",
+        f"-Dtls.config.file={certs.ca.parent / 'no-tls.properties'}",  # not /etc/rocketmq/tls.properties
+    ]
+
+
+def java_client_opts(certs: CertSet) -> list[str]:
+    """JVM options for a RocketMQ Java client that speaks TLS and checks the server against ``certs.ca``."""
+    return [
+        "-Dtls.enable=true",
+        "-Dtls.test.mode.enable=false",
+        "-Dtls.client.authServer=true",
+        f"-Dtls.client.trustCertPath={certs.ca}",
+        f"-Dtls.config.file={certs.ca.parent / 'no-tls.properties'}",
+    ]
