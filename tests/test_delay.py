@@ -247,9 +247,10 @@ def test_held_send_is_answered_like_a_broker_and_released_on_time_in_due_order(t
     sess = FakeSession(broker.addr)
     now = int(time.time() * 1000)
     # five messages, sent in an order that is not their due order
-    plan = [("A", {"TIMER_DELAY_MS": "900"}), ("B", {"TIMER_DELAY_SEC": "1"}),
-            ("C", {"TIMER_DELIVER_MS": str(now + 400)}), ("D", {"__STARTDELIVERTIME": str(now + 600)}),
-            ("E", {"TIMER_DELAY_MS": "200", "KEYS": "kE"})]
+    # (relative delays count from each send's arrival: far enough apart for a slow fsync per send)
+    plan = [("A", {"TIMER_DELAY_MS": "1500"}), ("B", {"TIMER_DELAY_SEC": "2"}),
+            ("C", {"TIMER_DELIVER_MS": str(now + 400)}), ("D", {"__STARTDELIVERTIME": str(now + 700)}),
+            ("E", {"TIMER_DELIVER_MS": str(now + 200), "KEYS": "kE"})]
     answers = {}
     for i, (name, props) in enumerate(plan):
         cmd = send_cmd("Delayed", 10 + i, props, uniq=UNIQ[:-1] + name, stype=stype)
@@ -269,7 +270,7 @@ def test_held_send_is_answered_like_a_broker_and_released_on_time_in_due_order(t
     for p in props:  # the broker delivers at once: no delay property left; the rest kept
         assert not {"TIMER_DELAY_MS", "TIMER_DELAY_SEC", "TIMER_DELIVER_MS", "__STARTDELIVERTIME"} & set(p)
     assert props[0]["KEYS"] == "kE"
-    expected = {"A": 900, "B": 1000, "C": 400, "D": 600, "E": 200}
+    expected = {"A": 1500, "B": 2000, "C": 400, "D": 700, "E": 200}
     for (t, cmd), p in zip(broker.got, props, strict=True):
         due = now + expected[p["UNIQ_KEY"][-1]]
         assert t >= due - 5, (p["UNIQ_KEY"], t - due)  # never early (the send itself came a little after `now`)

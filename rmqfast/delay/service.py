@@ -91,6 +91,16 @@ def refusal(request: RemotingCommand, code: int, remark: str) -> bytes:
     return encode(make_response(request, code, remark, ext_fields=dict(_RESPONSE_EXT)))
 
 
+def _answer_later(session: Session) -> Any:
+    """A callable writing a local answer to the session's client at its next frame boundary, or None
+    (a session without the relay's ordered writer: the filter then answers in its verdict)."""
+    answer = getattr(session, "answer", None)
+    out = getattr(session, "to_client", None)
+    if out is None or not callable(answer):
+        return None
+    return lambda data: answer(out, data, False)
+
+
 class DelayFilter(Filter):
     name = "delay"
 
@@ -223,17 +233,41 @@ class DelayService:
                                 f"the delay store of worker {self.index} is full: {exc}; retry later")
         except WriteFailed as exc:
             return self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", str(exc))
+        n = len(entries) if entries else 1
+        later = _answer_later(session)
+        if later is not None or frame.is_oneway:
+            # The pump goes on with the connection's next frames while the group commit runs, so
+            # the sends a connection pipelines share one fsync; the answer is written when it is
+            # synced (at a frame boundary of the stream to the client, like every local answer).
+            gevent.spawn(self._answer_when_stored, later, pending, frame, cmd, msg_id, queue_id, topic, n)
+            return divert("delayed: answered once stored")
         try:
             self.store.wait(pending)
         except WriteFailed as exc:
             return self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", f"{exc}; retry")
-        n = len(entries) if entries else 1
+        self._accepted(topic, n)
+        return reply(held_answer(cmd, msg_id, queue_id))
+
+    def _accepted(self, topic: str, n: int) -> None:
         self.accepted += n
         if self.m is not None:
             self.m.accepted.labels(topic).inc(n)
-        if frame.is_oneway:
-            return divert("delayed")
-        return reply(held_answer(cmd, msg_id, queue_id))
+
+    def _answer_when_stored(self, later: Any, pending: Any, frame: Frame, cmd: RemotingCommand, msg_id: str,
+                            queue_id: int, topic: str, n: int) -> None:
+        try:
+            self.store.wait(pending)
+        except WriteFailed as exc:
+            v = self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", f"{exc}; retry")
+            data = v.data
+        else:
+            self._accepted(topic, n)
+            data = b"" if frame.is_oneway else held_answer(cmd, msg_id, queue_id)
+        if data and later is not None:
+            try:
+                later(data)
+            except OSError:  # the connection closed meanwhile: the message is stored all the same
+                pass
 
     # Cancel -----------------------------------------------------------------------------------
 
