@@ -304,8 +304,7 @@ class FailoverService:
                 answer = self._request(addr, out)
             except Exception as exc:  # RemoteError: connect refused, closed, no answer in time
                 errors.append(f"{addr}: {exc}")
-                if "cannot connect" in str(exc):
-                    self.health.connect_failed(addr, str(exc))
+                self.health.suspect(addr, f"a moved send failed: {exc}")
                 continue
             if answer.code in TRY_NEXT_CODES:
                 last = answer

@@ -9,10 +9,11 @@ passively: a broker killed with ``kill -9`` closes it at once, which wakes the p
 
 A refused or closed probe connection marks the broker down at once; a probe not answered in time
 does so the second time running (a hung or cut-off broker: about ``2 * probe_timeout``).
-Sessions add what they see, off the send path: a refused or timed-out upstream connect marks the
-broker down at once (:meth:`BrokerHealth.connect_failed`); an upstream connection that dies with
-requests in flight is only a hint (:meth:`BrokerHealth.suspect`): the prober asks again now.  A
-broker comes back only through a successful probe.
+Sessions add what they see, off the send path, as hints (:meth:`BrokerHealth.suspect`): a failed
+upstream connect, an upstream connection that ended, a moved send that failed make the prober ask
+again now; only the prober decides (one slow connect on a loaded machine must not cut every client
+of a healthy broker).  :meth:`BrokerHealth.connect_failed` marks a broker down at once.  A broker
+comes back only through a successful probe.
 
 The tracker never blocks a caller: every question is a dict lookup, every report an
 ``Event.set``.

@@ -316,8 +316,8 @@ class Worker:
                 session.run()
             finally:
                 self.sessions.discard(session)
-                if upstream is not None and not session.upstream_addr:  # the connect failed
-                    self.health.connect_failed(str(upstream), "a client's upstream connect failed")
+                if upstream is not None and not session.upstream_addr:  # the connect failed: probe now
+                    self.health.suspect(str(upstream), "a client's upstream connect failed")
                 self._closed_ids.append(session.conn_id)
                 gauge.dec()
 
