@@ -7,8 +7,9 @@ process is serving) every ``failover.probe_interval`` seconds while it is up, ev
 ``failover.probe_interval_down`` seconds while it is down.  The probe connection also watches
 passively: a broker killed with ``kill -9`` closes it at once, which wakes the prober at once.
 
-A refused or closed probe connection marks the broker down at once; a probe not answered in time
-does so the second time running (a hung or cut-off broker: about ``2 * probe_timeout``).
+A refused probe connection marks the broker down at once; any other failure (no answer in time,
+connect timeout, connection closed while asking) does so the second time running (a hung or cut-off
+broker: about ``2 * probe_timeout``).
 Sessions add what they see, off the send path, as hints (:meth:`BrokerHealth.suspect`): a failed
 upstream connect, an upstream connection that ended, a moved send that failed make the prober ask
 again now; only the prober decides (one slow connect on a loaded machine must not cut every client
@@ -272,7 +273,7 @@ class BrokerHealth:
                 w.fails += 1
                 # a broker that does not answer in time twice running is hung (or cut off); one slow
                 # answer on a loaded machine is not enough to move its clients away
-                if w.fails >= 2 or "did not answer" not in reason:
+                if w.fails >= 2 or "refused" in reason.lower():
                     self._set(w, False, f"probe failed: {reason}")
             # a failed probe is asked again soon, whatever the state: a hang is confirmed (or not) quickly
             interval = self.cfg.probe_interval if w.up and w.fails == 0 else self.cfg.probe_interval_down
