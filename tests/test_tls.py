@@ -462,3 +462,32 @@ def test_tls_socket_reads_all_records_before_reporting_short(certs: CertSet) -> 
             except BlockingIOError:
                 gevent.sleep(0.01)
     srv.close()
+
+
+def test_proxy_own_connections_use_upstream_tls(certs: CertSet, other_certs: CertSet) -> None:
+    """Broker health probes, moved sends and route lookups (rmqfast.clouds.remoting.Connection)
+    speak TLS when [tls.upstream] covers the role; an untrusted certificate is a connect error."""
+    from rmqfast.clouds.remoting import Connection, ConnectionPool, RemoteError
+
+    broker = TlsFakeBroker(certs)
+    addr = f"127.0.0.1:{broker.addr.port}"
+    try:
+        tls = TlsContexts(parse_tls({"upstream": {"enable": True, "ca": str(certs.ca), "roles": ["broker"]}}))
+        conn = Connection(addr, connect_timeout=5, wrap=tls.wrapper("broker", 5.0))
+        assert conn.request(C.HEART_BEAT, body=b"{}", timeout=10).code == C.SUCCESS
+        big = b"z" * 300000  # several TLS records each way
+        assert conn.request(C.SEND_MESSAGE_V2, {"a": "PG", "b": "T"}, big, timeout=10).code == C.SUCCESS
+        assert broker.seen[-1].body == big
+        conn.close()
+        pool = ConnectionPool(5, wrap=tls.wrapper("broker", 5.0))
+        assert pool.request(addr, C.HEART_BEAT, body=b"{}", timeout=10).code == C.SUCCESS
+        pool.close()
+        # the namesrv role is not covered: its connections stay plain (and fail against a TLS server)
+        with pytest.raises(RemoteError):
+            Connection(addr, connect_timeout=5, wrap=tls.wrapper("namesrv", 5.0)).request(
+                C.HEART_BEAT, body=b"{}", timeout=2)
+        wrong = TlsContexts(parse_tls({"upstream": {"enable": True, "ca": str(other_certs.ca)}}))
+        with pytest.raises(RemoteError, match="CERTIFICATE_VERIFY_FAILED"):
+            Connection(addr, connect_timeout=5, wrap=wrong.wrapper("broker", 5.0))
+    finally:
+        broker.server.stop(timeout=1)

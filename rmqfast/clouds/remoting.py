@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -38,11 +39,14 @@ class Connection:
 
     _opaques = itertools.count(1)
 
-    def __init__(self, addr: str, *, connect_timeout: float = 3.0) -> None:
+    def __init__(self, addr: str, *, connect_timeout: float = 3.0, wrap: Callable[[Any, str], Any] | None = None
+                 ) -> None:
         self.addr = addr
         host, _, port = addr.rpartition(":")
         try:
             self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
+            if wrap is not None:  # e.g. TLS (rmqfast.proxy.tls), before the reader starts
+                self.sock = wrap(self.sock, host.strip("[]"))
         except (OSError, ValueError) as exc:
             raise RemoteError(f"cannot connect to {addr}: {exc}") from exc
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -145,15 +149,17 @@ class ConnectionPool:
     signs it (:mod:`rmqfast.codec.aclsign`), for clusters whose brokers have ACL on.
     """
 
-    def __init__(self, connect_timeout: float = 3.0, credentials: tuple[str, str] | None = None) -> None:
+    def __init__(self, connect_timeout: float = 3.0, credentials: tuple[str, str] | None = None,
+                 wrap: Callable[[Any, str], Any] | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.credentials = credentials
+        self.wrap = wrap  # applied to every new connection's socket (Connection's ``wrap``)
         self._conns: dict[str, Connection] = {}
 
     def get(self, addr: str) -> Connection:
         c = self._conns.get(addr)
         if c is None or c.closed:
-            c = Connection(addr, connect_timeout=self.connect_timeout)
+            c = Connection(addr, connect_timeout=self.connect_timeout, wrap=self.wrap)
             self._conns[addr] = c
         return c
 

@@ -361,6 +361,18 @@ class TlsContexts:
                                                         upstream=sec.upstream.enable))
         return ok
 
+    def wrapper(self, role: str, timeout: float) -> Any:
+        """``wrap(sock, host)`` for the proxy's own connections to upstreams of ``role`` (broker
+        health probes, moved sends, route lookups: ``rmqfast.clouds.remoting.Connection``):
+        TLS when ``[tls.upstream]`` covers the role at connect time, else the socket unchanged."""
+
+        def wrap(sock: Any, host: str) -> Any:
+            if not self.upstream_enabled(role):
+                return sock
+            return self.connect(role, sock, host, timeout)
+
+        return wrap
+
     def listen_mode(self, role: str) -> str:
         return self.sec.listen.mode_for(role) if self.server is not None else "disabled"
 
@@ -412,12 +424,16 @@ class TlsContexts:
         return conn
 
 
-def _wait(fd: int, events: int, timeout: float | None) -> None:
-    """Wait (gevent) until ``fd`` is readable (1) or writable (2); OSError(ETIMEDOUT) after ``timeout``."""
+def _wait(fd: int, events: int, timeout: float | None, waiting: set[Any] | None = None) -> None:
+    """Wait (gevent) until ``fd`` is readable (1) or writable (2); OSError(ETIMEDOUT) after ``timeout``.
+
+    The watcher is in ``waiting`` meanwhile, so that closing the connection can wake the waiter."""
     import gevent
 
     hub = gevent.get_hub()
     watcher = hub.loop.io(fd, events)
+    if waiting is not None:
+        waiting.add(watcher)
     try:
         if timeout is None:
             hub.wait(watcher)
@@ -427,6 +443,8 @@ def _wait(fd: int, events: int, timeout: float | None) -> None:
                 return
             raise OSError(errno.ETIMEDOUT, f"no progress within {timeout:g} s")
     finally:
+        if waiting is not None:
+            waiting.discard(watcher)
         watcher.close()
 
 
@@ -555,6 +573,7 @@ class TlsSocket:
         self._sock = _TlsIO(sslobj, self._fd)
         self._timeout: float | None = None
         self._closed = False
+        self._waiting: set[Any] = set()  # watchers of blocking recv_into/sendall calls, woken by close
 
     def fileno(self) -> int:
         return self._fd if not self._closed else -1
@@ -585,7 +604,9 @@ class TlsSocket:
             try:
                 return self._sock.recv_into(view)
             except BlockingIOError:
-                _wait(self._fd, 1, self._timeout)
+                if self._closed:
+                    raise OSError(errno.EBADF, "TLS connection closed") from None
+                _wait(self._fd, 1, self._timeout, self._waiting)
 
     def recv(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -598,7 +619,9 @@ class TlsSocket:
                 self._sock.send(data)
                 return
             except BlockingIOError:
-                _wait(self._fd, 2, self._timeout)
+                if self._closed:
+                    raise OSError(errno.EBADF, "TLS connection closed") from None
+                _wait(self._fd, 2, self._timeout, self._waiting)
 
     def close(self) -> None:
         """Send close_notify if the socket takes it now (never waits), then close."""
@@ -609,6 +632,12 @@ class TlsSocket:
             self._sslobj.shutdown()
         except (ssl.SSLError, OSError, ValueError):
             pass
+        if self._waiting:  # greenlets blocked in recv_into/sendall get EBADF, as with gevent's sockets
+            import gevent
+
+            hub = gevent.get_hub()
+            for w in list(self._waiting):
+                hub.cancel_wait(w, OSError(errno.EBADF, "TLS connection closed"))
         self._gsock.close()
 
 

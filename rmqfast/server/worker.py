@@ -120,11 +120,18 @@ class Worker:
         # [failover]: broker health probed in the background, routes healed, sends of clients of a
         # dead broker moved to another live master (rmqfast.proxy.health, rmqfast.proxy.failover)
         self.health_metrics = HealthMetrics()
-        self.health = BrokerHealth(cfg.failover, self.health_metrics)
+        # the proxy's own upstream connections speak TLS where [tls.upstream] says so
+        from rmqfast.clouds.remoting import Connection, ConnectionPool
+
+        to_broker = self.tls.wrapper("broker", cfg.proxy.connect_timeout)
+        self.health = BrokerHealth(cfg.failover, self.health_metrics,
+                                   connect=lambda addr, t: Connection(addr, connect_timeout=t, wrap=to_broker))
         self.health.on_change(self._broker_changed)
         self.book = RouteBook(lambda: [str(u) for u in self.cfg.namesrv.upstreams])
+        self.book._pool = ConnectionPool(self.book.timeout, wrap=self.tls.wrapper("namesrv", cfg.proxy.connect_timeout))
         self.failover = FailoverService(cfg.failover, self.health, self.book, self.health_metrics,
-                                        max_frame=cfg.proxy.max_frame_size)
+                                        max_frame=cfg.proxy.max_frame_size,
+                                        pool=ConnectionPool(cfg.failover.probe_timeout, wrap=to_broker))
         self.registry = EndpointRegistry(cfg, self._bind_endpoint)
         self._build_chains()
         self.shaper: Any = None  # [limits] mode "shape": peak shaving (rmqfast.limits.shaper)
@@ -204,6 +211,8 @@ class Worker:
             from rmqfast.delay import open_delay
 
             self.delay = open_delay(self.cfg, self.index, spill)
+            if self.delay is not None:  # released sends speak TLS where [tls.upstream] says so
+                self.delay.releaser.pool.wrap = self.tls.wrapper("broker", self.cfg.proxy.connect_timeout)
         except Exception as exc:  # an unusable spill: delayed sends go to the broker as they are
             log.error("proxy-held delay unavailable: cannot open the spill",
                       extra=ctx(worker=self.index, error=str(exc)))
@@ -237,6 +246,7 @@ class Worker:
             return
         self.shaper = shaper
         self.limits.shaper = shaper
+        shaper.pool.wrap = self.tls.wrapper("broker", self.cfg.proxy.connect_timeout)  # [tls.upstream]
         if getattr(self, "_started", False):
             shaper.start()
 
