@@ -433,3 +433,14 @@ def test_failover_config_parses_checks_and_survives_the_worker_handoff() -> None
                       ({"ordered_topics": "Orders"}, "list"), ({"enabled": "yes"}, "true or false")):
         with pytest.raises(ConfigError, match=says):
             config.from_dict({**base, "failover": bad})
+
+
+def test_signed_send_is_not_moved(cluster: Any) -> None:
+    """A send signed with an AccessKey (ACL) is refused retryably: the signature covers the broker name
+    and queue id a move would change."""
+    live, dead, _health, svc = cluster
+    cmd = _send_v2(opaque=77)
+    cmd.ext_fields = {**(cmd.ext_fields or {}), "AccessKey": "ak", "Signature": "sig"}
+    ans, to = svc.move(cmd, dead)
+    assert ans.code == SERVICE_NOT_AVAILABLE and ans.opaque == 77 and to == "refused:signed"
+    assert live.requests == []
