@@ -426,9 +426,10 @@ def parse_tls_unchecked(raw: dict) -> dict:
     return {"listen": li, "upstream": {}}
 
 
-def test_tls_socket_reads_all_records_before_reporting_short(certs: CertSet) -> None:
-    """recv_into fills the buffer from every TLS record available: a short count means the
-    socket is drained (the pump then waits for readiness; nothing stays inside OpenSSL)."""
+def test_tls_socket_short_reads_leave_nothing_inside_openssl(certs: CertSet) -> None:
+    """recv_into returns short only when nothing decrypted is left inside OpenSSL (the pump then
+    waits for socket readiness, which would never come for bytes OpenSSL holds); a buffer smaller
+    than a record is filled, and the rest of the record comes with the next calls."""
     a, b = socket.socketpair()
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     sctx.load_cert_chain(certs.server_cert, certs.server_key)
@@ -439,25 +440,34 @@ def test_tls_socket_reads_all_records_before_reporting_short(certs: CertSet) -> 
     server = gevent.spawn(_handshake, sctx, a, True, None, 5.0)
     client = _handshake(cctx, b, False, "localhost", 5.0)
     srv: TlsSocket = server.get(timeout=10)
-    payload = bytes(range(256)) * 300  # 76800 bytes: 5 records
+
+    def drain(size: int, want: int) -> bytes:
+        buf = bytearray(size)
+        out = bytearray()
+        with gevent.Timeout(10):
+            while len(out) < want:
+                try:
+                    n = srv._sock.recv_into(memoryview(buf))
+                except BlockingIOError:
+                    gevent.sleep(0.005)
+                    continue
+                out += buf[:n]
+                if n < size:
+                    assert srv._sock.pending() == 0  # a short count: nothing decrypted left behind
+        return bytes(out)
+
+    payload = bytes(range(256)) * 300  # 76800 bytes: 4 full records and a short one
     client.sendall(payload)
-    buf = bytearray(1 << 20)
-    got = 0
-    with gevent.Timeout(10):
-        while got < len(payload):
-            try:
-                got += srv._sock.recv_into(memoryview(buf)[got:])
-            except BlockingIOError:
-                gevent.sleep(0.01)
-    assert bytes(buf[:got]) == payload
+    assert drain(1 << 20, len(payload)) == payload
     with pytest.raises(BlockingIOError):
-        srv._sock.recv_into(memoryview(buf))
-    assert srv._sock.pending() == 0
+        srv._sock.recv_into(memoryview(bytearray(100)))
+    client.sendall(payload)
+    assert drain(1000, len(payload)) == payload  # smaller than a record: filled, the rest follows
     client.close()  # close_notify: the end of the stream
     with gevent.Timeout(10):
         while True:
             try:
-                assert srv._sock.recv_into(memoryview(buf)) == 0
+                assert srv._sock.recv_into(memoryview(bytearray(100))) == 0
                 break
             except BlockingIOError:
                 gevent.sleep(0.01)

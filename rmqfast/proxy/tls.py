@@ -498,6 +498,9 @@ def _handshake(ctx: ssl.SSLContext, sock: Any, server_side: bool, name: str | No
 # The connection object the relay drives -------------------------------------------------------
 
 
+_FULL_RECORD = 16384  # TLS plaintext record limit: a record this long is likely followed by more
+
+
 class _TlsIO:
     """What the relay's Python pump calls on ``sock._sock``: non-blocking ``recv_into`` and
     ``send`` that raise BlockingIOError when the TLS layer must wait for the socket."""
@@ -509,11 +512,13 @@ class _TlsIO:
         self._fd = fd
 
     def recv_into(self, buf: Any) -> int:
-        """Plaintext into ``buf``: every TLS record available without waiting, until ``buf`` is full.
+        """Plaintext into ``buf``: TLS records until ``buf`` is full, the socket has no more, or a
+        record shorter than the maximum ended (the peer flushed).
 
-        A short count therefore means the socket was drained (the pump then waits for
-        readiness: no decrypted bytes are left behind in OpenSSL's buffer). 0 is the end of
-        the stream (close_notify, or the peer closed the TCP connection).
+        A short count never leaves decrypted bytes inside OpenSSL (read-ahead is off, so what
+        is not read yet is still in the socket and makes it readable): the pump may wait for
+        readiness after it. 0 is the end of the stream (close_notify, or the peer closed the
+        TCP connection).
         """
         view = memoryview(buf)
         total = len(view)
@@ -536,6 +541,11 @@ class _TlsIO:
             if got == 0:
                 return n
             n += got
+            if got < _FULL_RECORD and not self._ssl.pending():
+                # A short record (the peer flushed) and nothing decrypted left inside OpenSSL: stop
+                # here rather than pay a failing read; more records on the socket make it readable,
+                # and the pump's wait returns at once.  Full records (bulk data) read on.
+                return n
         return n
 
     def send(self, data: Any) -> int:
