@@ -443,7 +443,7 @@ _KNOWN = {
         "retry_max",
         "topic",
     },
-    "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight"},
+    "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"},
     "acl": {"topics", "unsigned", "other_keys"},
     "tls": {"listen", "upstream"},
     "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout",

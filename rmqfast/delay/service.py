@@ -426,14 +426,23 @@ class Releaser:
         q = self.lanes[lane]
         try:
             while q and not self.closed:
-                k, v, held = q[0]
-                outcome = self._send(k, held)
-                if outcome is None:
-                    return  # stopping: it stays stored for the next run
-                q.popleft()
-                self.queued -= 1
-                self.space.set()
-                self._done(k, v, held, None if outcome else "refused")
+                window = max(1, self.svc.cfg.queue_window)
+                if window == 1 or len(q) == 1:
+                    k, v, held = q[0]
+                    outcomes = [self._send(k, held)]
+                else:  # up to `window` sends in flight on this queue (their order among them is the broker's)
+                    items = [q[i] for i in range(min(window, len(q)))]
+                    gs = [gevent.spawn(self._send, k, held) for k, _v, held in items]
+                    gevent.joinall(gs)
+                    outcomes = [g.value if g.successful() else None for g in gs]
+                for outcome in outcomes:
+                    k, v, held = q[0]
+                    if outcome is None:
+                        return  # stopping (or failed): it stays stored for the next run / a new lane greenlet
+                    q.popleft()
+                    self.queued -= 1
+                    self.space.set()
+                    self._done(k, v, held, None if outcome else "refused")
         finally:
             if not q:
                 self.lanes.pop(lane, None)
@@ -442,7 +451,7 @@ class Releaser:
                 self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
 
     def _done(self, k: bytes, v: bytes, held: Held | None, dropped: str | None) -> None:
-        b = self.store.delete(k, v)
+        b = self.store.delete(k, v, held)
         b.done.rawlink(lambda _e: self.dispatched.discard(k))
         m = self.svc.m
         if dropped is not None:

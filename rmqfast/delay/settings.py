@@ -7,6 +7,8 @@ max_pending_bytes = 1073741824   # per worker; a delayed send past it is refused
 max_delay = "400d"               # longest delay accepted; longer: MESSAGE_ILLEGAL
 levels = { 19 = "1d", 20 = "7d" } # delay levels the proxy holds (others go to the broker)
 release_in_flight = 256          # sends in flight to the brokers per worker while releasing
+queue_window = 1                 # sends in flight per broker queue: 1 = stored strictly in due order;
+                                 # more = faster release, messages within a window in any order
 ```
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 from rmqfast.errors import ConfigError
 
-KNOWN = {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight"}
+KNOWN = {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"}
 _UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
 _MAX_DELAY_LIMIT = 100 * 365 * 86_400_000
@@ -31,6 +33,7 @@ class DelaySection:
     max_delay_ms: int = 400 * 86_400_000
     levels: dict[str, int] = field(default_factory=dict)  # level (as text, JSON keys) -> ms
     release_in_flight: int = 256
+    queue_window: int = 1
 
     @property
     def enabled(self) -> bool:
@@ -94,9 +97,17 @@ def _release_in_flight(v: Any) -> int:
     return v
 
 
+def _queue_window(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1024:
+        raise ConfigError(f"delay.queue_window: {_t(v)} is not allowed; expected an integer from 1 (each queue in "
+                          "strict due order) to 1024")
+    return v
+
+
 #: (key, DelaySection attribute, parser): the keys with one value, in the order they are checked.
 _FIELDS = (("topics", "topics", _topics), ("max_pending_bytes", "max_pending_bytes", _max_pending_bytes),
-           ("max_delay", "max_delay_ms", _max_delay_ms), ("release_in_flight", "release_in_flight", _release_in_flight))
+           ("max_delay", "max_delay_ms", _max_delay_ms), ("release_in_flight", "release_in_flight", _release_in_flight),
+           ("queue_window", "queue_window", _queue_window))
 
 
 def _parse_levels(lv: Any, d: DelaySection, errs: list[str]) -> None:

@@ -241,10 +241,10 @@ class DelayStore:
         if batch.error is not None:
             raise WriteFailed(f"synced write to the delay store {self.path} failed: {batch.error}") from batch.error
 
-    def delete(self, dkey: bytes, value: bytes) -> _Batch:
+    def delete(self, dkey: bytes, value: bytes, held: Held | None = None) -> _Batch:
         """Queue the removal of a released or cancelled message (written unsynced, soon)."""
         try:
-            idx = Held.decode(value).index_keys(dkey)
+            idx = (held or Held.decode(value)).index_keys(dkey)
         except Exception:  # undecodable: its index entries cannot be named; the message goes anyway
             idx = []
         batch = self._pending
