@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(path: str, cfg: config_mod.Config) -> str:
     """What a valid configuration sets up, in a few lines (``rmqfast check-config``)."""
+    from rmqfast.proxy.tls import describe_tls
+
     p, b = cfg.proxy, cfg.brokers
     ups = ", ".join(str(u) for u in cfg.namesrv.upstreams)
     workers = f"{p.workers}" if p.workers else f"one per CPU ({cfg.worker_count} here)"
@@ -265,6 +267,7 @@ def summary(path: str, cfg: config_mod.Config) -> str:
         ("send limits", limits),
         ("traffic records", records),
         ("cross-cloud", clouds),
+        ("TLS", describe_tls(cfg.tls)),
         ("logs", f"{cfg.log.format}, level {cfg.log.level}; state in {p.state_dir}"),
     ]
     width = max(len(k) for k, _ in rows)

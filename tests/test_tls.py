@@ -501,3 +501,16 @@ def test_proxy_own_connections_use_upstream_tls(certs: CertSet, other_certs: Cer
             Connection(addr, connect_timeout=5, wrap=wrong.wrapper("broker", 5.0))
     finally:
         broker.server.stop(timeout=1)
+
+
+def test_check_config_summary_names_tls(certs: CertSet, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rmqfast.cli import main
+
+    f = tmp_path / "c.toml"
+    f.write_text(f'[namesrv]\nupstreams = ["127.0.0.1:9876"]\n[tls.listen]\nmode = "permissive"\n'
+                 f'cert = "{certs.server_cert}"\nkey = "{certs.server_key}"\n'
+                 f'[tls.upstream]\nenable = true\nverify = false\nroles = ["broker"]\n')
+    assert main(["check-config", str(f)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("TLS"))
+    assert "namesrv and broker listeners permissive" in line
+    assert "broker upstreams over TLS (certificates not verified)" in line

@@ -240,6 +240,22 @@ def _check_upstream_files(U: TlsUpstreamSection, errs: Any) -> None:
         client_context(U)
 
 
+def describe_tls(sec: TlsSection) -> str:
+    """One line for ``rmqfast check-config``."""
+    L, U = sec.listen, sec.upstream
+    if L.mode == "disabled":
+        listen = "listeners plain"
+    else:
+        roles = " and ".join(L.roles)
+        listen = f"{roles} listeners {L.mode} ({L.cert}; client certificates: {L.verify_client})"
+    if not U.enable:
+        up = "upstreams plain"
+    else:
+        check = f"verified against {U.ca or 'the system CAs'}" if U.verify else "not verified"
+        up = f"{' and '.join(U.roles)} upstreams over TLS (certificates {check})"
+    return f"{listen}; {up}"
+
+
 # SSL contexts --------------------------------------------------------------------------------
 
 
