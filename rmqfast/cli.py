@@ -257,6 +257,12 @@ def summary(path: str, cfg: config_mod.Config) -> str:
     if cfg.acl.enabled:
         acl = (f"{len(cfg.acl.topics)} AccessKey(s) listed; unsigned requests: {cfg.acl.unsigned}, "
                f"other AccessKeys: {cfg.acl.other_keys}")
+    fo = cfg.failover
+    failover = "off (clients of a dead broker get SYSTEM_ERROR)"
+    if fo.enabled:
+        failover = (f"probes every {fo.probe_interval:g} s (timeout {fo.probe_timeout:g} s); sends to a dead broker "
+                    f"moved; routes healed: {'yes' if fo.heal_routes else 'no'}; GO_AWAY on drain: "
+                    f"{'yes' if fo.go_away else 'no'}; ordered topics: {', '.join(fo.ordered_topics) or 'none listed'}")
     rows = [
         ("name servers", f"clients connect to {cfg.namesrv.listen}, relayed to {ups}"),
         ("brokers", brokers),
@@ -267,6 +273,7 @@ def summary(path: str, cfg: config_mod.Config) -> str:
         ("send limits", limits),
         ("traffic records", records),
         ("cross-cloud", clouds),
+        ("broker failover", failover),
         ("TLS", describe_tls(cfg.tls)),
         ("logs", f"{cfg.log.format}, level {cfg.log.level}; state in {p.state_dir}"),
     ]
