@@ -11,12 +11,18 @@ plain (and checks the broker's certificate against the test CA), and a proxy lis
 * TLS client -> TLS listener -> plain upstream (the proxy terminates TLS)
 * a plain client at an enforcing listener gets nowhere; at a permissive one it works
 
-The Go client (rocketmq-client-go v2.1.2, the version the tests use) has no TLS option, so it
-is not run here.
+* the Go client with ``WithTls(true)``: rocketmq-client-go v2.1.2 (the release the other Go
+  tests use) has no TLS option; a later, unreleased commit has it (TLS without certificate
+  checks), built from godriver/tlssmoke.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +116,39 @@ def test_listener_modes_with_plain_java_client(cluster: RocketMQCluster, certs: 
         except DriverError:
             pass  # the driver failed without a result: nothing was sent either
         assert log_records(p, "TLS handshake with a client failed; connection closed"), p.log_tail()
+
+
+def _go_tls_smoke() -> Path:
+    """godriver/tlssmoke built once per source version (skips without a Go toolchain)."""
+    from rmqfast.testing.errors import ToolMissingError
+    from rmqfast.testing.goclient import SOURCE_DIR, cache_dir, go_executable
+
+    try:
+        go = go_executable()
+    except ToolMissingError as exc:
+        pytest.skip(str(exc))
+    src = SOURCE_DIR / "tlssmoke"
+    digest = hashlib.sha256(b"".join((src / n).read_bytes() for n in ("go.mod", "go.sum", "main.go"))).hexdigest()
+    out = cache_dir() / f"go-tlssmoke-{digest[:16]}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, GOFLAGS="-mod=mod", GOTOOLCHAIN="local")
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        proc = subprocess.run([go, "build", "-o", str(tmp), "."], cwd=src, env=env, capture_output=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+        os.replace(tmp, out)
+    return out
+
+
+def test_go_client_with_tls(proxy_tls_both: ProxyProcess) -> None:
+    """Go producer and push consumer with WithTls(true) through the enforcing TLS listener."""
+    exe = _go_tls_smoke()
+    topic = unique("gotls")
+    home = tempfile.mkdtemp(prefix="rmqfast-gotls-")  # the client writes ~/logs there
+    proc = subprocess.run([str(exe), "-ns", proxy_tls_both.namesrv_addr, "-topic", topic, "-count", "10"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HOME": home})
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    res = json.loads(lines[-1])
+    assert res == {"tls": True, "sent": 10, "received": 10}, res
+    wait_metric(proxy_tls_both, "rmqfast_topic_messages_total", 10, topic=topic)
