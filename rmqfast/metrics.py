@@ -69,6 +69,11 @@ class Metrics:
         self.upstream_errors = Counter(
             "rmqfast_upstream_errors_total", "Failed upstream connection attempts", ["role"],
         )
+        self.tls_handshakes = Counter(
+            "rmqfast_tls_handshakes_total",
+            "TLS handshakes with clients (side=client) and upstreams (side=upstream), by result (ok, failed)",
+            ["role", "side", "result"],
+        )
         self.limit_admitted = Counter(
             "rmqfast_limit_admitted_total", "Messages admitted by a send limit rule (batches count every message)",
             ["topic", "tag"],

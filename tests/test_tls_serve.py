@@ -131,6 +131,31 @@ def test_tls_both_sides_and_readiness(served: tuple, certs: tuple) -> None:
     with tls_connect(p.namesrv_addr, a.ca) as s:
         assert kv(s) == QUERY_NOT_FOUND
     assert ns.plain_or_failed == 0  # type: ignore[attr-defined]
+    plain = socket.create_connection(("127.0.0.1", p.namesrv_port), timeout=30)
+    plain.sendall(b"\x00\x00\x00\x10not a TLS hello")  # the enforcing listener closes it
+    try:
+        assert plain.recv(10) == b""
+    except ConnectionResetError:
+        pass
+    plain.close()
+
+    def handshakes() -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for (name, labels), v in p.metrics().items():
+            d = dict(labels)
+            if name == "rmqfast_tls_handshakes_total" and d.get("role") == "namesrv":
+                out[(d["side"], d["result"])] = v
+        return out
+
+    deadline = time.monotonic() + 30  # workers publish once a second
+    while time.monotonic() < deadline:
+        got = handshakes()
+        if got.get(("client", "ok"), 0) >= 1 and got.get(("upstream", "ok"), 0) >= 1 and \
+                got.get(("client", "failed"), 0) >= 1:
+            break
+        time.sleep(0.2)
+    assert got.get(("client", "ok"), 0) >= 1 and got.get(("upstream", "ok"), 0) >= 1, got
+    assert got.get(("client", "failed"), 0) >= 1, got
 
 
 def test_sighup_reloads_certificates(served: tuple, certs: tuple) -> None:

@@ -28,6 +28,7 @@ import logging
 import os
 import socket as _stdsocket
 import ssl
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -351,6 +352,8 @@ class TlsContexts:
         self.client: ssl.SSLContext | None = None
         self.handshakes = 0  # completed, both sides
         self.failures = 0  # handshakes that failed or timed out, both sides
+        #: called with (role, side "client"/"upstream", ok) after every handshake (the worker's metrics)
+        self.on_handshake: Callable[[str, str, bool], None] | None = None
         self._build(sec, keep_on_error=False)
 
     def _build(self, sec: TlsSection, keep_on_error: bool) -> bool:
@@ -416,10 +419,10 @@ class TlsContexts:
                 if first != TLS_RECORD_HANDSHAKE:
                     return sock
             conn = _handshake(server_ctx, sock, True, None, timeout)
-            self.handshakes += 1
+            self._count(role, "client", True)
             return conn
         except OSError as exc:
-            self.failures += 1
+            self._count(role, "client", False)
             log.info("TLS handshake with a client failed; connection closed",
                      extra=ctx(role=role, client=client, error=str(exc)))
             sock.close()
@@ -433,11 +436,19 @@ class TlsContexts:
         try:
             conn = _handshake(client_ctx, sock, False, name, timeout)
         except OSError:
-            self.failures += 1
+            self._count(role, "upstream", False)
             sock.close()
             raise
-        self.handshakes += 1
+        self._count(role, "upstream", True)
         return conn
+
+    def _count(self, role: str, side: str, ok: bool) -> None:
+        if ok:
+            self.handshakes += 1
+        else:
+            self.failures += 1
+        if self.on_handshake is not None:
+            self.on_handshake(role, side, ok)
 
 
 def _wait(fd: int, events: int, timeout: float | None, waiting: set[Any] | None = None) -> None:

@@ -117,6 +117,8 @@ class Worker:
         self.draining = False
         self.settings = self._settings(cfg)
         self.tls = TlsContexts(cfg.tls)  # listener and upstream TLS (rmqfast.proxy.tls); the relay reads it
+        self.tls.on_handshake = lambda role, side, ok: self.metrics.tls_handshakes.labels(
+            role, side, "ok" if ok else "failed").inc()
         # [failover]: broker health probed in the background, routes healed, sends of clients of a
         # dead broker moved to another live master (rmqfast.proxy.health, rmqfast.proxy.failover)
         self.health_metrics = HealthMetrics()
