@@ -22,11 +22,14 @@ import os
 import signal
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
-from itutil import BOUND, metric, wait_until
+from itutil import BOUND, metric, request, wait_until
 
 from rmqfast.bench.failover import TOPIC, Producer, read_topic, render, run_scenario
+from rmqfast.codec import codes as C
+from rmqfast.codec.route import parse_route
 from rmqfast.testing import JarPaths, RocketMQCluster, ensure_jars
 from rmqfast.testing.proxy import ProxyProcess
 
@@ -115,3 +118,49 @@ def test_planned_worker_restart_go_away(jars4: JarPaths, cluster: RocketMQCluste
         assert all(seen[f"{p.run}|{i}"] >= 1 for i, _, _ in p.ok), p.name  # nothing acknowledged is lost
     assert "rmqfast/5" not in failed, failed  # 5.3.3 reconnects on GO_AWAY: no failed send
     assert sum(v for (n, _), v in m.items() if n == "rmqfast_go_away_total") >= 1, "no GO_AWAY was answered"
+
+
+def test_moved_send_stored_on_the_live_master_and_ordered_send_refused(jars: JarPaths) -> None:
+    """Raw frames to the endpoint of a killed master: a plain send is stored by the other real
+    broker (its broker name and queue id rewritten, properties kept) and answered with its result;
+    a send carrying __SHARDINGKEY and a send to a topic in failover.ordered_topics get
+    SERVICE_NOT_AVAILABLE and are stored nowhere."""
+    topic, ordered = "FoMoved", "FoOrdered"
+    with RocketMQCluster(jars=jars, broker_name="broker-a") as a, \
+            RocketMQCluster(jars=jars, broker_name="broker-b", join=a) as b:
+        for t in (topic, ordered):
+            a.create_topic(t, 4)
+            b.create_topic(t, 2)
+        cfg = '[failover]\nprobe_interval = 0.5\nprobe_interval_down = 0.1\nordered_topics = ["FoOrd*"]\n'
+        with ProxyProcess([a.namesrv_addr], workers=1, extra_config=cfg) as proxy:
+            def endpoints() -> dict[str, str]:
+                r = request(proxy.namesrv_addr, C.GET_ROUTEINFO_BY_TOPIC, {"topic": topic})
+                assert r.code == C.SUCCESS, r
+                route, _ = parse_route(r.body)
+                found = {bd["brokerName"]: bd["brokerAddrs"][0] for bd in route["brokerDatas"]}
+                return found if len(found) == 2 else {}
+
+            eps = wait_until(endpoints, BOUND, "both brokers in the route")
+            a.stop_broker()  # kill -9
+            wait_until(lambda: metric(proxy.metrics(), "rmqfast_broker_up", broker=a.broker_addr) == 0
+                       and metric(proxy.metrics(), "rmqfast_broker_down_total", broker=a.broker_addr) >= 1,
+                       BOUND, "the proxy sees broker-a dead")
+
+            def send(t: str, opaque: int, props: str) -> Any:
+                ext = {"a": "PG_fo", "b": t, "c": "TBW102", "d": "4", "e": "3", "f": "0", "g": "1", "h": "0",
+                       "i": props, "j": "0", "k": "false", "l": "16", "m": "false", "n": "broker-a"}
+                return request(eps["broker-a"], C.SEND_MESSAGE_V2, ext, body=f"fo|moved|{opaque}|".encode())
+
+            r = send(topic, 1, "UNIQ_KEY\u0001fo-1\u0002p\u0001v\u0002")
+            assert r.code == C.SUCCESS, (r.code, r.remark)
+            assert r.ext_fields["queueId"] == "1", r.ext_fields  # 3 mod broker-b's 2 write queues
+            r2 = send(topic, 2, "__SHARDINGKEY\u0001k\u0002UNIQ_KEY\u0001fo-2\u0002")
+            assert r2.code == 14 and "__SHARDINGKEY" in (r2.remark or ""), (r2.code, r2.remark)
+            r3 = send(ordered, 3, "UNIQ_KEY\u0001fo-3\u0002")
+            assert r3.code == 14 and "ordered_topics" in (r3.remark or ""), (r3.code, r3.remark)
+            m = proxy.metrics()
+        assert metric(m, "rmqfast_failovers_total", broker=a.broker_addr, to=b.broker_addr) == 1
+        assert metric(m, "rmqfast_failover_refused_total", reason="ordered") == 2
+        stored = read_topic([b.broker_addr], topic=topic, queues=2)
+        assert stored == {"moved|1": 1}, stored
+        assert not read_topic([b.broker_addr], topic=ordered, queues=2)
