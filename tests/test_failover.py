@@ -444,3 +444,17 @@ def test_signed_send_is_not_moved(cluster: Any) -> None:
     ans, to = svc.move(cmd, dead)
     assert ans.code == SERVICE_NOT_AVAILABLE and ans.opaque == 77 and to == "refused:signed"
     assert live.requests == []
+
+
+def test_send_fields_read_by_code_as_the_broker_does() -> None:
+    """A SEND_MESSAGE (V1) frame that also carries V2 short names is read by its V1 names (the broker
+    reads it so): the topic checked for order is the one the broker stores to."""
+    cfg = FailoverSection(ordered_topics=["Ord*"])
+    v1 = RemotingCommand(code=C.SEND_MESSAGE, ext_fields={"topic": "OrdA", "queueId": "5", "b": "Plain", "e": "1"})
+    info = send_info(v1)
+    assert info is not None and info.topic == "OrdA" and info.queue_id == 5 and not info.v2
+    assert ordered_reason(info, cfg)
+    out = retarget(v1, info, "broker-b", 4)
+    assert out.ext_fields is not None and out.ext_fields["queueId"] == "1" and out.ext_fields["e"] == "1"
+    v2 = RemotingCommand(code=C.SEND_MESSAGE_V2, ext_fields={"topic": "OrdA", "b": "Plain", "e": "2"})
+    assert send_info(v2) == SendInfo("Plain", 2, None, "", 0, True)

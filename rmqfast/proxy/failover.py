@@ -49,6 +49,7 @@ from rmqfast.codec import codes as C
 from rmqfast.codec import slot_code
 from rmqfast.codec._scan_py import result_index
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
 from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
@@ -62,8 +63,6 @@ SERVICE_NOT_AVAILABLE = 14
 #: Answers after which the next live master is tried (the producer would retry them too).
 TRY_NEXT_CODES = frozenset({C.SYSTEM_ERROR, C.SYSTEM_BUSY, SERVICE_NOT_AVAILABLE, C.NO_PERMISSION,
                             C.TOPIC_NOT_EXIST, C.GO_AWAY})
-#: MessageSysFlag.TRANSACTION_PREPARED_TYPE
-TRANSACTION_PREPARED = 1 << 2
 ROUTE_TTL = 30.0
 #: Requests of one failover connection handled at once; its reading pauses beyond that.
 MAX_IN_FLIGHT = 1024
@@ -137,29 +136,25 @@ class SendInfo:
     v2: bool
 
 
-def _int(s: str | None, default: int = 0) -> int:
-    try:
-        return int(s) if s is not None else default
-    except ValueError:
-        return default
-
-
 def send_info(cmd: RemotingCommand) -> SendInfo | None:
-    """The send header of ``cmd`` (V1 or V2 field names), or None if it is not a send."""
+    """The send header of ``cmd``, or None if it is not a send.
+
+    V1 or V2 field names by request code, as the broker decides (``SEND_MESSAGE`` reads
+    ``topic``, ``queueId``...; the others ``b``, ``e``...), never by which keys are present.
+    """
     if cmd.code not in SEND_CODES or cmd.is_response:
         return None
-    ext = cmd.ext_fields or {}
-    v2 = "b" in ext
-    topic = ext.get("b" if v2 else "topic")
+    f = send_fields(cmd.code, cmd.ext_fields)
+    topic = f.get("b")
     if not topic:
         return None
     return SendInfo(
         topic=topic,
-        queue_id=_int(ext.get("e" if v2 else "queueId")),
-        broker_name=ext.get("n" if v2 else "bname") or ext.get("bname"),
-        properties=ext.get("i" if v2 else "properties") or "",
-        sys_flag=_int(ext.get("f" if v2 else "sysFlag")),
-        v2=v2,
+        queue_id=field_int(f.get("e")),
+        broker_name=f.get("n") or (cmd.ext_fields or {}).get("bname"),
+        properties=f.get("i") or "",
+        sys_flag=field_int(f.get("f")),
+        v2=cmd.code != C.SEND_MESSAGE,
     )
 
 
