@@ -100,6 +100,7 @@ def test_planned_worker_restart_go_away(jars4: JarPaths, cluster: RocketMQCluste
             for pid in proxy.worker_pids():
                 os.kill(pid, signal.SIGTERM)  # a planned restart: drain, exit 0, the supervisor starts another
                 wait_until(lambda pid=pid: _pids_changed(proxy, pid), BOUND, f"worker {pid} replaced")
+                proxy.wait_ready(BOUND)  # the new worker listens: the next restart leaves someone serving
                 marks = [len(p.ok) for p in producers]
                 wait_until(lambda marks=marks: progress(0) and all(len(p.ok) >= m + 100
                                                                    for p, m in zip(producers, marks, strict=True)),
