@@ -553,3 +553,24 @@ topics = ["Delayed"]
         assert broker.queries > 0  # the restarted worker asked before sending again
         assert all(t >= at for t, _k in broker.got)
     broker.shutdown()
+
+
+def test_queue_window_releases_pipelined_and_everything_once(tmp_path):
+    broker = GeventBroker()
+    svc, spill = make_service(tmp_path, queue_window=16)
+    sess = FakeSession(broker.addr)
+    at = int(time.time() * 1000) + 300
+    for i in range(200):
+        cmd = send_cmd("Delayed", i, {"TIMER_DELIVER_MS": str(at + i)}, uniq=f"{UNIQ[:-3]}{i:03d}", queue=i % 3)
+        assert decode_frame(svc.filter.on_request(sess, frame_of(cmd)).data).code == C.SUCCESS
+    broker.busy = True  # the first windows are refused: each message is then sent again on its own
+    gevent.sleep(max(0, (at - time.time() * 1000) / 1000) + 0.2)
+    broker.busy = False
+    wait_for(lambda: len(broker.got) >= 200, 30, "200 releases")
+    gevent.sleep(0.2)
+    keys = [p["UNIQ_KEY"] for p in broker.props()]
+    assert sorted(keys) == [f"{UNIQ[:-3]}{i:03d}" for i in range(200)]  # each once
+    assert all(t >= at for t, _c in broker.got)
+    svc.close()
+    spill.close()
+    broker.close()

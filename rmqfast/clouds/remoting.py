@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -112,6 +113,41 @@ class Connection:
         except gevent.Timeout:
             self._pending.pop(opaque, None)
             raise RemoteError(f"{self.addr} did not answer request {code} within {timeout:.1f} s") from None
+
+    def request_many(self, requests: list[tuple[int, dict[str, str], bytes]], *,
+                     timeout: float = 3.0) -> list[RemotingCommand | RemoteError]:
+        """Several requests written with one ``sendall`` (pipelined); their answers, in the same
+        order (a :class:`RemoteError` for one that failed or timed out)."""
+        if self.closed:
+            raise RemoteError(f"connection to {self.addr} is closed")
+        waiters: list[tuple[int, AsyncResult]] = []
+        frames = []
+        for code, ext, body in requests:
+            opaque = next(self._opaques) & 0x7FFFFFFF
+            w: AsyncResult = AsyncResult()
+            self._pending[opaque] = w
+            waiters.append((opaque, w))
+            frames.append(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque, ext_fields=ext,
+                                                 body=body)))
+        try:
+            with self._send_lock:
+                self.sock.sendall(b"".join(frames))
+        except OSError as exc:
+            for opaque, _w in waiters:
+                self._pending.pop(opaque, None)
+            self.close()
+            raise RemoteError(f"cannot send {len(frames)} requests to {self.addr}: {exc}") from exc
+        out: list[RemotingCommand | RemoteError] = []
+        deadline = time.monotonic() + timeout
+        for opaque, w in waiters:
+            try:
+                out.append(w.get(timeout=max(0.0, deadline - time.monotonic())))
+            except gevent.Timeout:
+                self._pending.pop(opaque, None)
+                out.append(RemoteError(f"{self.addr} did not answer within {timeout:.1f} s"))
+            except RemoteError as exc:
+                out.append(exc)
+        return out
 
     def request_command(self, cmd: RemotingCommand, *, timeout: float = 3.0) -> RemotingCommand:
         """Send ``cmd`` as given (header fields, version, serialize type) under an opaque of this

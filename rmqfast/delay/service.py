@@ -431,10 +431,7 @@ class Releaser:
                     k, v, held = q[0]
                     outcomes = [self._send(k, held)]
                 else:  # up to `window` sends in flight on this queue (their order among them is the broker's)
-                    items = [q[i] for i in range(min(window, len(q)))]
-                    gs = [gevent.spawn(self._send, k, held) for k, _v, held in items]
-                    gevent.joinall(gs)
-                    outcomes = [g.value if g.successful() else None for g in gs]
+                    outcomes = self._send_window([q[i] for i in range(min(window, len(q)))])
                 for outcome in outcomes:
                     k, v, held = q[0]
                     if outcome is None:
@@ -477,6 +474,31 @@ class Releaser:
             log.warning("cannot ask the broker whether a held message was released before a restart; sending it",
                         extra=ctx(msg_id=held.msg_id, error=str(exc)))
             return False
+
+    def _send_window(self, items: list[tuple[bytes, bytes, Held]]) -> list[bool | None]:
+        """Send a window of one lane in one write (pipelined); what the broker did not store at
+        once (or what may have been sent before a crash) goes through :meth:`_send`, one by one."""
+        from rmqfast.clouds.remoting import RemoteError
+        from rmqfast.deliver.sender import STORED_CODES, build_request
+
+        fresh = [i for i, (k, _v, _h) in enumerate(items) if not (self.recheck_upto and k <= self.recheck_upto)]
+        results: dict[int, bool | None] = {}
+        if fresh:
+            reqs = []
+            for i in fresh:
+                rec = items[i][2].record
+                code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
+                if not rec.broker_name:
+                    ext.pop("n", None)
+                reqs.append((code, ext, body))
+            try:
+                answers: list[Any] = self.pool.get(items[0][2].addr).request_many(reqs, timeout=self.request_timeout)
+            except RemoteError:
+                answers = [None] * len(fresh)
+            for i, a in zip(fresh, answers, strict=True):
+                if a is not None and not isinstance(a, Exception) and a.code in STORED_CODES:
+                    results[i] = True
+        return [results[i] if i in results else self._send(k, held) for i, (k, _v, held) in enumerate(items)]
 
     def _send(self, k: bytes, held: Held) -> bool | None:
         """Send until the broker stores it (True) or refuses it for good (False); None: stopping."""
