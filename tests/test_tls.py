@@ -514,3 +514,20 @@ def test_check_config_summary_names_tls(certs: CertSet, tmp_path: Path, capsys: 
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("TLS"))
     assert "namesrv and broker listeners permissive" in line
     assert "broker upstreams over TLS (certificates not verified)" in line
+
+
+def test_tls_client_told_when_upstream_unreachable(certs: CertSet, scanner: tuple) -> None:
+    """The refusal path (SYSTEM_ERROR to whatever the client sends, then close) works over TLS."""
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()  # nothing listens there now
+    px = Proxy({"listen": _listen(certs)}, HostPort("127.0.0.1", port), scanner)
+    try:
+        c = tls_client(px.port, certs)
+        c.sendall(send_frame(9))
+        resp = decode_frame(read_frame(c))
+        assert resp.opaque == 9 and resp.code == C.SYSTEM_ERROR and "upstream unreachable" in (resp.remark or "")
+        c.close()
+    finally:
+        px.stop()
