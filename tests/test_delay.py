@@ -464,7 +464,7 @@ topics = ["Delayed"]
             cmds = []
             for i in range(per_conn):
                 k = f"{UNIQ[:-6]}{c:02d}{i:04d}"
-                at = t0 + 5000 + 10 * i  # 5 s out, 10 ms apart
+                at = t0 + 15000 + 10 * i  # 15 s out (the cancels before must finish first on a loaded machine)
                 due[k] = at
                 cmds.append(send_cmd("Delayed", i + 1, {"TIMER_DELIVER_MS": str(at), "KEYS": f"k-{k}"}, uniq=k))
             answers.extend(pipelined(port, cmds))
