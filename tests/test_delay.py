@@ -291,6 +291,10 @@ def test_not_a_delay_topic_or_no_delay_passes_and_refusals_are_clear(tmp_path):
     assert f.on_request(sess, frame_of(send_cmd("Other", 1, {"TIMER_DELAY_SEC": "5"}))) is None
     assert f.on_request(sess, frame_of(send_cmd("Delayed", 2, {"KEYS": "x"}))) is None
     assert f.on_request(sess, frame_of(send_cmd("Delayed", 3, {"DELAY": "3"}))) is None  # broker levels: broker
+    signed = send_cmd("Delayed", 7, {"TIMER_DELAY_SEC": "5"})
+    signed.ext_fields = {**signed.ext_fields, "AccessKey": "alice", "Signature": "c2lnbmVk"}
+    assert f.on_request(sess, frame_of(signed)) is None  # signed: the broker's own delay, not held
+    assert svc.signed_passed == 1 and svc.store.messages == 0
     a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 4, {"TIMER_DELAY_SEC": "7200"}))).data)
     assert a.code == MESSAGE_ILLEGAL and "delay.max_delay" in a.remark
     a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 5, {"TIMER_DELAY_SEC": "x"}))).data)
