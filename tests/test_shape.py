@@ -353,6 +353,8 @@ class _ThreadHandler(socketserver.BaseRequestHandler):
 
 @pytest.mark.parametrize("env", [{}, {"RMQFAST_NO_EXTENSIONS": "1"}], ids=["compiled", "pure-python"])
 def test_through_a_real_proxy(tmp_path, env):
+    # 2/s: a token refills only every 500 ms, so a loaded machine that takes long over each shaped
+    # send (a synced write) still sees the whole pipelined backlog shaped behind the burst.
     broker = ThreadBroker()
     def extra(p: ProxyProcess) -> str:  # the ports change if the proxy must move
         return f"""
@@ -363,7 +365,7 @@ upstream = "127.0.0.1:{broker.server_address[1]}"
 [limits]
 [[limits.rule]]
 topic = "Shaped"
-rate = 10
+rate = 2
 burst = 3
 mode = "shape"
 """
@@ -394,14 +396,14 @@ mode = "shape"
         shaped = [a for a in answers if "shaped" in (a.remark or "")]
         assert len(shaped) == 22 and all(a.ext_fields["queueOffset"] == "-1" for a in shaped)
         assert [a.ext_fields["msgId"] for a in shaped] == keys[len(keys) - len(shaped):]
-        deadline = time.monotonic() + 60  # a bound for a hang; the rate is checked below
+        deadline = time.monotonic() + 120  # a bound for a hang; the rate is checked below
         while len(broker.got) < 25 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [k for _t, k in broker.got] == keys  # every message, in send order
         times = [t for t, _ in broker.got]
         steady = (len(shaped) - 1) / (times[-1] - times[len(keys) - len(shaped)])
-        # never faster than 10/s (+20 %); slower only as far as a loaded machine lags (-50 %)
-        assert 5 <= steady <= 12, steady
+        # never faster than 2/s (+20 %); slower only as far as a loaded machine lags (-50 %)
+        assert 1 <= steady <= 2.4, steady
         time.sleep(1.5)  # a publish period
         m = p.metrics()
         assert sum(v for (n, lab), v in m.items() if n == "rmqfast_limit_shaped_total"
