@@ -397,3 +397,13 @@ def test_connection_pool_signs_with_the_proxys_own_credentials() -> None:
         plain.close()
         server.stop()
         gevent.sleep(0)
+
+
+def test_recall_of_an_unlisted_topic_is_refused() -> None:
+    # RECALL_MESSAGE (370) puts a timer-delete marker into the topic its header names (the broker
+    # checks the recall handle names the same topic): a write the allowlist must see
+    f = filt({AK: ["Orders"]})
+    assert f.on_request(FakeSession(), frame_of(C.RECALL_MESSAGE, {"topic": "Orders", "recallHandle": "h"})) is None
+    r = answer(f.on_request(FakeSession(), frame_of(C.RECALL_MESSAGE, {"topic": "Payroll", "recallHandle": "h"})))
+    assert r.code == C.NO_PERMISSION and "'Payroll'" in r.remark
+    assert code_slot(C.RECALL_MESSAGE) in f.request_slots()

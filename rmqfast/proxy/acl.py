@@ -15,15 +15,15 @@ The allowlist is the proxy's own, on top of the broker's ACL::
     unsigned = "deny"       # requests without an AccessKey: "deny" (default) | "allow"
     other_keys = "deny"     # AccessKeys that acl.topics does not name: "deny" (default) | "allow"
 
-An entry is a topic name, a prefix ending in ``*``, or ``*`` (every topic).  A listed AccessKey
-may send to (10, 310, 320, 324, 325), consume from (11, 361, 200050, 200052) and query (12) the
-topics listed for it; anything else of those codes is answered ``NO_PERMISSION`` (16) with a
-remark naming the AccessKey, the topic and the setting that would allow it (a one-way send is
-dropped).  Retry topics (``%RETRY%group``) are not checked: they belong to consumer groups,
-which the broker's ACL governs.  The proxy cannot verify a signature (it has no secret), so the
-allowlist only narrows what holders of valid credentials can reach; the broker still rejects a
-forged AccessKey.  Without ``acl.topics`` nothing is checked and these codes stay on the
-compiled path.
+An entry is a topic name, a prefix ending in ``*``, or ``*`` (every topic). A listed AccessKey
+may send to (10, 310, 320, 324, 325), recall delayed messages of (370), consume from (11, 361,
+200050, 200052) and query (12) the topics listed for it; anything else of those codes is
+answered ``NO_PERMISSION`` (16) with a remark naming the AccessKey, the topic and the setting
+that would allow it (a one-way send is dropped). Retry topics (``%RETRY%group``) are not
+checked: they belong to consumer groups, which the broker's ACL governs. The proxy cannot verify
+a signature (it has no secret), so the allowlist only narrows what holders of valid credentials
+can reach; the broker still rejects a forged AccessKey. Without ``acl.topics`` nothing is
+checked and these codes stay on the compiled path.
 
 The AccessKey and topic are read as the broker reads them (``extFields.get`` by exact key, JSON
 escapes decoded): the header walk has already refused frames whose topic field is duplicated,
@@ -67,6 +67,9 @@ TOPIC_FIELDS: dict[int, tuple[str, str]] = {
     C.POP_MESSAGE: ("topic", "consume from"),
     C.PEEK_MESSAGE: ("topic", "consume from"),
     C.QUERY_MESSAGE: ("topic", "query"),
+    # RECALL_MESSAGE (5.3.2+) writes a timer-delete marker into the topic (Action.PUB in the broker's
+    # ACL); the broker refuses a recall handle naming another topic than this field.
+    C.RECALL_MESSAGE: ("topic", "recall a message of"),
 }
 
 CHOICES = ("deny", "allow")
