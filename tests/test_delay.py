@@ -65,6 +65,26 @@ def test_due_time_of_each_property_and_the_brokers_order():
         due_ms({"TIMER_DELAY_SEC": "soon"}, now, {})
 
 
+@pytest.mark.parametrize("props", [{"TIMER_DELAY_SEC": " 5"}, {"TIMER_DELAY_SEC": "1_0"}, {"TIMER_DELAY_MS": "5 "},
+                                   {"DELAY": " 19"}, {"DELAY": "2147483648"},
+                                   {"TIMER_DELIVER_MS": "-99999999999999999999999"},
+                                   {"TIMER_DELIVER_MS": "9223372036854775808"}, {"TIMER_DELAY_SEC": "+"}])
+def test_values_java_cannot_parse_are_invalid_not_held(props):
+    # Long.parseLong / Integer.parseInt take no blanks, no '_' and nothing out of range (Python's int
+    # takes the first two and any size): the broker refuses these, so the proxy must not hold them
+    with pytest.raises(DelayInvalid):
+        due_ms(props, 1_700_000_000_000, {19: 10_000})
+
+
+def test_values_java_parses_and_its_long_arithmetic():
+    now = 1_700_000_000_000
+    assert due_ms({"TIMER_DELAY_SEC": "+5"}, now, {}) == now + 5000
+    assert due_ms({"TIMER_DELAY_MS": "-5"}, now, {}) == now - 5  # due already: delivered at once
+    assert due_ms({"TIMER_DELIVER_MS": "\u0663"}, now, {}) == 3  # Character.digit reads any decimal digit
+    # seconds * 1000 wraps in Java: the broker sees a time long past and stores at once
+    assert due_ms({"TIMER_DELAY_SEC": "9223372036854776"}, now, {}) < now
+
+
 def test_strip_keeps_everything_else_byte_for_byte():
     props = "KEYS\x01k1 k2\x02TIMER_DELAY_SEC\x015\x02UNIQ_KEY\x01AB\x02DELAY\x013\x02__STARTDELIVERTIME\x019\x02"
     assert strip_delay(props) == "KEYS\x01k1 k2\x02UNIQ_KEY\x01AB\x02"

@@ -13,12 +13,15 @@ broker reads them (``HookUtils.checkIfTimerMessage`` / ``transformTimerMessage``
 
 The broker reads the relative forms first (seconds, then milliseconds, then the absolute time);
 the proxy reads them in the same order.  A message that already went through a broker's timer
-(``TIMER_OUT_MS`` set) is not a delay request.  A value that is not an integer makes the send
-invalid (the broker answers ``WHEEL_TIMER_MSG_ILLEGAL``; the proxy answers MESSAGE_ILLEGAL).
+(``TIMER_OUT_MS`` set) is not a delay request.  A value that is not an integer as Java's
+``Long.parseLong`` reads it (blanks, ``_``, out of range) makes the send invalid (the broker
+answers ``WHEEL_TIMER_MSG_ILLEGAL``; the proxy answers MESSAGE_ILLEGAL); a relative time is added
+in Java's wrapping long arithmetic.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from rmqfast.codec.properties import DELAY, TIMER_DELAY_MS, TIMER_DELAY_SEC, TIMER_DELIVER_MS
@@ -36,11 +39,22 @@ class DelayInvalid(ValueError):
     """A delivery-time property whose value is not an integer (the message says which)."""
 
 
-def _int(name: str, value: str) -> int:
-    try:
-        return int(value.strip())
-    except ValueError:
-        raise DelayInvalid(f"property {name}={value!r} is not an integer") from None
+_JAVA_INT = re.compile(r"[+-]?\d+")  # Long.parseLong / Integer.parseInt: a sign, decimal digits, nothing else
+
+
+def _int(name: str, value: str, bits: int = 64) -> int:
+    """``value`` as Java's ``Long.parseLong`` (``Integer.parseInt`` for 32 bits) reads it: no
+    blanks, no ``_`` (Python's ``int`` takes both), in range; DelayInvalid where Java throws."""
+    if _JAVA_INT.fullmatch(value):
+        v = int(value)
+        if -(1 << (bits - 1)) <= v < 1 << (bits - 1):
+            return v
+    raise DelayInvalid(f"property {name}={value!r} is not an integer")
+
+
+def _long(v: int) -> int:
+    """``v`` wrapped as Java's long arithmetic wraps it."""
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def due_ms(props: Mapping[str, str], now_ms: int, levels: Mapping[int, int]) -> int | None:
@@ -51,7 +65,7 @@ def due_ms(props: Mapping[str, str], now_ms: int, levels: Mapping[int, int]) -> 
     """
     level = props.get(DELAY)
     if level is not None:
-        lv = _int(DELAY, level)
+        lv = _int(DELAY, level, 32)
         if lv > 0:  # a level wins over the timer properties (the broker clears those)
             ms = levels.get(lv)
             return None if ms is None else now_ms + ms
@@ -59,10 +73,10 @@ def due_ms(props: Mapping[str, str], now_ms: int, levels: Mapping[int, int]) -> 
         return None
     v = props.get(TIMER_DELAY_SEC)
     if v is not None:
-        return now_ms + _int(TIMER_DELAY_SEC, v) * 1000
+        return _long(now_ms + _long(_int(TIMER_DELAY_SEC, v) * 1000))
     v = props.get(TIMER_DELAY_MS)
     if v is not None:
-        return now_ms + _int(TIMER_DELAY_MS, v)
+        return _long(now_ms + _int(TIMER_DELAY_MS, v))
     v = props.get(TIMER_DELIVER_MS)
     if v is not None:
         return _int(TIMER_DELIVER_MS, v)
