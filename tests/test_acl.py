@@ -321,6 +321,40 @@ def test_failover_does_not_move_signed_sends() -> None:
         health.close()
 
 
+def test_failover_does_not_move_what_the_allowlist_refuses() -> None:
+    """A client of a dead broker's endpoint is served by the failover service, not the relay's filter
+    chain: with [acl] unsigned = "deny" its unsigned sends were moved to another broker all the same."""
+    from rmqfast.proxy.failover import FailoverService, RouteBook
+    from rmqfast.proxy.health import BrokerHealth, FailoverSection
+
+    fast = FailoverSection(probe_interval=0.2, probe_interval_down=0.05, probe_timeout=0.5, send_timeout=2.0)
+    health = BrokerHealth(fast)
+    route = ({"broker-a": "127.0.0.1:1", "broker-b": "127.0.0.1:2"}, [("broker-a", 4, 6), ("broker-b", 4, 6)])
+    book = RouteBook(lambda: [])
+    book._routes["Payroll"] = (1e18, route)
+    svc = FailoverService(fast, health, book)
+    sent: list[str] = []
+
+    def request(addr: str, cmd: RemotingCommand) -> RemotingCommand:
+        sent.append(addr)
+        return RemotingCommand(code=C.SUCCESS, flag=C.FLAG_RESPONSE, opaque=cmd.opaque)
+
+    svc._request = request  # type: ignore[method-assign]
+    try:
+        ext = {"a": "PG", "b": "Payroll", "e": "1", "f": "0", "i": "", "n": "broker-a"}
+        unsigned = decode_frame(frame_of(C.SEND_MESSAGE_V2, ext, creds=None).data)
+        svc.acl_denies_unsigned = True
+        ans, to = svc.move(unsigned, "127.0.0.1:1")
+        assert ans.code == C.NO_PERMISSION and to == "refused:unsigned" and sent == []
+        assert "acl.unsigned" in (ans.remark or "")
+        svc.acl_denies_unsigned = False  # acl.unsigned = "allow" (or no [acl]): moved as before
+        ans, to = svc.move(unsigned, "127.0.0.1:1")
+        assert ans.code == C.SUCCESS and to == "127.0.0.1:2" and sent == ["127.0.0.1:2"]
+    finally:
+        health.close()
+
+
+
 def test_unreadable_headers_are_refused_never_raised() -> None:
     """Whatever reaches the filter (the walk refuses most of it first), it answers, passes, or
     closes the connection when the header cannot even be answered; it never raises."""

@@ -259,6 +259,10 @@ class FailoverService:
         #: a connection without requests for this long is closed (the client reconnects when it needs to;
         #: a client that only waits, a consumer, then learns at once that its broker is still away)
         self.idle_close = 1.0
+        #: [acl] with unsigned = "deny" (set by the worker, and on reload): the sends served here never pass
+        #: the relay's filter chain, so the allowlist's refusal of unsigned sends is made here too (signed
+        #: sends are never moved at all)
+        self.acl_denies_unsigned = False
 
     # One send -----------------------------------------------------------------------------------
 
@@ -274,6 +278,10 @@ class FailoverService:
             return self._refuse(cmd, dead_addr, "signed", f"rmqfast: broker {dead_addr} is unreachable and this "
                                 "signed send (AccessKey) is not moved to another broker: its signature covers the "
                                 "broker name and queue id a move changes; retry (on another broker)")
+        if self.acl_denies_unsigned:  # [acl] unsigned = "deny": the relay's allowlist refuses this send
+            return self._refuse(cmd, dead_addr, "unsigned", "rmqfast: unsigned request (no AccessKey) refused by the "
+                                "proxy's topic allowlist; sign requests, or set acl.unsigned = \"allow\"",
+                                code=C.NO_PERMISSION)
         reason = ordered_reason(info, self.cfg)
         if reason is not None:
             return self._refuse(cmd, dead_addr, "ordered", f"rmqfast: broker {dead_addr} is unreachable and this "
@@ -319,11 +327,12 @@ class FailoverService:
         conn = self.pool.get(addr)
         return conn.request_command(cmd, timeout=self.cfg.send_timeout)  # type: ignore[no-any-return]
 
-    def _refuse(self, cmd: RemotingCommand, dead_addr: str, reason: str, remark: str) -> tuple[RemotingCommand, str]:
+    def _refuse(self, cmd: RemotingCommand, dead_addr: str, reason: str, remark: str,
+                code: int = SERVICE_NOT_AVAILABLE) -> tuple[RemotingCommand, str]:
         self.refused += 1
         if self.metrics is not None:
             self.metrics.failover_refused.labels(dead_addr, reason).inc()
-        resp = make_response(cmd, SERVICE_NOT_AVAILABLE, remark,
+        resp = make_response(cmd, code, remark,
                              ext_fields={"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"})
         return resp, f"refused:{reason}"
 

@@ -134,6 +134,7 @@ class Worker:
         self.failover = FailoverService(cfg.failover, self.health, self.book, self.health_metrics,
                                         max_frame=cfg.proxy.max_frame_size,
                                         pool=ConnectionPool(cfg.failover.probe_timeout, wrap=to_broker))
+        self.failover.acl_denies_unsigned = cfg.acl.enabled and cfg.acl.unsigned == "deny"
         self.registry = EndpointRegistry(cfg, self._bind_endpoint)
         self._build_chains()
         self.shaper: Any = None  # [limits] mode "shape": peak shaving (rmqfast.limits.shaper)
@@ -499,6 +500,7 @@ class Worker:
         self.tls.reload(cfg.tls)  # certificate files read again; new connections use them
         self.registry.reconfigure(cfg)
         self.health.cfg = self.failover.cfg = cfg.failover  # probes and moved sends follow [failover]
+        self.failover.acl_denies_unsigned = cfg.acl.enabled and cfg.acl.unsigned == "deny"
         if self.limits_publisher is not None:
             self.limits_publisher.reconfigure(cfg.limits)  # live sessions see it at once
         self._build_chains()
