@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
+import time
 from typing import Any
 
 import gevent
+import gevent.event
 import pytest
 from gevent import socket
 from gevent.server import StreamServer
@@ -458,3 +461,44 @@ def test_send_fields_read_by_code_as_the_broker_does() -> None:
     assert out.ext_fields is not None and out.ext_fields["queueId"] == "1" and out.ext_fields["e"] == "1"
     v2 = RemotingCommand(code=C.SEND_MESSAGE_V2, ext_fields={"topic": "OrdA", "b": "Plain", "e": "2"})
     assert send_info(v2) == SendInfo("Plain", 2, None, "", 0, True)
+
+
+def test_requests_held_at_once_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1024 requests of a max-size frame each would be gigabytes: reading pauses at
+    MAX_IN_FLIGHT_BYTES too, and every request is still answered."""
+    import rmqfast.proxy.failover as fo
+
+    monkeypatch.setattr(fo, "MAX_IN_FLIGHT_BYTES", 3 * 1024 * 1024)
+    health = BrokerHealth(FAST)
+    svc = FailoverService(FAST, health, RouteBook(lambda: []))
+    release = gevent.event.Event()
+    busy = [0, 0]  # now, most at once
+
+    def move(cmd: RemotingCommand, dead_addr: str) -> tuple[RemotingCommand, str]:
+        busy[0] += 1
+        busy[1] = max(busy)
+        release.wait(timeout=30)
+        busy[0] -= 1
+        return make_response(cmd, C.SUCCESS, ""), "x"
+
+    svc.move = move  # type: ignore[method-assign]
+    health.connect_failed("127.0.0.1:1", "refused")
+    client, g = _serve_pair(svc, "127.0.0.1:1")
+    try:
+        big = [dataclasses.replace(_send_v2(qid=0, opaque=i), body=b"z" * (1 << 20)) for i in range(8)]
+        sender = gevent.spawn(client.sendall, b"".join(encode(c) for c in big))
+        deadline = time.monotonic() + 20
+        while busy[1] < 2 and time.monotonic() < deadline:
+            gevent.sleep(0.05)
+        gevent.sleep(0.5)  # the reader had time to take more if it were not bounded
+        assert busy[1] == 2, busy  # 2 frames of 1 MiB and a bit fit in 3 MiB, a third does not
+        release.set()
+        buf = bytearray()
+        got = {decode_frame(_read_frame(client, buf)).opaque for _ in range(8)}  # type: ignore[arg-type]
+        assert got == set(range(8))
+        sender.join(timeout=5)
+    finally:
+        release.set()
+        client.close()
+        g.join(timeout=5)
+        health.close()

@@ -66,6 +66,9 @@ TRY_NEXT_CODES = frozenset({C.SYSTEM_ERROR, C.SYSTEM_BUSY, SERVICE_NOT_AVAILABLE
 ROUTE_TTL = 30.0
 #: Requests of one failover connection handled at once; its reading pauses beyond that.
 MAX_IN_FLIGHT = 1024
+#: Bytes of the requests one failover connection holds at once (each may be a whole max-size
+#: frame); its reading pauses beyond that (one request at a time is always taken).
+MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
 
 Route = tuple[dict[str, str], list[tuple[str, int, int]]]  # masters by name, (name, write queues, perm)
 
@@ -398,6 +401,15 @@ class FailoverService:
     def _read_loop(self, client: socket.socket, in_flight: list[int], done: Any,
                    handle: Callable[[RemotingCommand], None], last: list[float]) -> None:
         buf = bytearray()
+        held = [0]  # bytes of the requests being handled
+
+        def sized(cmd: RemotingCommand, size: int) -> None:
+            try:
+                handle(cmd)
+            finally:
+                held[0] -= size
+                done.set()
+
         try:
             while True:
                 chunk = client.recv(65536)
@@ -417,13 +429,16 @@ class FailoverService:
                     cmd = decode_frame(frame)
                     if cmd.is_response:
                         continue  # answers to broker-to-client requests: no broker to give them to
-                    while in_flight[0] >= MAX_IN_FLIGHT:  # a client pipelining without end waits here
+                    # a client pipelining without end waits here (count and bytes: 1024 max-size frames
+                    # would be gigabytes)
+                    while in_flight[0] >= MAX_IN_FLIGHT or (in_flight[0] and held[0] + n > MAX_IN_FLIGHT_BYTES):
                         done.clear()
                         done.wait(timeout=0.1)
                     in_flight[0] += 1
+                    held[0] += n
                     last[0] = time.monotonic()
                     done.clear()
-                    gevent.spawn(handle, cmd)
+                    gevent.spawn(sized, cmd, n)
         except (OSError, ValueError) as exc:
             log.info("failover connection ended", extra=ctx(error=str(exc)))
 
