@@ -119,3 +119,28 @@ def test_rewrite_routes_without_health_changes_no_perm() -> None:
     f = RewriteRoutes(_Registry())  # type: ignore[arg-type]
     obj, _ = parse_route(_route_exchange(f, LEGACY_ROUTE))
     assert {q["perm"] for q in obj["queueDatas"]} == {6}
+
+
+def test_route_answers_cannot_pass_unrewritten() -> None:
+    """An answer whose opaque is not pending is relayed as it is: a second route request on an
+    opaque still pending (the second answer back) or more requests pending than are remembered
+    would reach the client with the real broker addresses. The connection is closed instead."""
+    f = RewriteRoutes(_Registry())  # type: ignore[arg-type]
+    sess = _Sess()
+
+    def request(opaque: int, topic: str) -> Any:
+        req = encode(RemotingCommand(code=C.GET_ROUTEINFO_BY_TOPIC, opaque=opaque, ext_fields={"topic": topic}))
+        return f.on_request(sess, Frame(req, C.GET_ROUTEINFO_BY_TOPIC, 0, opaque))
+
+    assert request(7, "A") is None
+    v = request(7, "B")
+    assert v is not None and getattr(v.kind, "value", v.kind) == "close" and "reuses opaque 7" in v.reason
+    resp = encode(RemotingCommand(code=C.SUCCESS, opaque=7, flag=C.FLAG_RESPONSE, body=LEGACY_ROUTE))
+    v = f.on_response(sess, Frame(resp, C.SUCCESS, C.FLAG_RESPONSE, 7))
+    assert v is not None and b"10.0.0.1" not in v.data  # the one pending answer is rewritten
+    assert request(7, "B") is None  # answered: the opaque may be used again
+    many = _Sess()
+    sess = many
+    assert all(request(100 + i, "T") is None for i in range(10000))
+    v = request(20000, "T")
+    assert v is not None and getattr(v.kind, "value", v.kind) == "close" and "10000" in v.reason

@@ -325,8 +325,14 @@ class RewriteRoutes(Filter):
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         if frame.code in self.CODES and not frame.is_oneway:
             pending: dict[int, int] = session.state.setdefault("route_opaques", {})
-            if len(pending) > 10000:  # a client that never reads answers; don't grow forever
-                pending.clear()
+            # An answer whose opaque is not pending is relayed as it is, real broker addresses and
+            # all: a second request on an opaque still pending (its answer would be the second one
+            # back) and forgetting pending opaques would both let one through unrewritten.
+            if frame.opaque in pending:
+                return close(f"route request {frame.code} reuses opaque {frame.opaque} while a route request "
+                             "with it is unanswered (its answer could not be told apart and rewritten)")
+            if len(pending) >= 10000:  # a client that never reads answers; don't grow forever
+                return close("more than 10000 route requests unanswered on one connection")
             pending[frame.opaque] = frame.code
             if self.book is not None and frame.code == C.GET_ROUTEINFO_BY_TOPIC:
                 topics: dict[int, str] = session.state.setdefault("route_topics", {})
