@@ -153,6 +153,24 @@ def test_filter_rewrites_pull_answer(stype: int) -> None:
     assert f.on_response(s, resp) is None  # the opaque was answered already
 
 
+def test_filter_closes_rather_than_let_an_answer_through_unrewritten() -> None:
+    # a second pull on an opaque still pending: its answer (the second back) would not be pending any
+    # more and would reach the client with the broker's own store host; likewise pending opaques
+    # forgotten past the bound
+    f = RewriteMessageAddresses(FakeRegistry())  # type: ignore[arg-type]
+    s = FakeSession()
+
+    def pull(opaque: int) -> Any:
+        return f.on_request(s, frame_of(RemotingCommand(code=C.PULL_MESSAGE, opaque=opaque, ext_fields={"topic": "T"})))
+
+    assert pull(7) is None
+    v = pull(7)
+    assert v is not None and v.kind is Kind.CLOSE and "reuses opaque 7" in v.reason
+    assert all(pull(100 + i) is None for i in range(9999))  # 10000 pending with opaque 7
+    v = pull(50000)
+    assert v is not None and v.kind is Kind.CLOSE and "unanswered" in v.reason
+
+
 def test_filter_rewrites_send_answer_and_skips_others() -> None:
     f = RewriteMessageAddresses(FakeRegistry(), "all")  # type: ignore[arg-type]
     s = FakeSession()

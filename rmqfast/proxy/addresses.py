@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from rmqfast.codec import codes as C
 from rmqfast.codec.msgaddr import format_host, header_field_span, host_bytes, patch_offset_ids, patch_store_hosts
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, rewrite, slots_of
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, rewrite, slots_of
 
 if TYPE_CHECKING:
     from rmqfast.proxy.endpoints import EndpointRegistry
@@ -137,8 +137,14 @@ class RewriteMessageAddresses(Filter):
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         if frame.code in self.codes and not frame.is_oneway:
             pending: dict[int, int] = session.state.setdefault(_PENDING, {})
-            if len(pending) > _MAX_PENDING:  # answers that never came (replied locally, lost)
-                pending.clear()
+            # An answer whose opaque is not pending goes to the client unrewritten (real store hosts):
+            # a second request on a pending opaque, or pending opaques forgotten, would let one through.
+            if frame.opaque in pending:
+                return close(f"request {frame.code} reuses opaque {frame.opaque} while a request with it is "
+                             "unanswered (its answer could not be told apart and rewritten)")
+            if len(pending) >= _MAX_PENDING:  # long-polled pulls pipelined without end
+                return close(f"more than {_MAX_PENDING} requests with broker addresses in their answers "
+                             "unanswered on one connection")
             pending[frame.opaque] = frame.code
             frame.want_response = True
         return None
