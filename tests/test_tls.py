@@ -119,6 +119,47 @@ def test_bad_pem_and_mismatched_key(certs: CertSet, other_certs: CertSet, tmp_pa
         _cfg({"listen": {"mode": "enforcing", "cert": str(certs.server_cert), "key": str(certs.server_key),
                          "verify_client": "require"}})
 
+def test_encrypted_key_without_password_is_refused_not_prompted_for(certs: CertSet, tmp_path: Path) -> None:
+    """Without key_password OpenSSL asked for the pass phrase on the controlling terminal and waited
+    (a supervisor or worker started from a shell hung on a reload); it must be a ConfigError."""
+    import os
+    import subprocess
+    import sys
+    import termios
+
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(certs.server_key.read_bytes(), None)
+    enc = tmp_path / "enc-key.pem"
+    enc.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.BestAvailableEncryption(b"pw")))
+    code = ("import sys\nfrom rmqfast.errors import ConfigError\nfrom rmqfast.proxy.tls import TlsListenSection, "
+            "server_context\ntry:\n    server_context(TlsListenSection(mode='enforcing', cert=sys.argv[1], "
+            "key=sys.argv[2]))\nexcept ConfigError as e:\n    print('REFUSED', e)\n")
+    master, slave = os.openpty()
+
+    def own_terminal() -> None:  # the child's controlling terminal is the pty: OpenSSL could prompt on it
+        os.setsid()
+        import fcntl
+
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(certs.server_cert), str(enc)], stdin=slave,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=own_terminal,
+                                cwd=str(Path(__file__).resolve().parent.parent))
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+            pytest.fail(f"server_context waited for a pass phrase on the terminal: {out!r}")
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert b"REFUSED tls.listen" in out and b"key_password" in out, out
+
+
 
 def test_check_config_cli_reports_tls_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from rmqfast.cli import main

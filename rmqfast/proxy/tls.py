@@ -264,7 +264,9 @@ def _load_chain(ctx: ssl.SSLContext, prefix: str, cert: str, key: str, password:
     _check_pem(f"{prefix}.cert", cert, b"CERTIFICATE-----", "a certificate")
     _check_pem(f"{prefix}.key", key, b"PRIVATE KEY-----", "a private key")
     try:
-        ctx.load_cert_chain(cert, key, password=password or None)
+        # "" rather than None: without a password OpenSSL asks for one on the controlling terminal
+        # and blocks there (a SIGHUP reload of an encrypted key with no key_password hung the process)
+        ctx.load_cert_chain(cert, key, password=password or "")
     except ssl.SSLError as exc:
         reason = exc.reason or str(exc)
         if "MISMATCH" in str(reason).upper():
