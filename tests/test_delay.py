@@ -322,6 +322,12 @@ def test_not_a_delay_topic_or_no_delay_passes_and_refusals_are_clear(tmp_path):
     assert a.code == MESSAGE_ILLEGAL and "delay.max_delay" in a.remark
     a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 5, {"TIMER_DELAY_SEC": "x"}))).data)
     assert a.code == MESSAGE_ILLEGAL and "TIMER_DELAY_SEC" in a.remark
+    a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 8, {"TIMER_DELAY_SEC": "5"},
+                                                           body=b"x" * (4 * 1024 * 1024 + 1)))).data)
+    assert a.code == MESSAGE_ILLEGAL and "maxMessageSize" in a.remark  # the broker would refuse it after SUCCESS
+    long_props = {"TIMER_DELAY_SEC": "5", "p": "v" * 33000}
+    a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 9, long_props))).data)
+    assert a.code == MESSAGE_ILLEGAL and "properties" in a.remark
     a = decode_frame(f.on_request(sess, frame_of(send_cmd("Delayed", 6, {"TIMER_DELAY_SEC": "5"}, sys_flag=4))).data)
     assert a.code == MESSAGE_ILLEGAL and "transaction" in a.remark
     # a full store: later delayed sends are refused, the ones held stay

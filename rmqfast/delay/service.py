@@ -46,6 +46,11 @@ log = logging.getLogger("rmqfast.delay")
 SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 MESSAGE_ILLEGAL = 13
 HELD_QUEUE_OFFSET = -1
+#: What a broker refuses for good (MESSAGE_ILLEGAL) whatever the retry: a body over its default
+#: ``maxMessageSize`` (4 MiB) or properties longer than a short (the commit-log record's field).
+#: Held messages are acknowledged before the broker sees them, so these are refused up front.
+BROKER_MAX_BODY = 4 * 1024 * 1024
+BROKER_MAX_PROPERTIES = 32767
 HELD_REMARK = "rmqfast: accepted by rmqfast proxy (delayed); delivered at its due time"
 _RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -85,6 +90,17 @@ class DelayMetrics:
 def held_answer(request: RemotingCommand, msg_id: str, queue_id: int) -> bytes:
     ext = {"msgId": msg_id, "queueId": str(max(queue_id, 0)), "queueOffset": str(HELD_QUEUE_OFFSET), **_RESPONSE_EXT}
     return encode(make_response(request, C.SUCCESS, HELD_REMARK, ext_fields=ext))
+
+
+def _too_large_for_a_broker(body: bytes, props_text: str) -> tuple[int, str, str] | None:
+    """(answer code, reason, why) for a send no broker with default limits would store."""
+    if len(body) > BROKER_MAX_BODY:
+        return (MESSAGE_ILLEGAL, "too_large", f"the body is {len(body)} bytes, over the broker's default "
+                f"maxMessageSize ({BROKER_MAX_BODY}); a held message must be one the broker can store")
+    if len(props_text.encode()) > BROKER_MAX_PROPERTIES:
+        return (MESSAGE_ILLEGAL, "too_large", f"the properties are {len(props_text.encode())} bytes, over the "
+                f"{BROKER_MAX_PROPERTIES} a broker stores")
+    return None
 
 
 def refusal(request: RemotingCommand, code: int, remark: str) -> bytes:
@@ -216,6 +232,8 @@ class DelayService:
         if due is None:
             return None
         refusal = self._unholdable(field_int(ext.get("f")), due, now, session)
+        if refusal is None:
+            refusal = _too_large_for_a_broker(cmd.body, props_text)
         if refusal is not None:
             return self._refuse(frame, cmd, *refusal)
         body = cmd.body
