@@ -32,6 +32,7 @@ import selectors
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -434,33 +435,26 @@ class Supervisor:
     def metrics_text(self) -> bytes:
         """The workers' metrics, summed (prometheus-client multiprocess files).
 
-        A file can vanish or still be growing while a worker dies or starts: such a read is
-        retried a few times before the error goes to the caller.
+        A file can vanish, be empty (just created by a worker starting) or still be growing while
+        a worker dies or starts: empty files are left out (they hold nothing yet) and a failed read
+        is retried a few times before the error goes to the caller.
         """
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.multiprocess import MultiProcessCollector
+        from prometheus_client import generate_latest
 
-        for attempt in range(3):
+        for attempt in range(5):
             try:
                 with self.prom_lock:
-                    reg = CollectorRegistry()
-                    MultiProcessCollector(reg, path=str(self.prom_dir))
-                    return generate_latest(reg)
-            except (OSError, ValueError, KeyError):
-                if attempt == 2:
+                    return generate_latest(_PromFiles(self.prom_dir))  # type: ignore[arg-type]
+            except (OSError, ValueError, KeyError, struct.error):
+                if attempt == 4:
                     raise
                 time.sleep(0.05)
         raise AssertionError("unreachable")
 
     def limits_view(self) -> dict[str, Any]:
         """The rules in force and what they admitted and rejected so far (summed over workers)."""
-        from prometheus_client import CollectorRegistry
-        from prometheus_client.multiprocess import MultiProcessCollector
-
         with self.prom_lock:
-            reg = CollectorRegistry()
-            MultiProcessCollector(reg, path=str(self.prom_dir))
-            families = list(reg.collect())
+            families = list(_PromFiles(self.prom_dir).collect())
         counts: dict[tuple[str, str], dict[str, float]] = {}
         for fam in families:
             if fam.name in ("rmqfast_limit_admitted", "rmqfast_limit_rejected", "rmqfast_limit_shaped"):
@@ -480,3 +474,22 @@ class Supervisor:
                           "rejected": counts.get(key, {}).get("rejected", 0),
                           "shaped": counts.get(key, {}).get("shaped", 0)})
         return {"rules": rules}
+
+
+class _PromFiles:
+    """A collector over the multiprocess files of a folder, leaving out empty ones."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def collect(self) -> Any:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = []
+        for f in sorted(self.folder.glob("*.db")):
+            try:
+                if f.stat().st_size >= 8:
+                    files.append(str(f))
+            except OSError:
+                continue  # gone since the listing
+        return MultiProcessCollector.merge(files, accumulate=True)
