@@ -25,12 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from rmqfast.bench.cbuild import build_tools
+from rmqfast.bench.common import wait_serving
 from rmqfast.bench.nullbroker import NullBroker
-from rmqfast.bench.procfs import total_cpu
+from rmqfast.bench.procfs import children, total_cpu
 from rmqfast.testing.ports import reserve
 
 SCENARIOS = {
@@ -41,16 +41,6 @@ ACCESS_KEY = "benchAK"
 MODES = {"off": "", "on": f'[acl]\ntopics = {{ {ACCESS_KEY} = ["BenchTopic"] }}\n'}
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for name in Path("/proc").iterdir():
-        if name.name.isdigit():
-            try:
-                if int((name / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(name.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
 
 
 def start_proxy(mode: str, broker_port: int) -> tuple[subprocess.Popen[bytes], int, list[int], object]:
@@ -80,17 +70,7 @@ message_addresses = "off"
 """)
     proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(d / "c.toml")],
                             stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb"))
-    deadline = time.monotonic() + 60
-    while True:  # /healthz: workers up (no name server behind, so never "ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/healthz", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise SystemExit(f"rmqfast ({mode}) did not start; see {d / 'log'}")
-        time.sleep(0.1)
+    wait_serving(proc, admin, [ns, endpoint], f"rmqfast ({mode}); see {d / 'log'}")
     while len(children(proc.pid)) < 2:
         time.sleep(0.1)
     return proc, endpoint, children(proc.pid), lease

@@ -34,6 +34,7 @@ import gevent
 
 from rmqfast.bench.cbuild import build_tools
 from rmqfast.bench.nullbroker import NullBroker
+from rmqfast.bench.procfs import children
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.spill.record import CopyRecord
 from rmqfast.testing.ports import reserve
@@ -47,17 +48,6 @@ def rss_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(name))
-            except OSError:
-                pass
-    return out
 
 
 def du_bytes(path: Path) -> int:

@@ -1,4 +1,4 @@
-"""What rewriting broker addresses inside messages costs (``policy.message_addresses``, issue 14).
+"""What rewriting broker addresses inside messages costs (``policy.message_addresses``).
 
 Starts the null broker and one ``rmqfast serve`` (2 workers) per mode (``off``, ``records``,
 ``all``), each with a static endpoint to the null broker and a port range, so the store host the
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from rmqfast.bench.cbuild import build_tools
+from rmqfast.bench.common import wait_serving
 from rmqfast.bench.loadgen import run_loadgen
 from rmqfast.bench.nullbroker import NullBroker
+from rmqfast.bench.procfs import children
 from rmqfast.bench.scenarios import Scenario
 from rmqfast.testing.ports import reserve
 
@@ -38,17 +38,6 @@ SCENARIOS = {
 }
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(name))
-            except OSError:
-                pass
-    return out
 
 
 def start_proxy(mode: str, broker_port: int) -> tuple[subprocess.Popen[bytes], int, list[int], object]:
@@ -77,17 +66,7 @@ message_addresses = "{mode}"
 """)
     proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(d / "c.toml")],
                             stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb"))
-    deadline = time.monotonic() + 60
-    while True:  # /healthz: workers up (there is no name server behind, so never "ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/healthz", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise SystemExit(f"rmqfast ({mode}) did not start; see {d / 'log'}")
-        time.sleep(0.1)
+    wait_serving(proc, admin, [ns, endpoint], f"rmqfast ({mode}); see {d / 'log'}")
     while len(children(proc.pid)) < 2:
         time.sleep(0.1)
     return proc, endpoint, children(proc.pid), lease

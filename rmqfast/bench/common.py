@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,3 +48,29 @@ def guarded(label: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{label}: interrupted", file=sys.stderr)
         return 130
+
+
+def wait_serving(proc: subprocess.Popen[bytes], admin: int, ports: list[int], what: str,
+                 timeout: float = 60.0) -> None:
+    """Wait until an ``rmqfast serve`` answers ``/healthz`` on ``admin`` and accepts connections on
+    every one of ``ports`` (workers are alive before their listeners are bound).  No name server
+    stands behind the bench's proxies, so ``/readyz`` never says ready."""
+    deadline = time.monotonic() + timeout
+    pending = [f"http://127.0.0.1:{admin}/healthz", *ports]
+    while pending:
+        probe = pending[0]
+        try:
+            if isinstance(probe, str):
+                with urllib.request.urlopen(probe, timeout=2) as r:
+                    ok = r.status == 200
+            else:
+                socket.create_connection(("127.0.0.1", probe), timeout=2).close()
+                ok = True
+        except OSError:
+            ok = False
+        if ok:
+            pending.pop(0)
+            continue
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise BenchError(f"{what} did not start serving (waiting for {probe})")
+        time.sleep(0.1)

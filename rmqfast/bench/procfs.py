@@ -62,3 +62,17 @@ def wait_idle(pids: Sequence[int], timeout: float = 15.0, threshold: float = 0.0
         time.sleep(0.1)
         if sum(total_cpu(pids)) - before < threshold * 0.1:
             return
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (e.g. a supervisor's workers)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass  # gone since the listing, or not a process we can read
+    return out
