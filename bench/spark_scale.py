@@ -5,7 +5,7 @@
 Generates the records (Parquet, the workers' writer and schema; plus one hour of
 per-second aggregates for 4 workers and, when present, results/bench) and then times
 ``rmqfast.analytics.analyze`` on them end to end: Spark session start, reading, every job,
-charts, HTML and tables.  Target (issue 6): 10 million records in under 60 s on a 2-core
+charts, HTML and tables.  Target: 10 million records in under 60 s on a 2-core
 machine.  Prints records/s and seconds, and one JSON line with the figures.
 """
 

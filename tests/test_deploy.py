@@ -1,4 +1,4 @@
-"""Structure checks for the deployment files (issue 7): no cluster, no Docker daemon, no systemd.
+"""Structure checks for the deployment files: no cluster, no Docker daemon, no systemd.
 
 What is checked against the real code rather than against copies of it:
 - the ConfigMap's TOML (and the sample for systemd) go through ``rmqfast.config`` validation,
@@ -46,7 +46,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 DASHBOARD = DEPLOY / "grafana" / "rmqfast-dashboard.json"
 SCRAPE = DEPLOY / "prometheus" / "scrape.yml"
 
-# Measured footprint (issue 7): a worker's RSS is 33-51 MiB, the supervisor's about 30 MiB.
+# Measured footprint: a worker's RSS is 33-51 MiB, the supervisor's about 30 MiB.
 WORKER_RSS_MIB = 51
 SUPERVISOR_RSS_MIB = 30
 

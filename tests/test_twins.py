@@ -1,4 +1,4 @@
-"""The compiled and pure-Python twins agree on everything but speed (issue 11, item 7).
+"""The compiled and pure-Python twins agree on everything but speed.
 
 * one place decides which twin runs (rmqfast.codec); with RMQFAST_NO_EXTENSIONS the extension
   is not imported at all, and production modules never reach for the compiled twin themselves;

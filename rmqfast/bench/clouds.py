@@ -6,7 +6,7 @@ replication, one copying every message of the topic to B in ``fast`` mode, and o
 ``durable`` mode (each copy synced to the worker's RocksDB before the producer hears SUCCESS).
 The Java driver's ``perf-produce`` (rocketmq-client 5.3.3, synchronous sends, every send timed)
 runs against each proxy in turn, alternating, for several rounds.  Printed: msg/s and latency per
-target, durable / fast (issue 4's goal: at least 0.8), fast / none, and the durable proxy's
+target, durable / fast (goal: at least 0.8), fast / none, and the durable proxy's
 messages per fsync (its group commit).  Results go to ``results/bench/`` as JSON lines.
 
 Everything shares the machine's cores: on 2 cores two brokers, the proxies, their deliver

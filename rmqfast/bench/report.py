@@ -157,7 +157,7 @@ def render(cells: dict[tuple[str, str], Cell], scenarios: Sequence[str], targets
         lines.append(f"WARNING: other processes used > {NOISE_CORES} core during {', '.join(noisy)} (column 'other'): "
                      "those numbers are disturbed; rerun on a quiet machine.")
     lines.append("")
-    lines.append("Targets (issue) and ratios, on medians:")
+    lines.append("Targets and ratios, on medians:")
     for ch in found:
         if ch.value is None:
             val = "not measured"

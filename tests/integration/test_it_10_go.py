@@ -1,4 +1,4 @@
-"""The real Go client (rocketmq-client-go/v2 v2.1.2) through the proxy alone (issue 14).
+"""The real Go client (rocketmq-client-go/v2 v2.1.2) through the proxy alone.
 
 The driver (``godriver/``) is built from the Go module proxy on first use and cached.  Every
 test watches the client's TCP connections while it runs: it must never connect to the real

@@ -1,4 +1,4 @@
-"""Broker addresses inside messages, and read-only admin through the proxy (issue 14).
+"""Broker addresses inside messages, and read-only admin through the proxy.
 
 Real Java clients (5.3.3, 4.9.4), the real ``mqadmin`` 5.3.3 and the real Go client, each
 reaching RocketMQ only through the proxy: a :class:`ConnectionWatch` samples every client

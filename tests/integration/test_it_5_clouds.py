@@ -1,4 +1,4 @@
-"""Cross-cloud selective delivery (issue 4) with real parts: two RocketMQ 5.3.3 clusters on
+"""Cross-cloud selective delivery with real parts: two RocketMQ 5.3.3 clusters on
 loopback (cloud A and cloud B), rmqfast in front of A (and of B where loops are checked), the
 real Java client producing in A and consuming in B.
 """
