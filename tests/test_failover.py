@@ -192,6 +192,50 @@ def test_health_sees_kill_at_once_and_recovery() -> None:
         h.close()
 
 
+def test_killed_broker_is_back_for_a_new_client_before_the_next_probe() -> None:
+    """A restarted broker serves new clients at once: still_down() connects, and on an accepted
+    connect probes now, instead of answering "broker seen dead" until the next scheduled probe."""
+    broker = FakeBroker()
+    slow = FailoverSection(probe_interval=60, probe_interval_down=60, probe_timeout=2.0)
+    h = BrokerHealth(slow)
+    try:
+        h.watch([broker.addr])
+        _wait(lambda: len(broker.requests) >= 1)
+        port = broker.server.server_port
+        broker.kill()
+        _wait(lambda: h.is_down(broker.addr), timeout=5)
+        assert h.still_down(broker.addr)  # nothing listens: still down, and no wait for it
+        broker2 = FakeBroker.__new__(FakeBroker)
+        broker2.answer_code, broker2.hung, broker2.requests, broker2.conns = C.SUCCESS, False, [], []
+        broker2.server = StreamServer(("127.0.0.1", port), broker2._handle)
+        broker2.server.start()
+        try:
+            assert h.is_down(broker.addr)  # the next scheduled probe is a minute away
+            assert not h.still_down(broker.addr)
+            assert not h.is_down(broker.addr) and broker2.requests  # the probe ran and was answered
+        finally:
+            broker2.kill()
+    finally:
+        h.close()
+
+
+def test_hung_broker_is_not_declared_back_by_an_accepted_connect() -> None:
+    broker = FakeBroker()
+    cfg = FailoverSection(probe_interval=0.05, probe_interval_down=60, probe_timeout=0.3)
+    h = BrokerHealth(cfg)
+    try:
+        h.watch([broker.addr])
+        _wait(lambda: len(broker.requests) >= 1)
+        broker.hung = True
+        _wait(lambda: h.is_down(broker.addr), timeout=5)
+        n = len(broker.requests)
+        assert h.still_down(broker.addr)  # its port accepts, which proves nothing about a hang
+        assert len(broker.requests) == n  # and no probe was forced
+    finally:
+        h.close()
+        broker.kill()
+
+
 def test_hung_broker_is_down_after_two_unanswered_probes() -> None:
     broker = FakeBroker()
     cfg = FailoverSection(probe_interval=0.05, probe_interval_down=0.05, probe_timeout=0.3)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -136,7 +137,7 @@ Prober = Callable[[str, float], Any]
 
 
 class _Watch:
-    __slots__ = ("addr", "up", "since", "wake", "greenlet", "conn", "fails")
+    __slots__ = ("addr", "up", "since", "wake", "greenlet", "conn", "fails", "refused", "back")
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
@@ -146,6 +147,9 @@ class _Watch:
         self.greenlet: Any = None
         self.conn: Any = None
         self.fails = 0
+        self.refused = False  # down because connecting was refused (nothing listens), not hung
+        self.back = Event()  # set while up
+        self.back.set()
 
 
 class BrokerHealth:
@@ -210,6 +214,26 @@ class BrokerHealth:
         log.info("broker suspected; probing now", extra=ctx(broker=addr, reason=reason))
         w.wake.set()
 
+    def still_down(self, addr: str) -> bool:
+        """Is ``addr`` still down, asked for a new client of it? A broker seen dead because its port
+        refused connections (killed) is back as soon as something listens there again, possibly
+        before the next probe: try a connect, and if it is accepted, probe at once and wait for
+        the answer (at most ``probe_timeout``). A hung broker (connections accepted, requests
+        unanswered) is left to the probes, as a connect proves nothing about it."""
+        w = self._watches.get(addr)
+        if w is None or w.up:
+            return False
+        if not w.refused or self.closed:
+            return True
+        host, _, port = addr.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=self.cfg.probe_timeout).close()
+        except OSError:
+            return True
+        w.wake.set()
+        w.back.wait(timeout=self.cfg.probe_timeout)
+        return not w.up
+
     def on_change(self, fn: Callable[[str, bool], None]) -> None:
         """``fn(addr, up)`` after every change of state."""
         self._listeners.append(fn)
@@ -230,6 +254,8 @@ class BrokerHealth:
         was = time.monotonic() - w.since
         w.up = up
         w.since = time.monotonic()
+        w.refused = not up and "refused" in reason.lower()
+        (w.back.set if up else w.back.clear)()
         if up:
             log.warning("broker is back", extra=ctx(broker=w.addr, down_seconds=round(was, 3)))
         else:

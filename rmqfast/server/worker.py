@@ -339,7 +339,7 @@ class Worker:
     def _serve_failover(self, sock: socket.socket, client: str, upstream: HostPort) -> bool:
         """Serve a client of a broker seen dead: its sends are moved (rmqfast.proxy.failover)."""
         addr = str(upstream)
-        if not self.cfg.failover.enabled or not self.health.is_down(addr) or self.draining:
+        if not self.cfg.failover.enabled or self.draining or not self.health.still_down(addr):
             return False
         self.upstream_error("broker")
         log.warning("upstream unreachable", extra=ctx(role="broker", client=client, errors=f"{addr}: broker seen dead",
