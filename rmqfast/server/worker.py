@@ -48,6 +48,7 @@ from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
 from rmqfast.proxy.tls import TlsContexts
 from rmqfast.records import StatsDelta, TrafficRecorder
+from rmqfast.server.fdlimit import raise_nofile
 
 log = logging.getLogger("rmqfast.worker")
 
@@ -553,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     runtime = Path(args.runtime)
     cfg = config_mod.from_json((runtime / "config.json").read_text())
     log_mod.setup(cfg.log.format, cfg.log.level)
+    # two descriptors per client connection: the soft limit (often 1024) would cap a worker at ~500
+    raise_nofile(args.index)
     status_file = os.fdopen(args.status_fd, "w", buffering=1) if args.status_fd >= 0 else None
 
     def status(msg: dict) -> None:
