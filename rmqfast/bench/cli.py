@@ -33,6 +33,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--failover", action="store_true",
                     help="broker-a killed (kill -9) and restarted under Java producers, through rmqfast and direct "
                          "(see rmqfast bench --failover --help)")
+    ap.add_argument("--idle", action="store_true",
+                    help="many mostly idle connections through one worker: RSS per connection and connection "
+                         "setup rate, rmqfast vs HAProxy (see rmqfast bench --idle --help)")
     ap.add_argument("--clouds", action="store_true",
                     help="cross-cloud mode instead: durable vs fast copies between two real RocketMQ clusters "
                          "(see rmqfast bench --clouds --help)")
@@ -68,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from rmqfast.bench import clouds
 
         return clouds.main(argv)
+    if "--idle" in argv:
+        from rmqfast.bench import idleconns
+
+        return idleconns.main(argv)
     if "--failover" in argv:
         from rmqfast.bench import failover
 
