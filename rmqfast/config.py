@@ -23,6 +23,7 @@ from typing import Any
 
 from rmqfast.delay.settings import DelaySection, parse_delay
 from rmqfast.errors import ConfigError
+from rmqfast.gray.config import GraySection, parse_gray
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
 from rmqfast.proxy.health import FailoverSection, parse_failover
@@ -186,6 +187,7 @@ class Config:
     delay: DelaySection = field(default_factory=DelaySection)  # [delay] (rmqfast.delay)
     acl: AclSection = field(default_factory=AclSection)  # [acl]: per-AccessKey topic allowlist (rmqfast.proxy.acl)
     tls: TlsSection = field(default_factory=TlsSection)  # [tls.listen], [tls.upstream] (rmqfast.proxy.tls)
+    gray: GraySection = field(default_factory=GraySection)  # [gray]: canary releases (rmqfast.gray)
 
     @property
     def replication_enabled(self) -> bool:
@@ -446,6 +448,7 @@ _KNOWN = {
     "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"},
     "acl": {"topics", "unsigned", "other_keys"},
     "tls": {"listen", "upstream"},
+    "gray": {"settle", "grace", "state_file", "group"},
     "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout",
                  "send_timeout", "ordered_topics", "ordered_property", "go_away"},
 }
@@ -616,6 +619,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     with errs.check():
         if "tls" in raw:
             cfg.tls = parse_tls(raw["tls"])  # loads the certificate files: a bad file is a config error
+    with errs.check():
+        if "gray" in raw:
+            cfg.gray = parse_gray(raw["gray"])
 
     # cross-field checks only on values that parsed (else they would report the defaults)
     if not errs.any_under("namesrv.listen", "brokers", "admin.listen", "proxy.advertise_host"):
@@ -872,4 +878,6 @@ def from_json(text: str) -> Config:
         cfg.tls = TlsSection.from_dict(d["tls"])
     if "failover" in d:
         cfg.failover = FailoverSection.from_dict(d["failover"])
+    if "gray" in d:
+        cfg.gray = GraySection.from_dict(d["gray"])
     return cfg

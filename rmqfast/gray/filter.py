@@ -1,0 +1,362 @@
+"""The gray filter of the broker chain: carries the decisions of :mod:`rmqfast.gray.rules` out on frames.
+
+It reads, per broker connection:
+
+* ``HEART_BEAT`` (34): the connection's client id (``clientID`` of the body), which says which side
+  the client is on.
+* ``GET_CONSUMER_LIST_BY_GROUP`` (38): the answer is rewritten to the requester's side (its
+  rebalance allocates over its own side's members only); a gray member in the broker's list means
+  the gray side is alive.
+* ``PULL_MESSAGE`` (11): a pull of a queue the other side owns is answered ``SYSTEM_BUSY`` (the
+  client retries 3 s later); the first allowed pull of a queue that was parked on that connection
+  becomes a ``QUERY_CONSUMER_OFFSET`` (14) of the group's committed offset, answered to the client
+  as ``PULL_NOT_FOUND`` with that offset as ``nextBeginOffset`` (the client's own position is stale).
+* ``UPDATE_CONSUMER_OFFSET`` (15): commits of a client for a queue it does not own (or owned stale)
+  are dropped.
+* sends (10, 310, 320) of split topics: the queue id is rewritten (gray sends to gray queues,
+  normal sends to normal ones); the frame is re-encoded by the project's header codec.
+
+Only the groups and topics of ``[gray]`` are touched; everything else passes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import RemotingCommand, encode, make_response
+from rmqfast.codec.properties import parse_properties
+from rmqfast.codec.sendheader import field_int, send_fields
+from rmqfast.gray.config import GrayGroup, GraySection
+from rmqfast.gray.rules import (
+    GRAY,
+    NORMAL,
+    Marker,
+    Phase,
+    consumer_ids_for,
+    is_gray_queue,
+    may_commit,
+    may_pull,
+    phase,
+    send_queue,
+)
+from rmqfast.gray.state import Commands
+from rmqfast.log import ctx
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, rewrite, slots_of
+
+log = logging.getLogger("rmqfast.gray")
+
+QUERY_NOT_FOUND = 22
+SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+PHASE_VALUE = {Phase.ACTIVE: 0, Phase.PROMOTING: 1, Phase.PROMOTED: 2, Phase.ABORTING: 3, Phase.ABORTED: 4}
+_MAX_TRACKED = 10000
+
+
+class GrayMetrics:
+    """Prometheus objects of gray releases (created once per worker)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.sends = Counter("rmqfast_gray_sends_total", "Sends of split topics, by group and side", ["group", "side"])
+        self.moved = Counter("rmqfast_gray_sends_moved_total",
+                             "Sends whose queue id was rewritten (to the gray or the normal share)", ["group", "side"])
+        self.parked = Counter("rmqfast_gray_pulls_parked_total",
+                              "Pulls of a queue the other side owns, answered SYSTEM_BUSY", ["group", "side"])
+        self.fixes = Counter("rmqfast_gray_offset_fixes_total",
+                             "Queues handed to a client from the group's committed offset", ["group", "side"])
+        self.commits_dropped = Counter("rmqfast_gray_commits_dropped_total",
+                                       "Offset commits of a client for a queue it does not own", ["group", "side"])
+        self.lists = Counter("rmqfast_gray_consumer_lists_total", "Consumer lists rewritten to one side",
+                             ["group", "side"])
+        self.phase = Gauge("rmqfast_gray_phase", "0 active, 1 promoting, 2 promoted, 3 aborting, 4 aborted",
+                           ["group"], multiprocess_mode="max")
+        self.members = Gauge("rmqfast_gray_members", "Members of the group in the last consumer list seen",
+                             ["group", "side"], multiprocess_mode="max")
+
+
+_metrics: GrayMetrics | None = None
+
+
+def gray_metrics() -> GrayMetrics:
+    global _metrics
+    if _metrics is None:
+        _metrics = GrayMetrics()
+    return _metrics
+
+
+def _peer_ip(addr: str) -> str:
+    host, _, _ = addr.rpartition(":")
+    return host.strip("[]") or addr
+
+
+class GrayFilter(Filter):
+    name = "gray"
+    wants_marked_responses = True
+    CODES = (C.HEART_BEAT, C.GET_CONSUMER_LIST_BY_GROUP, C.PULL_MESSAGE, C.UPDATE_CONSUMER_OFFSET, *SEND_CODES)
+
+    def __init__(self, cfg: GraySection, queues: Callable[[str, str], int | None], commands: Commands,
+                 metrics: GrayMetrics | None = None, *, broker_name: Callable[[str, str], str | None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``queues(topic, broker_name)``: the topic's queue count on that broker (None: unknown);
+        ``broker_name(upstream_addr, topic)``: the name of the broker a connection goes to (4.x clients
+        do not name it in their requests)."""
+        self.cfg = cfg
+        self.groups: dict[str, tuple[GrayGroup, Marker]] = {g.group: (g, Marker(g)) for g in cfg.groups}
+        self.topics = {t: g.group for g in cfg.groups for t in g.topics}
+        self.queues = queues
+        self.broker_name = broker_name or (lambda addr, topic: None)
+        self.commands = commands
+        self.metrics = metrics
+        self.clock = clock
+        start = clock()
+        self.alive_at = {g: start for g in self.groups}  # last time a consumer list had a gray member
+
+    def request_slots(self) -> set[int]:
+        return slots_of(self.CODES)
+
+    # State of a group -------------------------------------------------------------------------
+
+    def phase(self, group: str) -> Phase:
+        action, at = self.commands.get(group)
+        ph = phase(action, at, self.clock(), self.cfg.settle)
+        if self.metrics is not None:
+            self.metrics.phase.labels(group).set(PHASE_VALUE[ph])
+        return ph
+
+    def gray_alive(self, group: str) -> bool:
+        return self.clock() - self.alive_at.get(group, 0.0) < self.cfg.grace
+
+    def side(self, session: Session, marker: Marker) -> str | None:
+        cid = session.state.get("gray_cid")
+        if cid is None:
+            return None
+        return GRAY if marker.client_is_gray(cid) else NORMAL
+
+    def _broker(self, session: Session, ext: dict[str, str], topic: str) -> str | None:
+        return ext.get("bname") or ext.get("n") or self.broker_name(session.upstream_addr, topic)
+
+    def _is_gray_queue(self, g: GrayGroup, topic: str, broker: str | None, qid: int) -> bool | None:
+        """None: the topic's queue count on that broker is unknown."""
+        if topic not in g.topics:
+            return False  # other topics (retry topics...) belong to the normal side
+        n = self.queues(topic, broker) if broker else None
+        if n is None:
+            return None
+        return is_gray_queue(qid, n, g.gray_queues)
+
+    # Requests -----------------------------------------------------------------------------------
+
+    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
+        code = frame.code
+        try:
+            if code == C.HEART_BEAT:
+                self._heartbeat(session, frame)
+                return None
+            if code == C.GET_CONSUMER_LIST_BY_GROUP:
+                return self._consumer_list_request(session, frame)
+            if code == C.PULL_MESSAGE:
+                return self._pull(session, frame)
+            if code == C.UPDATE_CONSUMER_OFFSET:
+                return self._commit(session, frame)
+            if code in SEND_CODES:
+                return self._send(session, frame)
+        except (ValueError, KeyError, TypeError) as exc:  # a header the codec could not read: the broker decides
+            log.debug("gray: frame not understood, passed", extra=ctx(code=code, error=str(exc)))
+        return None
+
+    def _heartbeat(self, session: Session, frame: Frame) -> None:
+        body = frame.body
+        if not body:
+            return
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return
+        cid = data.get("clientID") if isinstance(data, dict) else None
+        if isinstance(cid, str) and cid:
+            session.state["gray_cid"] = cid
+
+    def _consumer_list_request(self, session: Session, frame: Frame) -> Verdict | None:
+        group = (frame.command().ext_fields or {}).get("consumerGroup")
+        if group not in self.groups or frame.is_oneway:
+            return None
+        pending: dict[int, str] = session.state.setdefault("gray_lists", {})
+        if len(pending) >= _MAX_TRACKED:
+            pending.clear()
+        pending[frame.opaque] = group
+        frame.want_response = True
+        return None
+
+    def _pull(self, session: Session, frame: Frame) -> Verdict | None:
+        cmd = frame.command()
+        ext = cmd.ext_fields or {}
+        entry = self.groups.get(ext.get("consumerGroup", ""))
+        if entry is None:
+            return None
+        g, marker = entry
+        topic = ext.get("topic", "")
+        qid = field_int(ext.get("queueId"), -1)
+        broker = self._broker(session, ext, topic)
+        side = self.side(session, marker)
+        gq = self._is_gray_queue(g, topic, broker, qid)
+        key = (g.group, topic, broker, qid)
+        parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
+        ph = self.phase(g.group)
+        if side is None or gq is None or not may_pull(side, ph, gq, self.gray_alive(g.group)):
+            if len(parked) < _MAX_TRACKED:
+                parked.setdefault(key, ph)
+            if self.metrics is not None:
+                self.metrics.parked.labels(g.group, side or "unknown").inc()
+            why = ("client not identified yet (no heartbeat on this connection)" if side is None
+                   else "queue count unknown" if gq is None else f"queue owned by the other side ({ph.value})")
+            remark = f"rmqfast gray: {topic} {broker} queue {qid} not pulled by this client: {why}"
+            return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
+        if key in parked:  # this client's position for the queue is stale: start it from the committed offset
+            return self._offset_fix(session, frame, cmd, key, side)
+        return None
+
+    def _offset_fix(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
+                    side: str) -> Verdict:
+        ext = cmd.ext_fields or {}
+        q: dict[str, str] = {"consumerGroup": ext.get("consumerGroup", ""), "topic": ext.get("topic", ""),
+                             "queueId": ext.get("queueId", ""), "setZeroIfNotFound": "false"}
+        if "bname" in ext:
+            q["bname"] = ext["bname"]
+        query = RemotingCommand(code=C.QUERY_CONSUMER_OFFSET, language=cmd.language, version=cmd.version,
+                                opaque=cmd.opaque, flag=cmd.flag, ext_fields=q, serialize_type=cmd.serialize_type)
+        fixes: dict[int, tuple[tuple[Any, ...], RemotingCommand, str]] = session.state.setdefault("gray_fixes", {})
+        if len(fixes) >= _MAX_TRACKED:
+            fixes.clear()
+        fixes[frame.opaque] = (key, cmd, side)
+        frame.want_response = True
+        return rewrite(encode(query))
+
+    def _commit(self, session: Session, frame: Frame) -> Verdict | None:
+        cmd = frame.command()
+        ext = cmd.ext_fields or {}
+        entry = self.groups.get(ext.get("consumerGroup", ""))
+        if entry is None:
+            return None
+        g, marker = entry
+        topic = ext.get("topic", "")
+        qid = field_int(ext.get("queueId"), -1)
+        broker = self._broker(session, ext, topic)
+        side = self.side(session, marker)
+        gq = self._is_gray_queue(g, topic, broker, qid)
+        ph = self.phase(g.group)
+        parked_in = session.state.get("gray_parked", {}).get((g.group, topic, broker, qid))
+        ok = (side is not None and gq is not None and may_commit(side, ph, gq, self.gray_alive(g.group))
+              and (parked_in is None or parked_in is Phase.ABORTING))
+        if ok:
+            return None
+        if self.metrics is not None:
+            self.metrics.commits_dropped.labels(g.group, side or "unknown").inc()
+        if frame.is_oneway:
+            return divert("gray: offset commit of a queue this client does not own")
+        return reply(encode(make_response(cmd, C.SUCCESS)))
+
+    def _send(self, session: Session, frame: Frame) -> Verdict | None:
+        cmd = frame.command()
+        f = send_fields(cmd.code, cmd.ext_fields)
+        group = self.topics.get(f.get("b", ""))
+        if group is None:
+            return None
+        g, marker = self.groups[group]
+        topic = f["b"]
+        qid = field_int(f.get("e"), -1)
+        broker = f.get("n") or self.broker_name(session.upstream_addr, topic)
+        n = self.queues(topic, broker) if broker else None
+        props = parse_properties(f.get("i", "")) if marker.prop is not None else {}
+        gray = marker.send_is_gray(f.get("a", ""), props, session.state.get("gray_cid"), _peer_ip(session.client_addr))
+        side = GRAY if gray else NORMAL
+        if self.metrics is not None:
+            self.metrics.sends.labels(group, side).inc()
+        if n is None:
+            log.warning("gray: queue count of a split topic unknown; send passed unchanged",
+                        extra=ctx(topic=topic, broker=broker))
+            return None
+        if n <= g.gray_queues:
+            log.error("gray: topic has too few queues on this broker for its gray share; not split",
+                      extra=ctx(topic=topic, broker=broker, queues=n, gray_queues=g.gray_queues))
+            return None
+        new = send_queue(qid, n, g.gray_queues, gray, self.phase(group))
+        if new == qid:
+            return None
+        ext = dict(cmd.ext_fields or {})
+        if "AccessKey" in ext:  # the signature covers the queue id: it cannot be rewritten
+            remark = f"rmqfast gray: signed send to {topic} queue {qid} cannot be moved to queue {new}"
+            return reply(encode(make_response(cmd, C.NO_PERMISSION, remark)))
+        ext["queueId" if cmd.code == C.SEND_MESSAGE else "e"] = str(new)
+        frame.data = encode(replace(cmd, ext_fields=ext))  # the other filters see (and relay) the new frame
+        frame._cmd = None
+        if self.metrics is not None:
+            self.metrics.moved.labels(group, side).inc()
+        return None
+
+    # Responses ----------------------------------------------------------------------------------
+
+    def on_response(self, session: Session, frame: Frame) -> Verdict | None:
+        lists: dict[int, str] | None = session.state.get("gray_lists")
+        if lists and frame.opaque in lists:
+            return self._consumer_list_response(session, frame, lists.pop(frame.opaque))
+        fixes: dict[int, Any] | None = session.state.get("gray_fixes")
+        if fixes and frame.opaque in fixes:
+            return self._offset_answer(session, frame, *fixes.pop(frame.opaque))
+        return None
+
+    def _consumer_list_response(self, session: Session, frame: Frame, group: str) -> Verdict | None:
+        if frame.code != C.SUCCESS or not frame.body:
+            return None
+        try:
+            data = json.loads(frame.body)
+            ids = data["consumerIdList"]
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                raise ValueError("consumerIdList is not a list of strings")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("gray: consumer list not understood; passed", extra=ctx(group=group, error=str(exc)))
+            return None
+        g, marker = self.groups[group]
+        n_gray = sum(1 for i in ids if marker.client_is_gray(i))
+        if n_gray:
+            self.alive_at[group] = self.clock()
+        side = self.side(session, marker) or NORMAL
+        shown = consumer_ids_for(ids, side, self.phase(group), marker)
+        if self.metrics is not None:
+            self.metrics.lists.labels(group, side).inc()
+            self.metrics.members.labels(group, GRAY).set(n_gray)
+            self.metrics.members.labels(group, NORMAL).set(len(ids) - n_gray)
+        if shown == ids:
+            return None
+        return rewrite(frame.with_body(json.dumps({"consumerIdList": shown}, separators=(",", ":")).encode()))
+
+    def _offset_answer(self, session: Session, frame: Frame, key: tuple[Any, ...], pull: RemotingCommand,
+                       side: str) -> Verdict:
+        resp = frame.command()
+        ext = resp.ext_fields or {}
+        if resp.code == C.SUCCESS and field_int(ext.get("offset"), -1) >= 0:
+            offset = field_int(ext.get("offset"))
+        elif resp.code in (C.SUCCESS, QUERY_NOT_FOUND):  # never committed: the client's own position stands
+            offset = field_int((pull.ext_fields or {}).get("queueOffset"))
+        else:
+            remark = f"rmqfast gray: committed offset not readable ({resp.code} {resp.remark})"
+            return rewrite(encode(make_response(pull, C.SYSTEM_BUSY, remark)))
+        session.state.get("gray_parked", {}).pop(key, None)
+        if self.metrics is not None:
+            self.metrics.fixes.labels(key[0], side).inc()
+        log.info("gray: queue handed over from the committed offset",
+                 extra=ctx(group=key[0], topic=key[1], broker=key[2], queue=key[3], side=side, offset=offset,
+                           client=session.client_addr))
+        out = {"suggestWhichBrokerId": "0", "nextBeginOffset": str(offset), "minOffset": "0",
+               "maxOffset": str(offset)}
+        return rewrite(encode(make_response(pull, C.PULL_NOT_FOUND, "rmqfast gray: start from the committed offset",
+                                            ext_fields=out)))
+
+    def on_close(self, session: Session) -> None:
+        for k in ("gray_lists", "gray_fixes", "gray_parked"):
+            session.state.pop(k, None)

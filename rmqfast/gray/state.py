@@ -1,0 +1,88 @@
+"""Promote/abort commands per group, in one small JSON file every worker reads.
+
+``{"groups": {"GROUP": {"action": "promote" | "abort", "at": EPOCH_SECONDS}}}``: the workers
+derive the phase from it (:func:`rmqfast.gray.rules.phase`) and look at the file's modification
+time at most once a second, so a command applies in every worker within about a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rmqfast.log import ctx
+
+log = logging.getLogger("rmqfast.gray")
+
+ACTIONS = ("promote", "abort")
+
+
+def state_path(state_file: str, state_dir: str) -> Path:
+    return Path(state_file) if state_file else Path(state_dir) / "gray.json"
+
+
+def read_commands(path: Path) -> dict[str, dict[str, Any]]:
+    """The commands in the file ({} when there is none); a damaged file counts as none, logged."""
+    try:
+        raw = json.loads(path.read_text("utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.error("gray state file unreadable; no promote/abort in effect", extra=ctx(path=str(path), error=str(exc)))
+        return {}
+    groups = raw.get("groups") if isinstance(raw, dict) else None
+    if not isinstance(groups, dict):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for g, c in groups.items():
+        if isinstance(c, dict) and c.get("action") in ACTIONS and isinstance(c.get("at"), int | float):
+            out[str(g)] = {"action": c["action"], "at": float(c["at"])}
+    return out
+
+
+def write_command(path: Path, group: str, action: str | None, now: float | None = None) -> dict[str, Any]:
+    """Record ``action`` (promote, abort; None: back to a running canary) for ``group``; atomic, locked."""
+    if action is not None and action not in ACTIONS:
+        raise ValueError(f"unknown gray action {action!r}; expected one of {', '.join(ACTIONS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cur = read_commands(path)
+        if action is None:
+            cur.pop(group, None)
+        else:
+            cur[group] = {"action": action, "at": time.time() if now is None else now}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"groups": cur}, sort_keys=True), "utf-8")
+        os.replace(tmp, path)
+        return cur.get(group, {})
+
+
+class Commands:
+    """A worker's view of the file, refreshed at most once per ``interval`` seconds."""
+
+    def __init__(self, path: Path, interval: float = 1.0) -> None:
+        self.path = path
+        self.interval = interval
+        self._checked = 0.0
+        self._mtime: float | None = None
+        self._cmds: dict[str, dict[str, Any]] = {}
+
+    def get(self, group: str) -> tuple[str | None, float]:
+        now = time.monotonic()
+        if now - self._checked >= self.interval:
+            self._checked = now
+            try:
+                mtime: float | None = self.path.stat().st_mtime
+            except OSError:
+                mtime = None
+            if mtime != self._mtime:
+                self._mtime = mtime
+                self._cmds = read_commands(self.path) if mtime is not None else {}
+        c = self._cmds.get(group)
+        return (c["action"], c["at"]) if c else (None, 0.0)

@@ -1,0 +1,357 @@
+"""Gray releases: the decisions (rmqfast.gray.rules), the [gray] section, the command file and the
+filter on frames (heartbeat, consumer list, pull, offset commit, send)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rmqfast import config as config_mod
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import FLAG_ONEWAY, FLAG_RESPONSE, RemotingCommand, decode_frame, encode
+from rmqfast.codec.properties import format_properties
+from rmqfast.errors import ConfigError
+from rmqfast.gray.config import GrayGroup, GraySection, parse_gray
+from rmqfast.gray.filter import GrayFilter
+from rmqfast.gray.rules import (
+    ANY,
+    GRAY,
+    NOBODY,
+    NORMAL,
+    Marker,
+    Phase,
+    consumer_ids_for,
+    is_gray_queue,
+    may_commit,
+    may_pull,
+    owner,
+    phase,
+    send_queue,
+)
+from rmqfast.gray.state import Commands, read_commands, write_command
+from rmqfast.proxy.policy import Frame, Kind
+
+G = "orders-cg"
+T = "orders"
+
+
+def group(**kw: Any) -> GrayGroup:
+    base: dict[str, Any] = {"group": G, "topics": [T], "gray_queues": 1, "clients": ["*@canary*"],
+                            "cidrs": ["10.9.0.0/16"], "producer_groups": ["pg-canary"], "property": "gray=true"}
+    base.update(kw)
+    return GrayGroup(**base)
+
+
+# rules ------------------------------------------------------------------------------------------------
+
+
+def test_gray_queues_are_the_last_k_and_need_a_normal_one() -> None:
+    assert [q for q in range(8) if is_gray_queue(q, 8, 2)] == [6, 7]
+    assert not any(is_gray_queue(q, 2, 2) for q in range(2))  # no normal queue left: not split
+    assert not is_gray_queue(8, 8, 2)  # outside the topic
+
+
+def test_send_queue_active_keeps_each_side_on_its_share() -> None:
+    for q in range(8):
+        g = send_queue(q, 8, 2, True, Phase.ACTIVE)
+        n = send_queue(q, 8, 2, False, Phase.ACTIVE)
+        assert g in (6, 7) and n in range(6)
+    assert send_queue(3, 8, 2, False, Phase.ACTIVE) == 3  # a normal queue id stays
+    assert send_queue(5, 4, 1, True, Phase.ACTIVE) == 3  # queue id out of range still lands in the gray share
+
+
+@pytest.mark.parametrize("ph", [Phase.PROMOTING, Phase.ABORTING, Phase.ABORTED])
+def test_send_queue_switch_back_keeps_gray_queues_empty(ph: Phase) -> None:
+    assert all(send_queue(q, 8, 2, gray, ph) < 6 for q in range(8) for gray in (True, False))
+
+
+def test_send_queue_promoted_and_too_few_queues_unchanged() -> None:
+    assert [send_queue(q, 8, 2, True, Phase.PROMOTED) for q in range(8)] == list(range(8))
+    assert send_queue(1, 2, 2, True, Phase.ACTIVE) == 1
+
+
+def test_phase_from_commands() -> None:
+    assert phase(None, 0, 100, 8) is Phase.ACTIVE
+    assert phase("promote", 100, 104, 8) is Phase.PROMOTING
+    assert phase("promote", 100, 108, 8) is Phase.PROMOTED
+    assert phase("abort", 100, 107.9, 8) is Phase.ABORTING
+    assert phase("abort", 100, 109, 8) is Phase.ABORTED
+
+
+def test_owner_and_pull_rights() -> None:
+    assert owner(Phase.ACTIVE, True, True) == GRAY
+    assert owner(Phase.ACTIVE, True, False) == NORMAL  # every gray consumer gone past the grace period
+    assert owner(Phase.ACTIVE, False, True) == NORMAL
+    assert owner(Phase.PROMOTING, True, True) == GRAY
+    assert owner(Phase.ABORTING, True, True) == NOBODY
+    assert owner(Phase.ABORTED, True, True) == NORMAL
+    assert owner(Phase.PROMOTED, True, True) == ANY
+    # exactly one side pulls a queue, except after a promote (one group again) and during an abort's settle
+    for ph in Phase:
+        for gq in (True, False):
+            for alive in (True, False):
+                sides = [s for s in (GRAY, NORMAL) if may_pull(s, ph, gq, alive)]
+                expected = 2 if ph is Phase.PROMOTED else 0 if (ph is Phase.ABORTING and gq) else 1
+                assert len(sides) == expected, (ph, gq, alive, sides)
+    assert not may_pull(GRAY, Phase.ABORTED, True, True) and not may_pull(GRAY, Phase.ABORTING, False, True)
+    # an abort's settle: the gray side's last commits of gray queues still count, nobody pulls them
+    assert may_commit(GRAY, Phase.ABORTING, True, True) and not may_commit(NORMAL, Phase.ABORTING, True, True)
+
+
+def test_marker_kinds() -> None:
+    m = Marker(group())
+    assert m.client_is_gray("10.0.0.5@canary-1") and m.client_is_gray("10.0.0.5@canary-1@unit")
+    assert m.client_is_gray("10.9.3.4@12345#99")  # IP of the client id in a gray network
+    assert not m.client_is_gray("10.0.0.5@12345#99")
+    assert m.send_is_gray("pg-canary", {}, None, "10.0.0.1")
+    assert m.send_is_gray("pg", {"gray": "true"}, None, "10.0.0.1")
+    assert not m.send_is_gray("pg", {"gray": "false"}, None, "10.0.0.1")
+    assert m.send_is_gray("pg", {}, "10.0.0.1@canary", "10.0.0.1")
+    assert m.send_is_gray("pg", {}, None, "10.9.0.7")
+    assert not m.send_is_gray("pg", {}, "10.0.0.1@app", "10.0.0.1")
+
+
+def test_consumer_ids_per_side() -> None:
+    m = Marker(group())
+    ids = ["1.1.1.1@a", "1.1.1.1@canary-1", "1.1.1.2@b", "1.1.1.2@canary-2"]
+    assert consumer_ids_for(ids, GRAY, Phase.ACTIVE, m) == ["1.1.1.1@canary-1", "1.1.1.2@canary-2"]
+    assert consumer_ids_for(ids, NORMAL, Phase.ABORTED, m) == ["1.1.1.1@a", "1.1.1.2@b"]
+    assert consumer_ids_for(ids, NORMAL, Phase.PROMOTED, m) == ids
+
+
+# config and command file --------------------------------------------------------------------------------
+
+
+def test_config_section_round_trip() -> None:
+    raw = {"namesrv": {"upstreams": ["127.0.0.1:9876"]}, "gray": {"settle": 5, "grace": 10, "group": [
+        {"group": G, "topics": [T], "gray_queues": 2, "clients": ["*@canary*"], "property": "gray=true"}]}}
+    cfg = config_mod.from_dict(raw)
+    assert cfg.gray.enabled and cfg.gray.groups[0].gray_queues == 2 and cfg.gray.settle == 5.0
+    back = config_mod.from_json(cfg.to_json())
+    assert back.gray == cfg.gray
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"group": [{"group": G, "topics": [T], "gray_queues": 0, "clients": ["x"]}]}, "gray_queues"),
+    ({"group": [{"group": G, "topics": [], "clients": ["x"]}]}, "topics"),
+    ({"group": [{"group": G, "topics": [T]}]}, "names no gray client"),
+    ({"group": [{"group": G, "topics": [T], "cidrs": ["10.0.0.300/8"]}]}, "not an IP network"),
+    ({"group": [{"group": G, "topics": [T], "property": "gray"}]}, "KEY=VALUE"),
+    ({"group": [{"group": G, "topics": [T], "clients": ["x"]},
+                {"group": "other", "topics": [T], "clients": ["x"]}]}, "split by group"),
+    ({"grace": -1}, "gray.grace"),
+    ({"bogus": 1}, "gray.bogus"),
+])
+def test_config_errors_name_the_key(raw: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        parse_gray(raw)
+
+
+def test_command_file(tmp_path: Path) -> None:
+    p = tmp_path / "s" / "gray.json"
+    assert read_commands(p) == {}
+    write_command(p, G, "abort", now=1000.0)
+    write_command(p, "other", "promote", now=1001.0)
+    assert read_commands(p) == {G: {"action": "abort", "at": 1000.0}, "other": {"action": "promote", "at": 1001.0}}
+    c = Commands(p, interval=0)
+    assert c.get(G) == ("abort", 1000.0)
+    write_command(p, G, None)
+    assert c.get(G) == (None, 0.0) and c.get("other")[0] == "promote"
+    p.write_text("{not json")
+    assert read_commands(p) == {}
+    with pytest.raises(ValueError):
+        write_command(p, G, "rollback")
+
+
+# the filter on frames --------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeSession:
+    role: str = "broker"
+    client_addr: str = "127.0.0.1:50000"
+    upstream_addr: str = "10.0.0.1:10911"
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeCommands:
+    def __init__(self) -> None:
+        self.cmds: dict[str, tuple[str | None, float]] = {}
+
+    def get(self, group: str) -> tuple[str | None, float]:
+        return self.cmds.get(group, (None, 0.0))
+
+
+def make_filter(k: int = 1, queues: int = 4) -> tuple[GrayFilter, Clock, FakeCommands]:
+    clock = Clock()
+    cmds = FakeCommands()
+    cfg = GraySection(settle=5, grace=20, groups=[group(gray_queues=k)])
+    f = GrayFilter(cfg, lambda topic, broker: queues if broker == "broker-a" else None, cmds,  # type: ignore[arg-type]
+                   broker_name=lambda addr, topic: "broker-a", clock=clock)
+    return f, clock, cmds
+
+
+def frame_of(cmd: RemotingCommand) -> Frame:
+    data = encode(cmd)
+    return Frame(data, cmd.code, cmd.flag, cmd.opaque)
+
+
+def heartbeat(f: GrayFilter, s: FakeSession, cid: str) -> None:
+    body = json.dumps({"clientID": cid, "consumerDataSet": [{"groupName": G}], "producerDataSet": []}).encode()
+    assert f.on_request(s, frame_of(RemotingCommand(C.HEART_BEAT, opaque=1, body=body))) is None
+    assert s.state["gray_cid"] == cid
+
+
+def pull(qid: int, opaque: int = 7, offset: int = 40) -> Frame:
+    return frame_of(RemotingCommand(C.PULL_MESSAGE, opaque=opaque, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": str(qid), "queueOffset": str(offset), "maxMsgNums": "32",
+        "sysFlag": "3", "commitOffset": "30", "suspendTimeoutMillis": "15000", "subscription": "*",
+        "subVersion": "1"}))
+
+
+def test_consumer_list_answer_shows_the_requesters_side_only() -> None:
+    f, clock, _ = make_filter()
+    s = FakeSession()
+    heartbeat(f, s, "127.0.0.1@canary-1")
+    req = frame_of(RemotingCommand(C.GET_CONSUMER_LIST_BY_GROUP, opaque=9, ext_fields={"consumerGroup": G}))
+    assert f.on_request(s, req) is None and req.want_response
+    ids = ["127.0.0.1@app-1", "127.0.0.1@canary-1", "127.0.0.1@app-2", "127.0.0.1@canary-2"]
+    resp = frame_of(RemotingCommand(C.SUCCESS, opaque=9, flag=FLAG_RESPONSE,
+                                    body=json.dumps({"consumerIdList": ids}).encode()))
+    v = f.on_response(s, resp)
+    assert v is not None and v.kind is Kind.REWRITE
+    assert json.loads(decode_frame(v.data).body) == {"consumerIdList": ["127.0.0.1@canary-1", "127.0.0.1@canary-2"]}
+    assert f.alive_at[G] == clock.t
+
+
+def test_pulls_parked_and_handed_over_from_the_committed_offset() -> None:
+    f, clock, cmds = make_filter(k=1, queues=4)
+    normal = FakeSession()
+    heartbeat(f, normal, "127.0.0.1@app-1")
+    assert f.on_request(normal, pull(0)) is None  # a normal queue: relayed
+    v = f.on_request(normal, pull(3))  # the gray queue while gray consumers live: parked
+    assert v is not None and v.kind is Kind.REPLY and decode_frame(v.data).code == C.SYSTEM_BUSY
+    # the parked client's commits of that queue are dropped (its position is stale)
+    commit = frame_of(RemotingCommand(C.UPDATE_CONSUMER_OFFSET, opaque=11, flag=FLAG_ONEWAY, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": "3", "commitOffset": "12"}))
+    assert f.on_request(normal, commit).kind is Kind.DIVERT  # type: ignore[union-attr]
+    # every gray consumer gone past the grace period: the normal side takes the gray queue
+    clock.t += 21
+    fr = pull(3, opaque=8, offset=5)
+    v = f.on_request(normal, fr)
+    assert v is not None and v.kind is Kind.REWRITE and fr.want_response
+    q = decode_frame(v.data)
+    assert q.code == C.QUERY_CONSUMER_OFFSET and q.opaque == 8
+    assert q.ext_fields == {"consumerGroup": G, "topic": T, "queueId": "3", "setZeroIfNotFound": "false"}
+    ans = frame_of(RemotingCommand(C.SUCCESS, opaque=8, flag=FLAG_RESPONSE, ext_fields={"offset": "77"}))
+    v = f.on_response(normal, ans)
+    assert v is not None and v.kind is Kind.REWRITE
+    r = decode_frame(v.data)
+    assert r.code == C.PULL_NOT_FOUND and r.opaque == 8 and r.ext_fields is not None
+    assert r.ext_fields["nextBeginOffset"] == "77" and r.ext_fields["suggestWhichBrokerId"] == "0"
+    assert f.on_request(normal, pull(3, opaque=12, offset=77)) is None  # from now on relayed
+    # abort: during the settle nobody pulls the gray queue; the gray side's commits still count
+    gray = FakeSession(client_addr="127.0.0.1:50001")
+    heartbeat(f, gray, "127.0.0.1@canary-1")
+    f.alive_at[G] = clock.t
+    cmds.cmds[G] = ("abort", clock.t)
+    assert f.on_request(gray, pull(3, opaque=13)).kind is Kind.REPLY  # type: ignore[union-attr]
+    gcommit = frame_of(RemotingCommand(C.UPDATE_CONSUMER_OFFSET, opaque=14, flag=FLAG_ONEWAY, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": "3", "commitOffset": "90"}))
+    assert f.on_request(gray, gcommit) is None
+    assert f.on_request(normal, pull(3, opaque=15)).kind is Kind.REPLY  # type: ignore[union-attr]
+    clock.t += 6  # aborted: normal consumers on every queue, gray ones on none
+    assert f.on_request(normal, pull(3, opaque=16)).kind is Kind.REWRITE  # type: ignore[union-attr]  # offset fix
+    assert f.on_request(gray, pull(0, opaque=17)).kind is Kind.REPLY  # type: ignore[union-attr]
+
+
+def test_query_not_found_keeps_the_clients_position() -> None:
+    f, clock, _ = make_filter()
+    s = FakeSession()
+    heartbeat(f, s, "127.0.0.1@app-1")
+    f.on_request(s, pull(3))
+    clock.t += 21
+    f.on_request(s, pull(3, opaque=20, offset=55))
+    v = f.on_response(s, frame_of(RemotingCommand(22, opaque=20, flag=FLAG_RESPONSE)))
+    assert v is not None and decode_frame(v.data).ext_fields["nextBeginOffset"] == "55"  # type: ignore[index]
+
+
+def test_unidentified_client_pulls_nothing() -> None:
+    f, _, _ = make_filter()
+    v = f.on_request(FakeSession(), pull(0))
+    assert v is not None and v.kind is Kind.REPLY and b"no heartbeat" in decode_frame(v.data).remark.encode()  # type: ignore[union-attr]
+
+
+def send(qid: int, props: dict[str, str], pgroup: str = "pg", v2: bool = True) -> Frame:
+    if v2:
+        ext = {"a": pgroup, "b": T, "c": "TBW102", "d": "4", "e": str(qid), "f": "0", "g": "1", "h": "0",
+               "i": format_properties(props), "j": "0", "k": "false", "m": "false", "n": "broker-a"}
+        return frame_of(RemotingCommand(C.SEND_MESSAGE_V2, opaque=30, ext_fields=ext, body=b"hello"))
+    ext = {"producerGroup": pgroup, "topic": T, "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
+           "queueId": str(qid), "sysFlag": "0", "bornTimestamp": "1", "flag": "0",
+           "properties": format_properties(props), "reconsumeTimes": "0", "unitMode": "false"}
+    return frame_of(RemotingCommand(C.SEND_MESSAGE, opaque=31, ext_fields=ext, body=b"hello"))
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_sends_rewritten_to_their_share(v2: bool) -> None:
+    f, _, cmds = make_filter(k=1, queues=4)
+    s = FakeSession()
+    key = "e" if v2 else "queueId"
+    fr = send(3, {"KEYS": "k1"}, v2=v2)  # a normal send to the gray queue: moved to a normal one
+    assert f.on_request(s, fr) is None
+    cmd = decode_frame(fr.data)
+    assert cmd.ext_fields[key] == "0" and cmd.body == b"hello"  # type: ignore[index]
+    before = decode_frame(send(3, {"KEYS": "k1"}, v2=v2).data).ext_fields
+    assert {k: v for k, v in cmd.ext_fields.items() if k != key} == {k: v for k, v in before.items() if k != key}  # type: ignore[union-attr]
+    fr = send(1, {"gray": "true"}, v2=v2)  # a gray send: to the gray queue
+    assert f.on_request(s, fr) is None and decode_frame(fr.data).ext_fields[key] == "3"  # type: ignore[index]
+    fr = send(2, {}, pgroup="pg-canary", v2=v2)
+    f.on_request(s, fr)
+    assert decode_frame(fr.data).ext_fields[key] == "3"  # type: ignore[index]
+    fr = send(2, {}, v2=v2)  # a normal send to a normal queue: the frame is untouched
+    data = fr.data
+    assert f.on_request(s, fr) is None and fr.data is data
+    cmds.cmds[G] = ("abort", 0.0)  # after an abort gray sends go to normal queues
+    fr = send(1, {"gray": "true"}, v2=v2)
+    f.on_request(s, fr)
+    assert decode_frame(fr.data).ext_fields[key] == "1"  # type: ignore[index]
+
+
+def test_signed_send_that_would_move_is_refused() -> None:
+    f, _, _ = make_filter()
+    fr = send(0, {"gray": "true"})
+    cmd = decode_frame(fr.data)
+    assert cmd.ext_fields is not None
+    cmd.ext_fields["AccessKey"] = "ak"
+    cmd.ext_fields["Signature"] = "sig"
+    fr = frame_of(cmd)
+    v = f.on_request(FakeSession(), fr)
+    assert v is not None and v.kind is Kind.REPLY and decode_frame(v.data).code == C.NO_PERMISSION
+
+
+def test_other_groups_and_topics_pass() -> None:
+    f, _, _ = make_filter()
+    s = FakeSession()
+    other = frame_of(RemotingCommand(C.PULL_MESSAGE, opaque=3, ext_fields={"consumerGroup": "x", "topic": T,
+                                                                             "queueId": "3", "queueOffset": "0"}))
+    assert f.on_request(s, other) is None
+    fr = send(3, {})
+    cmd = decode_frame(fr.data)
+    assert cmd.ext_fields is not None
+    cmd.ext_fields["b"] = "other-topic"
+    fr = frame_of(cmd)
+    data = fr.data
+    assert f.on_request(s, fr) is None and fr.data is data
