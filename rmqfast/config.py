@@ -24,6 +24,8 @@ from typing import Any
 from rmqfast.delay.settings import DelaySection, parse_delay
 from rmqfast.errors import ConfigError
 from rmqfast.gray.config import GraySection, parse_gray
+from rmqfast.grpcfront.settings import KEYS as GRPC_KEYS
+from rmqfast.grpcfront.settings import GrpcSection, parse_grpc
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
 from rmqfast.proxy.health import FailoverSection, parse_failover
@@ -188,6 +190,7 @@ class Config:
     acl: AclSection = field(default_factory=AclSection)  # [acl]: per-AccessKey topic allowlist (rmqfast.proxy.acl)
     tls: TlsSection = field(default_factory=TlsSection)  # [tls.listen], [tls.upstream] (rmqfast.proxy.tls)
     gray: GraySection = field(default_factory=GraySection)  # [gray]: canary releases (rmqfast.gray)
+    grpc: GrpcSection = field(default_factory=GrpcSection)  # [grpc]: RocketMQ 5 gRPC front (rmqfast.grpcfront)
 
     @property
     def replication_enabled(self) -> bool:
@@ -449,6 +452,7 @@ _KNOWN = {
     "acl": {"topics", "unsigned", "other_keys"},
     "tls": {"listen", "upstream"},
     "gray": {"settle", "grace", "state_file", "group"},
+    "grpc": set(GRPC_KEYS),
     "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout",
                  "send_timeout", "ordered_topics", "ordered_property", "go_away"},
 }
@@ -622,6 +626,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     with errs.check():
         if "gray" in raw:
             cfg.gray = parse_gray(raw["gray"])
+    with errs.check():
+        if "grpc" in raw:
+            cfg.grpc = parse_grpc(raw["grpc"])
 
     # cross-field checks only on values that parsed (else they would report the defaults)
     if not errs.any_under("namesrv.listen", "brokers", "admin.listen", "proxy.advertise_host"):
@@ -880,4 +887,6 @@ def from_json(text: str) -> Config:
         cfg.failover = FailoverSection.from_dict(d["failover"])
     if "gray" in d:
         cfg.gray = GraySection.from_dict(d["gray"])
+    if "grpc" in d:
+        cfg.grpc = GrpcSection(**d["grpc"])
     return cfg

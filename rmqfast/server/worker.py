@@ -572,6 +572,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("worker cannot start", extra=ctx(worker=args.index, error=str(exc)))
         status({"event": "fatal", "error": str(exc)})
         return EXIT_FATAL
+    # [grpc]: this worker's gRPC front, a process of its own (rmqfast.grpcfront.server); it ends with
+    # the worker (its lifeline pipe closes)
+    grpc_front = None
+    if cfg.grpc.enabled:
+        from rmqfast.grpcfront.server import spawn as spawn_grpc
+
+        grpc_front = spawn_grpc(runtime)
     done = gevent.event.Event()
 
     def on_term() -> None:
@@ -594,6 +601,13 @@ def main(argv: list[str] | None = None) -> int:
     # version, codec twin and package directory: the supervisor refuses a worker that differs
     status({"event": "ready", "worker_pid": os.getpid(), **identity()})
     done.wait()
+    if grpc_front is not None:
+        proc, lifeline = grpc_front
+        os.close(lifeline)
+        try:
+            proc.wait(timeout=5)
+        except Exception:
+            proc.kill()
     return 0
 
 

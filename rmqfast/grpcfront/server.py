@@ -1,0 +1,84 @@
+"""The gRPC front process: ``python -P -m rmqfast.grpcfront.server --runtime DIR --lifeline FD``.
+
+Each worker starts one (see :func:`spawn`): grpc's asyncio server (``grpc.aio``) in a process of
+its own, so the worker's gevent hub and the Remoting hot path share neither the GIL nor a loop with
+gRPC.  Every such process binds ``[grpc] listen`` with SO_REUSEPORT (grpc's default on Linux), so
+the kernel spreads gRPC connections over them as it does Remoting ones over the workers.  The
+process reads the validated configuration from ``DIR/config.json`` and exits when the lifeline
+pipe (its worker's end) closes or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("rmqfast.grpc")
+
+
+async def serve(namesrvs: list[str], settings, lifeline: int | None) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from rmqfast.grpcfront import protos
+    from rmqfast.grpcfront.service import MessagingService
+
+    pb = protos.load()
+    svc = MessagingService(pb, namesrvs, settings)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length",
+                                                                  settings.max_body_size + (1 << 20))])
+    server.add_generic_rpc_handlers((svc.handler(),))
+    port = server.add_insecure_port(settings.listen)
+    if port == 0:
+        raise OSError(f"cannot bind {settings.listen}")
+    await server.start()
+    log.info("gRPC front listening on %s (pid %d)", settings.listen, os.getpid())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if lifeline is not None:
+        loop.add_reader(lifeline, stop.set)  # readable = EOF: the worker is gone
+    await stop.wait()
+    await server.stop(grace=2.0)
+    await svc.pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rmqfast.grpcfront.server")
+    ap.add_argument("--runtime", required=True)
+    ap.add_argument("--lifeline", type=int)
+    args = ap.parse_args(argv)
+    from rmqfast import config as config_mod
+    from rmqfast import log as log_mod
+
+    cfg = config_mod.from_json((Path(args.runtime) / "config.json").read_text())
+    with contextlib.suppress(Exception):
+        log_mod.setup(cfg.log.format, cfg.log.level)
+    namesrvs = [f"{u.host}:{u.port}" for u in cfg.namesrv.upstreams]
+    try:
+        asyncio.run(serve(namesrvs, cfg.grpc, args.lifeline))
+    except OSError as exc:
+        log.error("gRPC front cannot start: %s", exc)
+        return 3
+    return 0
+
+
+def spawn(runtime: str | Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start the gRPC front process of the calling worker; returns it and the lifeline's write end
+    (keep it open; closing it, or this process dying, stops the front)."""
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast.grpcfront.server", "--runtime", str(runtime),
+                             "--lifeline", str(r)], pass_fds=(r,), start_new_session=False)
+    os.close(r)
+    return proc, w
+
+
+if __name__ == "__main__":
+    sys.exit(main())

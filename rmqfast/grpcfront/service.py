@@ -1,0 +1,463 @@
+"""``apache.rocketmq.v2.MessagingService`` in front of Remoting brokers, with pop with notify.
+
+Stateless like the brokers' pop: a receive carries everything it needs, a receipt handle names its
+broker.  What a process keeps is a route cache (per topic, a few seconds) and one Remoting
+connection per name server and broker (:mod:`rmqfast.grpcfront.upstream`).
+
+Receive (pop with notify): one POP_MESSAGE without long polling to the broker the client named in
+``message_queue`` (the client cycles through its assignments), else to the next broker in a
+round robin; if it comes back empty and long-poll time remains, a NOTIFICATION (long-polling for
+the remaining time) goes to every broker of the topic, at most ``max_fanout``, and the first that
+answers ``hasMsg`` is popped (``bornTime`` refreshed).  If that pop finds nothing (another consumer
+was faster) and time remains, the notifications start over; when every notification has timed out
+the receive ends empty.  The outstanding notifications of a receive that got its messages are
+left to time out on the brokers (their answers are dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.route import PERM_READ, PERM_WRITE, parse_route
+from rmqfast.codec.store import decode_records
+from rmqfast.grpcfront.convert import (
+    BadRequest,
+    ReceiptHandle,
+    attach_handles,
+    send_header,
+    send_properties,
+    to_message,
+)
+from rmqfast.grpcfront.settings import GrpcSection
+from rmqfast.grpcfront.upstream import Pool, UpstreamError
+
+log = logging.getLogger("rmqfast.grpc")
+
+POLLING_FULL, POLLING_TIMEOUT = 209, 210  # ResponseCode
+PRODUCER_GROUP = "rmqfast-grpc"
+ALL_TYPES = ("NORMAL", "FIFO", "DELAY", "TRANSACTION")
+
+
+@dataclass
+class Route:
+    brokers: dict[str, str]  # broker name -> master address
+    queues: list[dict[str, Any]]  # queueDatas
+    expires: float = 0.0
+    writable: list[tuple[str, int]] = field(default_factory=list)  # (broker, queue id)
+
+    @classmethod
+    def parse(cls, body: bytes, ttl: float) -> Route:
+        obj, _ = parse_route(body)
+        brokers = {}
+        for bd in obj.get("brokerDatas") or []:
+            addrs = {int(k): v for k, v in (bd.get("brokerAddrs") or {}).items()}
+            if 0 in addrs:
+                brokers[bd["brokerName"]] = addrs[0]
+        queues = [q for q in obj.get("queueDatas") or [] if q.get("brokerName") in brokers]
+        queues.sort(key=lambda q: q["brokerName"])
+        writable = [(q["brokerName"], i) for q in queues if int(q.get("perm", 0)) & PERM_WRITE
+                    for i in range(int(q.get("writeQueueNums", 0)))]
+        return cls(brokers, queues, time.monotonic() + ttl, writable)
+
+    def readable(self) -> list[str]:
+        return [q["brokerName"] for q in self.queues
+                if int(q.get("perm", 0)) & PERM_READ and int(q.get("readQueueNums", 0)) > 0]
+
+
+class Fail(Exception):
+    """Answer the request with ``code`` (a ``Code`` name) and ``message``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_BROKER_CODES = {C.TOPIC_NOT_EXIST: "TOPIC_NOT_FOUND", C.NO_PERMISSION: "FORBIDDEN", C.SYSTEM_BUSY: "TOO_MANY_REQUESTS",
+                 POLLING_FULL: "TOO_MANY_REQUESTS", 26: "CONSUMER_GROUP_NOT_FOUND"}  # 26: SUBSCRIPTION_GROUP_NOT_EXIST
+
+
+class Stats:
+    """Counters of this process (receives, first-pop hits, notify rounds, empty answers)."""
+
+    def __init__(self) -> None:
+        self.receives = self.first_pop_hits = self.notify_rounds = self.notify_hits = self.empty = 0
+
+
+class MessagingService:
+    """The handlers; ``handler()`` gives the grpc generic handler."""
+
+    def __init__(self, pb: Any, namesrvs: list[str], settings: GrpcSection) -> None:
+        self.pb = pb
+        self.namesrvs = namesrvs
+        self.cfg = settings
+        self.pool = Pool(settings.connect_timeout)
+        self._routes: dict[str, Route] = {}
+        self._rr = itertools.count()
+        self.stats = Stats()
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def status(self, code: str, message: str = "") -> Any:
+        return self.pb.Status(code=getattr(self.pb.Code, code), message=message or code)
+
+    async def route(self, topic: str) -> Route:
+        r = self._routes.get(topic)
+        if r is not None and r.expires > time.monotonic():
+            return r
+        err: Exception | None = None
+        for ns in self.namesrvs:
+            try:
+                resp = await self.pool.request(ns, C.GET_ROUTEINFO_BY_TOPIC, {"topic": topic},
+                                               timeout=self.cfg.request_timeout)
+            except UpstreamError as exc:
+                err = exc
+                continue
+            if resp.code == C.TOPIC_NOT_EXIST:
+                raise Fail("TOPIC_NOT_FOUND", f"topic {topic} not found")
+            if resp.code != C.SUCCESS:
+                err = UpstreamError(f"{ns}: route of {topic}: code {resp.code} {resp.remark}")
+                continue
+            r = Route.parse(resp.body, self.cfg.route_ttl)
+            self._routes[topic] = r
+            return r
+        if r is not None:
+            return r  # stale beats none while the name servers are away
+        raise Fail("INTERNAL_SERVER_ERROR", f"no name server answered: {err}")
+
+    async def broker_call(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"",
+                          timeout: float | None = None) -> Any:
+        try:
+            return await self.pool.request(addr, code, ext, body, timeout=timeout or self.cfg.request_timeout)
+        except UpstreamError as exc:
+            raise Fail("PROXY_TIMEOUT" if "did not answer" in str(exc) else "INTERNAL_SERVER_ERROR", str(exc)) from exc
+
+    @staticmethod
+    def _peer(ctx: Any) -> str:
+        p = ctx.peer() or ""
+        return p.split(":", 1)[1] if p.startswith(("ipv4:", "ipv6:")) else p
+
+    # --- route, session --------------------------------------------------------------------
+
+    async def QueryRoute(self, req: Any, ctx: Any) -> Any:
+        pb = self.pb
+        try:
+            r = await self.route(req.topic.name)
+        except Fail as f:
+            return pb.QueryRouteResponse(status=self.status(f.code, str(f)))
+        types = [getattr(pb.MessageType, t) for t in ALL_TYPES]
+        mqs = []
+        for q in r.queues:
+            broker = pb.Broker(name=q["brokerName"], id=0, endpoints=req.endpoints)
+            perm = int(q.get("perm", 0))
+            rn, wn = int(q.get("readQueueNums", 0)), int(q.get("writeQueueNums", 0))
+            if perm & PERM_READ and perm & PERM_WRITE:
+                rw = min(rn, wn)
+                parts = [(rn - rw, "READ"), (wn - rw, "WRITE"), (rw, "READ_WRITE")]
+            elif perm & PERM_WRITE:
+                parts = [(wn, "WRITE")]
+            elif perm & PERM_READ:
+                parts = [(rn, "READ")]
+            else:
+                parts = [(max(1, rn, wn), "NONE")]
+            qid = 0
+            for n, name in parts:
+                for _ in range(n):
+                    mqs.append(pb.MessageQueue(topic=req.topic, id=qid, permission=getattr(pb.Permission, name),
+                                               broker=broker, accept_message_types=types))
+                    qid += 1
+        return pb.QueryRouteResponse(status=self.status("OK"), message_queues=mqs)
+
+    async def Heartbeat(self, req: Any, ctx: Any) -> Any:
+        return self.pb.HeartbeatResponse(status=self.status("OK"))
+
+    async def NotifyClientTermination(self, req: Any, ctx: Any) -> Any:
+        return self.pb.NotifyClientTerminationResponse(status=self.status("OK"))
+
+    def _settings_answer(self, s: Any) -> Any:
+        pb = self.pb
+        out = pb.Settings()
+        out.CopyFrom(s)
+        backoff = out.backoff_policy
+        backoff.max_attempts = backoff.max_attempts or (16 if s.client_type in (
+            pb.ClientType.PUSH_CONSUMER, pb.ClientType.SIMPLE_CONSUMER) else 3)
+        if not backoff.HasField("exponential_backoff") and not backoff.HasField("customized_backoff"):
+            backoff.exponential_backoff.initial.CopyFrom(pb.Duration(nanos=10_000_000))
+            backoff.exponential_backoff.max.CopyFrom(pb.Duration(seconds=1))
+            backoff.exponential_backoff.multiplier = 2.0
+        if s.HasField("publishing"):
+            out.publishing.max_body_size = self.cfg.max_body_size
+            out.publishing.validate_message_type = False
+        if s.HasField("subscription"):
+            out.subscription.fifo = out.subscription.fifo or False
+            out.subscription.receive_batch_size = out.subscription.receive_batch_size or 32
+            if not out.subscription.HasField("long_polling_timeout"):
+                out.subscription.long_polling_timeout.CopyFrom(pb.Duration(seconds=30))
+        return out
+
+    async def Telemetry(self, requests: AsyncIterator[Any], ctx: Any) -> AsyncIterator[Any]:
+        """Settings exchange: each ``settings`` command is answered with the settings the client runs
+        with; other commands (thread stacks, verify results, orphaned-transaction answers) are read
+        and dropped."""
+        async for cmd in requests:
+            if cmd.HasField("settings"):
+                yield self.pb.TelemetryCommand(status=self.status("OK"), settings=self._settings_answer(cmd.settings))
+
+    # --- send ------------------------------------------------------------------------------
+
+    async def SendMessage(self, req: Any, ctx: Any) -> Any:
+        pb = self.pb
+        if not req.messages:
+            return pb.SendMessageResponse(status=self.status("BAD_REQUEST", "no message"))
+        entries = []
+        for msg in req.messages:
+            try:
+                entries.append(await self._send_one(msg, ctx, len(req.messages) == 1))
+            except (Fail, BadRequest) as f:
+                entries.append(pb.SendResultEntry(status=self.status(f.code, str(f))))
+        codes = {e.status.code for e in entries}
+        status = entries[0].status if len(codes) == 1 else self.status("MULTIPLE_RESULTS")
+        return pb.SendMessageResponse(status=status, entries=entries)
+
+    async def _send_one(self, msg: Any, ctx: Any, single: bool) -> Any:
+        pb = self.pb
+        topic = msg.topic.name
+        if len(msg.body) > self.cfg.max_body_size:
+            raise BadRequest("MESSAGE_BODY_TOO_LARGE", f"body over {self.cfg.max_body_size} bytes")
+        if msg.system_properties.message_type == pb.MessageType.TRANSACTION:
+            raise Fail("NOT_IMPLEMENTED", "transactional messages are not served by this proxy yet")
+        props, sys_flag = send_properties(pb, msg, PRODUCER_GROUP, self._peer(ctx))
+        r = await self.route(topic)
+        if not r.writable:
+            raise Fail("FORBIDDEN", f"topic {topic} has no writable queue")
+        group = msg.system_properties.message_group
+        if group and single:  # one message group, one queue (the proxy hashes it like Java's String.hashCode)
+            broker, qid = r.writable[_consistent_hash(_java_hash(group), len(r.writable))]
+        else:
+            broker, qid = r.writable[next(self._rr) % len(r.writable)]
+        born = int(time.time() * 1000)
+        ext = send_header(topic, broker, qid, props, sys_flag, born, PRODUCER_GROUP,
+                          msg.system_properties.delivery_attempt)
+        resp = await self.broker_call(r.brokers[broker], C.SEND_MESSAGE_V2, ext, bytes(msg.body))
+        if resp.code != C.SUCCESS:
+            raise Fail(_BROKER_CODES.get(resp.code, "INTERNAL_SERVER_ERROR"),
+                       f"broker {broker}: {resp.code} {resp.remark}")
+        rx = resp.ext_fields or {}
+        return pb.SendResultEntry(status=self.status("OK"), message_id=msg.system_properties.message_id,
+                                  transaction_id=rx.get("transactionId", ""), offset=int(rx.get("queueOffset", 0)))
+
+    # --- consume ---------------------------------------------------------------------------
+
+    async def QueryAssignment(self, req: Any, ctx: Any) -> Any:
+        pb = self.pb
+        try:
+            r = await self.route(req.topic.name)
+        except Fail as f:
+            return pb.QueryAssignmentResponse(status=self.status(f.code, str(f)))
+        out = []
+        for name in r.readable():
+            q = next(q for q in r.queues if q["brokerName"] == name)
+            perm = "READ_WRITE" if int(q.get("perm", 0)) & PERM_WRITE else "READ"
+            mq = pb.MessageQueue(topic=req.topic, id=-1, permission=getattr(pb.Permission, perm),
+                                 broker=pb.Broker(name=name, id=0, endpoints=req.endpoints))
+            out.append(pb.Assignment(message_queue=mq))
+        if not out:
+            return pb.QueryAssignmentResponse(status=self.status("FORBIDDEN", "no readable queue"))
+        return pb.QueryAssignmentResponse(status=self.status("OK"), assignments=out)
+
+    def _pop_ext(self, req: Any, topic: str, invisible_ms: int, poll_ms: int) -> dict[str, str]:
+        fe = req.filter_expression
+        exp_type = "SQL92" if fe.type == self.pb.FilterType.SQL else "TAG"
+        return {
+            "consumerGroup": req.group.name, "topic": topic, "queueId": "-1",
+            "maxMsgNums": str(max(1, min(req.batch_size or 32, 32))), "invisibleTime": str(invisible_ms),
+            "pollTime": str(poll_ms), "bornTime": str(int(time.time() * 1000)), "initMode": "1",  # MAX, as Java's proxy
+            "expType": exp_type, "exp": fe.expression or "*", "order": "false",
+            **({"attemptId": req.attempt_id} if req.attempt_id else {}),
+        }
+
+    async def _pop(self, r: Route, broker: str, req: Any, invisible_ms: int, poll_ms: int,
+                   timeout: float) -> list[Any]:
+        topic = req.message_queue.topic.name
+        ext = self._pop_ext(req, topic, invisible_ms, poll_ms)
+        resp = await self.broker_call(r.brokers[broker], C.POP_MESSAGE, ext,
+                                      timeout=timeout)
+        if resp.code in (C.PULL_NOT_FOUND, POLLING_TIMEOUT):
+            return []
+        if resp.code != C.SUCCESS:
+            raise Fail(_BROKER_CODES.get(resp.code, "INTERNAL_SERVER_ERROR"), f"pop on {broker}: {resp.code} "
+                       f"{resp.remark}")
+        records = decode_records(resp.body)
+        attach_handles(records, resp.ext_fields or {}, broker)
+        return [to_message(self.pb, rec, topic, broker) for rec in records]
+
+    async def _notify(self, r: Route, broker: str, req: Any, poll_ms: int) -> str | None:
+        ext = {"consumerGroup": req.group.name, "topic": req.message_queue.topic.name, "queueId": "-1",
+               "pollTime": str(poll_ms), "bornTime": str(int(time.time() * 1000)), "order": "false"}
+        try:
+            resp = await self.pool.request(r.brokers[broker], C.NOTIFICATION, ext,
+                                           timeout=poll_ms / 1000 + self.cfg.request_timeout)
+        except UpstreamError as exc:
+            log.info("notification to %s failed: %s", broker, exc)
+            return None
+        has = (resp.ext_fields or {}).get("hasMsg") == "true"
+        return broker if resp.code == C.SUCCESS and has else None
+
+    async def _pop_with_notify(self, r: Route, req: Any, invisible_ms: int, deadline: float) -> list[Any]:
+        brokers = r.readable()
+        if not brokers:
+            raise Fail("FORBIDDEN", "no readable queue")
+        named = req.message_queue.broker.name
+        first = named if named in brokers else brokers[next(self._rr) % len(brokers)]
+        msgs = await self._pop(r, first, req, invisible_ms, 0, self.cfg.request_timeout)
+        if msgs:
+            self.stats.first_pop_hits += 1
+            return msgs
+        start = brokers.index(first)
+        targets = (brokers[start:] + brokers[:start])[: self.cfg.max_fanout]
+        while (remaining := deadline - time.monotonic()) > self.cfg.min_poll:
+            self.stats.notify_rounds += 1
+            poll_ms = int(remaining * 1000)
+            pending = {asyncio.ensure_future(self._notify(r, b, req, poll_ms)) for b in targets}
+            try:
+                while pending:
+                    done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                    if not done:
+                        return []  # the long poll is over
+                    for t in done:
+                        broker = t.result()
+                        if broker is None:
+                            continue
+                        self.stats.notify_hits += 1
+                        msgs = await self._pop(r, broker, req, invisible_ms, 0, self.cfg.request_timeout)
+                        if msgs:
+                            return msgs
+            finally:
+                for t in pending:
+                    t.cancel()
+            await asyncio.sleep(self.cfg.min_poll / 4)  # every notification ended: a short back-off
+        return []
+
+    async def ReceiveMessage(self, req: Any, ctx: Any) -> AsyncIterator[Any]:
+        pb = self.pb
+        self.stats.receives += 1
+        long_poll = req.long_polling_timeout.seconds + req.long_polling_timeout.nanos / 1e9
+        left = ctx.time_remaining()
+        if left is not None:
+            long_poll = min(long_poll, max(0.0, left - self.cfg.long_poll_reserve))
+        invisible = req.invisible_duration
+        invisible_ms = invisible.seconds * 1000 + invisible.nanos // 1_000_000 if req.HasField(
+            "invisible_duration") else int(self.cfg.default_invisible * 1000)
+        try:
+            r = await self.route(req.message_queue.topic.name)
+            msgs = await self._pop_with_notify(r, req, invisible_ms, time.monotonic() + long_poll)
+        except (Fail, BadRequest) as f:
+            yield pb.ReceiveMessageResponse(status=self.status(f.code, str(f)))
+            return
+        except Exception as exc:
+            log.exception("receive failed")
+            yield pb.ReceiveMessageResponse(status=self.status("INTERNAL_SERVER_ERROR", str(exc)))
+            return
+        if not msgs:
+            self.stats.empty += 1
+            yield pb.ReceiveMessageResponse(status=self.status("MESSAGE_NOT_FOUND", "no new message"))
+            return
+        yield pb.ReceiveMessageResponse(status=self.status("OK"))
+        for m in msgs:
+            yield pb.ReceiveMessageResponse(message=m)
+
+    async def _handle_call(self, topic: str, group: str, handle: ReceiptHandle, code: int,
+                           extra: dict[str, str]) -> Any:
+        r = await self.route(topic)
+        addr = r.brokers.get(handle.broker)
+        if addr is None:
+            raise Fail("INVALID_RECEIPT_HANDLE", f"broker {handle.broker} is not in the route of {topic}")
+        ext = {"consumerGroup": group, "topic": handle.real_topic(topic, group), "queueId": str(handle.queue_id),
+               "extraInfo": handle.text, "offset": str(handle.offset), **extra}
+        resp = await self.broker_call(addr, code, ext)
+        if resp.code != C.SUCCESS:
+            raise Fail("INVALID_RECEIPT_HANDLE" if resp.code == 20 else "INTERNAL_SERVER_ERROR",
+                       f"{handle.broker}: {resp.code} {resp.remark}")
+        return resp
+
+    async def AckMessage(self, req: Any, ctx: Any) -> Any:
+        pb = self.pb
+        entries = []
+        for e in req.entries:
+            try:
+                await self._handle_call(req.topic.name, req.group.name, ReceiptHandle.decode(e.receipt_handle),
+                                        C.ACK_MESSAGE, {})
+                st = self.status("OK")
+            except (Fail, BadRequest) as f:
+                st = self.status(f.code, str(f))
+            entries.append(pb.AckMessageResultEntry(message_id=e.message_id, receipt_handle=e.receipt_handle,
+                                                    status=st))
+        codes = {x.status.code for x in entries}
+        status = entries[0].status if len(codes) == 1 else self.status("MULTIPLE_RESULTS")
+        return pb.AckMessageResponse(status=status, entries=entries)
+
+    async def ChangeInvisibleDuration(self, req: Any, ctx: Any) -> Any:
+        pb = self.pb
+        ms = req.invisible_duration.seconds * 1000 + req.invisible_duration.nanos // 1_000_000
+        try:
+            handle = ReceiptHandle.decode(req.receipt_handle)
+            resp = await self._handle_call(req.topic.name, req.group.name, handle, C.CHANGE_MESSAGE_INVISIBLETIME,
+                                           {"invisibleTime": str(ms)})
+        except (Fail, BadRequest) as f:
+            return pb.ChangeInvisibleDurationResponse(status=self.status(f.code, str(f)))
+        rx = resp.ext_fields or {}
+        new = handle.renewed(int(rx.get("popTime", 0)), int(rx.get("invisibleTime", ms)), int(rx.get("reviveQid", 0)))
+        return pb.ChangeInvisibleDurationResponse(status=self.status("OK"), receipt_handle=new)
+
+    # --- wiring ----------------------------------------------------------------------------
+
+    SERVED = ("QueryRoute", "Heartbeat", "Telemetry", "SendMessage", "QueryAssignment", "ReceiveMessage",
+              "AckMessage", "ChangeInvisibleDuration", "NotifyClientTermination")
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The served methods; the others answer gRPC ``UNIMPLEMENTED``."""
+        handlers = {}
+        for m in self.pb.service.methods:
+            if m.name not in self.SERVED:
+                continue
+            fn = getattr(self, m.name)
+            req_cls = getattr(self.pb, m.input_type.name)
+            resp_cls = getattr(self.pb, m.output_type.name)
+            kind = {(False, False): grpc.unary_unary_rpc_method_handler,
+                    (False, True): grpc.unary_stream_rpc_method_handler,
+                    (True, True): grpc.stream_stream_rpc_method_handler}[(m.client_streaming, m.server_streaming)]
+            handlers[m.name] = kind(fn, request_deserializer=req_cls.FromString,
+                                    response_serializer=resp_cls.SerializeToString)
+        return grpc.method_handlers_generic_handler(self.pb.service.full_name, handlers)
+
+
+def _java_hash(s: str) -> int:
+    """Java's ``String.hashCode`` (UTF-16 code units)."""
+    h = 0
+    data = s.encode("utf-16-be")
+    for i in range(0, len(data), 2):
+        h = (31 * h + ((data[i] << 8) | data[i + 1])) & 0xFFFFFFFF
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def _consistent_hash(key: int, buckets: int) -> int:
+    """Guava's ``Hashing.consistentHash(long, int)`` (the Java proxy's queue choice for a message group)."""
+    state = key & 0xFFFFFFFFFFFFFFFF
+    candidate = 0
+    while True:
+        state = (2862933555777941757 * state + 1) & 0xFFFFFFFFFFFFFFFF
+        nxt = int((candidate + 1) / (((state >> 33) + 1) / 2147483648.0))
+        if 0 <= nxt < buckets:
+            candidate = nxt
+        else:
+            return candidate
+

@@ -1,0 +1,67 @@
+"""``[grpc]``: the RocketMQ 5 gRPC front (``apache.rocketmq.v2.MessagingService``).
+
+Parsed here without importing grpc, so a configuration without the section needs none of the
+``rmqfast[grpc]`` packages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rmqfast.errors import ConfigError
+
+
+@dataclass
+class GrpcSection:
+    enabled: bool = False
+    listen: str = "0.0.0.0:8081"  # host:port, bound with SO_REUSEPORT by every worker's gRPC process
+    max_fanout: int = 8  # brokers a receive sends NOTIFICATION to at once
+    min_poll: float = 0.2  # s: no new notification round with less long-poll time left
+    long_poll_reserve: float = 0.5  # s kept from the client's deadline for the answer to travel
+    request_timeout: float = 3.0  # s: sends, short pops, acks, routes
+    connect_timeout: float = 3.0
+    route_ttl: float = 5.0  # s a topic's route is cached
+    default_invisible: float = 60.0  # s, for receives that name no invisible duration
+    max_body_size: int = 4 * 1024 * 1024
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_FLOATS = {"min_poll": (0.01, 60.0), "long_poll_reserve": (0.0, 10.0), "request_timeout": (0.1, 60.0),
+           "connect_timeout": (0.1, 60.0), "route_ttl": (0.1, 3600.0), "default_invisible": (1.0, 43200.0)}
+_INTS = {"max_fanout": (1, 256), "max_body_size": (1, 1 << 30)}
+KEYS = {"enabled", "listen", *_FLOATS, *_INTS}
+
+
+def parse_grpc(raw: Any) -> GrpcSection:
+    if not isinstance(raw, dict):
+        raise ConfigError("grpc: must be a table")
+    unknown = set(raw) - KEYS
+    if unknown:
+        raise ConfigError(f"grpc: unknown key(s) {', '.join(sorted(unknown))}")
+    s = GrpcSection()
+    if "enabled" in raw:
+        if not isinstance(raw["enabled"], bool):
+            raise ConfigError("grpc.enabled: must be true or false")
+        s.enabled = raw["enabled"]
+    if "listen" in raw:
+        v = raw["listen"]
+        host, sep, port = str(v).rpartition(":")
+        if not isinstance(v, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"grpc.listen: expected host:port, got {v!r}")
+        s.listen = v
+    for k, (lo, hi) in _FLOATS.items():
+        if k in raw:
+            v = raw[k]
+            if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+                raise ConfigError(f"grpc.{k}: expected a number in [{lo}, {hi}], got {v!r}")
+            setattr(s, k, float(v))
+    for k, (lo, hi) in _INTS.items():
+        if k in raw:
+            v = raw[k]
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"grpc.{k}: expected an integer in [{lo}, {hi}], got {v!r}")
+            setattr(s, k, v)
+    return s

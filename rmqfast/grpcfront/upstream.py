@@ -1,0 +1,140 @@
+"""Asyncio Remoting connections from the gRPC front to name servers and brokers.
+
+Frames are built and read with :mod:`rmqfast.codec.command` (JSON headers), one connection per
+address, requests multiplexed by opaque; a connection that fails is dropped and the next request
+opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import struct
+
+from rmqfast.codec.command import RemotingCommand, decode_frame, encode
+
+log = logging.getLogger("rmqfast.grpc")
+
+_I32 = struct.Struct(">i")
+#: MQVersion ordinal of 5.3.3 (name servers answer standard JSON; brokers see a 5.x client).
+CLIENT_VERSION = 500
+MAX_FRAME = 64 * 1024 * 1024
+
+
+class UpstreamError(RuntimeError):
+    """A name server or broker could not be reached or did not answer in time."""
+
+
+class Connection:
+    """One Remoting connection to ``addr`` ("host:port")."""
+
+    _opaques = itertools.count(1)
+
+    def __init__(self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.addr = addr
+        self._reader = reader
+        self._writer = writer
+        self._pending: dict[int, asyncio.Future[RemotingCommand]] = {}
+        self.closed = False
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def open(cls, addr: str, timeout: float) -> Connection:
+        host, _, port = addr.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        except (TimeoutError, OSError, ValueError) as exc:
+            raise UpstreamError(f"cannot connect to {addr}: {exc or 'timeout'}") from exc
+        return cls(addr, reader, writer)
+
+    async def _read_loop(self) -> None:
+        error = UpstreamError(f"connection to {self.addr} closed by the remote side")
+        try:
+            while True:
+                head = await self._reader.readexactly(4)
+                (n,) = _I32.unpack(head)
+                if n <= 0 or n > MAX_FRAME:
+                    raise UpstreamError(f"{self.addr}: frame length {n}")
+                frame = head + await self._reader.readexactly(n)
+                cmd = decode_frame(frame)
+                if not cmd.is_response:
+                    continue  # broker-to-client requests need no answer here
+                fut = self._pending.pop(cmd.opaque, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(cmd)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            error = UpstreamError(f"connection to {self.addr} lost: {exc}")
+        except Exception as exc:  # an undecodable frame
+            error = UpstreamError(f"connection to {self.addr} failed: {exc}")
+        finally:
+            self._fail(error)
+
+    def _fail(self, error: Exception) -> None:
+        self.closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._pending.clear()
+        self._writer.close()
+
+    async def request(self, code: int, ext: dict[str, str], body: bytes = b"", *, timeout: float) -> RemotingCommand:
+        if self.closed:
+            raise UpstreamError(f"connection to {self.addr} is closed")
+        opaque = next(self._opaques) & 0x7FFFFFFF
+        fut: asyncio.Future[RemotingCommand] = asyncio.get_running_loop().create_future()
+        self._pending[opaque] = fut
+        self._writer.write(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque,
+                                                  ext_fields=ext, body=body)))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise UpstreamError(f"{self.addr} did not answer request {code} within {timeout:.1f} s") from None
+        finally:
+            self._pending.pop(opaque, None)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+
+class Pool:
+    """One :class:`Connection` per address, opened on first use and replaced after a failure."""
+
+    def __init__(self, connect_timeout: float = 3.0) -> None:
+        self.connect_timeout = connect_timeout
+        self._conns: dict[str, Connection] = {}
+        self._opening: dict[str, asyncio.Future[Connection]] = {}
+
+    async def get(self, addr: str) -> Connection:
+        conn = self._conns.get(addr)
+        if conn is not None and not conn.closed:
+            return conn
+        opening = self._opening.get(addr)
+        if opening is not None:
+            return await asyncio.shield(opening)
+        fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        self._opening[addr] = fut
+        try:
+            conn = await Connection.open(addr, self.connect_timeout)
+            self._conns[addr] = conn
+            fut.set_result(conn)
+            return conn
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: no "never retrieved" warning when nobody else waited
+            raise
+        finally:
+            self._opening.pop(addr, None)
+
+    async def request(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"", *,
+                      timeout: float = 3.0) -> RemotingCommand:
+        conn = await self.get(addr)
+        return await conn.request(code, ext, body, timeout=timeout)
+
+    async def close(self) -> None:
+        for conn in list(self._conns.values()):
+            await conn.close()
+        self._conns.clear()

@@ -1,0 +1,226 @@
+"""RocketMQ 5 gRPC clients through rmqfast's gRPC front (real RocketMQ 5.3.3 brokers, pop on).
+
+Two masters of the session's name server hold the topic: the session broker (broker-a) and a
+second one started here (broker-b).  The real Python 5.x client (``rocketmq-python-client``) sends
+with a Producer and receives and acks with a SimpleConsumer through rmqfast; the pop-with-notify
+check puts a message on broker-b only and asks the front to pop broker-a first: the receive must
+return that message well before its long poll ends (no false empty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rmqfast.testing import JarPaths, RocketMQCluster
+from rmqfast.testing.ports import reserve
+from rmqfast.testing.proxy import ProxyProcess
+
+pytestmark = pytest.mark.integration
+
+grpc = pytest.importorskip("grpc")
+rocketmq = pytest.importorskip("rocketmq")
+
+TOPIC = "grpc_front_topic"
+BOUND = 60.0
+
+
+def wait_until(fn: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def two_brokers(jars: JarPaths, cluster: RocketMQCluster) -> Iterator[tuple[RocketMQCluster, RocketMQCluster]]:
+    with RocketMQCluster(jars=jars, broker_name="broker-b", join=cluster) as b:
+        cluster.create_topic(TOPIC, 2)
+        b.create_topic(TOPIC, 2)
+
+        def both() -> bool:
+            route = cluster.topic_route(TOPIC) or {}
+            names = {q.get("brokerName") for q in route.get("queueDatas", []) if isinstance(q, dict)}
+            return {cluster.broker_name, "broker-b"} <= names
+
+        wait_until(both, BOUND, "both brokers in the route")
+        yield cluster, b
+
+
+@pytest.fixture(scope="module")
+def front(two_brokers: tuple[RocketMQCluster, RocketMQCluster]) -> Iterator[str]:
+    a, _ = two_brokers
+    lease = reserve([0])
+    port = lease.base
+    extra = f'\n[grpc]\nenabled = true\nlisten = "127.0.0.1:{port}"\n'
+    with contextlib.ExitStack() as stack:
+        stack.callback(lease.release)
+        stack.enter_context(ProxyProcess([a.namesrv_addr], workers=1, extra_config=extra))
+        addr = f"127.0.0.1:{port}"
+        channel = grpc.insecure_channel(addr)
+        grpc.channel_ready_future(channel).result(timeout=BOUND)
+        channel.close()
+        yield addr
+
+
+def _client_config(addr: str) -> Any:
+    from rocketmq import ClientConfiguration, Credentials
+
+    return ClientConfiguration(addr, Credentials())
+
+
+def test_python_client_send_receive_ack(front: str) -> None:
+    """Producer.send of 10 messages (tags, keys, user properties), then SimpleConsumer receive + ack
+    of all of them, every body and property as sent; a second consumer of the group then finds none."""
+    from rocketmq import FilterExpression, Message, Producer, SimpleConsumer
+
+    run = uuid.uuid4().hex[:8]
+    producer = Producer(_client_config(front), (TOPIC,))
+    producer.startup()
+    sent: dict[str, bytes] = {}
+    try:
+        for i in range(10):
+            m = Message()
+            m.topic = TOPIC
+            m.body = f"grpc-{run}-{i}".encode()
+            m.tag = "t1"
+            m.keys = f"k-{run}-{i}"
+            m.add_property("run", run)
+            receipt = producer.send(m)
+            sent[receipt.message_id] = m.body
+    finally:
+        producer.shutdown()
+    assert len(sent) == 10
+
+    group = f"grpc_sc_{run}"
+    consumer = SimpleConsumer(_client_config(front), group, {TOPIC: FilterExpression("t1")}, await_duration=5)
+    consumer.startup()
+    got: dict[str, bytes] = {}
+    try:
+        deadline = time.monotonic() + BOUND
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            for msg in consumer.receive(16, 30) or []:
+                if msg.properties.get("run") == run:
+                    assert msg.tag == "t1"
+                    got[msg.message_id] = msg.body
+                consumer.ack(msg)
+    finally:
+        consumer.shutdown()
+    assert got == sent
+
+
+def _pb() -> Any:
+    from rmqfast.grpcfront import protos
+
+    return protos.load()
+
+
+def _send_direct(broker_addr: str, broker: str, body: bytes) -> None:
+    """A message straight to one broker over Remoting (not through the front)."""
+    from rmqfast.codec import codes as C
+    from rmqfast.grpcfront.convert import send_header
+    from rmqfast.grpcfront.upstream import Pool
+
+    async def go() -> None:
+        pool = Pool()
+        try:
+            ext = send_header(TOPIC, broker, 0, {"UNIQ_KEY": uuid.uuid4().hex.upper()}, 0, int(time.time() * 1000),
+                              "grpc-it", 0)
+            r = await pool.request(broker_addr, C.SEND_MESSAGE_V2, ext, body, timeout=10)
+            assert r.code == 0, (r.code, r.remark)
+        finally:
+            await pool.close()
+
+    asyncio.run(go())
+
+
+def _receive(pb: Any, addr: str, group: str, first_broker: str, long_poll: int) -> tuple[list[Any], Any, float]:
+    channel = grpc.insecure_channel(addr)
+    try:
+        call = channel.unary_stream(f"/{pb.service.full_name}/ReceiveMessage",
+                                    request_serializer=pb.ReceiveMessageRequest.SerializeToString,
+                                    response_deserializer=pb.ReceiveMessageResponse.FromString)
+        req = pb.ReceiveMessageRequest(batch_size=4, auto_renew=False)
+        req.group.name = group
+        req.message_queue.topic.name = TOPIC
+        req.message_queue.id = -1
+        req.message_queue.broker.name = first_broker
+        req.filter_expression.type = pb.FilterType.TAG
+        req.filter_expression.expression = "*"
+        req.invisible_duration.seconds = 30
+        req.long_polling_timeout.seconds = long_poll
+        t0 = time.monotonic()
+        answers = list(call(req, timeout=long_poll + 5))
+        took = time.monotonic() - t0
+        return [a.message for a in answers if a.HasField("message")], answers[0].status, took
+    finally:
+        channel.close()
+
+
+def _ack(pb: Any, addr: str, group: str, msgs: list[Any]) -> Any:
+    channel = grpc.insecure_channel(addr)
+    try:
+        call = channel.unary_unary(f"/{pb.service.full_name}/AckMessage",
+                                   request_serializer=pb.AckMessageRequest.SerializeToString,
+                                   response_deserializer=pb.AckMessageResponse.FromString)
+        req = pb.AckMessageRequest()
+        req.group.name = group
+        req.topic.name = TOPIC
+        for m in msgs:
+            sp = m.system_properties
+            req.entries.add(message_id=sp.message_id, receipt_handle=sp.receipt_handle)
+        return call(req, timeout=10)
+    finally:
+        channel.close()
+
+
+def test_pop_with_notify_no_false_empty(front: str, two_brokers: tuple[RocketMQCluster, RocketMQCluster]) -> None:
+    """A message waiting on broker-b, a receive whose first pop goes to (empty) broker-a: the message
+    comes back at once, not after the 20 s long poll; then one sent to broker-b while a receive is
+    parked comes back before that receive's long poll ends; acks by receipt handle reach broker-b."""
+    a, b = two_brokers
+    pb = _pb()
+    group = f"grpc_notify_{uuid.uuid4().hex[:8]}"
+    # the group's first receives: whatever the topic already holds for a new group, read and acked
+    deadline = time.monotonic() + BOUND
+    while True:
+        msgs, status, _ = _receive(pb, front, group, a.broker_name, 1)
+        if not msgs:
+            assert status.code == pb.Code.MESSAGE_NOT_FOUND, status
+            break
+        assert _ack(pb, front, group, msgs).status.code == pb.Code.OK
+        assert time.monotonic() < deadline, "the topic does not drain"
+
+    _send_direct(b.broker_addr, "broker-b", b"waiting-on-b")
+    msgs, status, took = _receive(pb, front, group, a.broker_name, 20)
+    assert status.code == pb.Code.OK, status
+    assert [m.body for m in msgs] == [b"waiting-on-b"]
+    assert msgs[0].system_properties.receipt_handle.split(" ")[5] == "broker-b"
+    assert took < 10, took
+    ack = _ack(pb, front, group, msgs)
+    assert ack.status.code == pb.Code.OK, ack
+
+    result: dict[str, Any] = {}
+    th = threading.Thread(target=lambda: result.update(r=_receive(pb, front, group, a.broker_name, 20)))
+    th.start()
+    t_send = time.monotonic()
+    _send_direct(b.broker_addr, "broker-b", b"arrives-on-b")
+    th.join(timeout=40)
+    msgs, status, took = result["r"]
+    assert status.code == pb.Code.OK, status
+    assert [m.body for m in msgs] == [b"arrives-on-b"]
+    latency = time.monotonic() - t_send
+    print(f"\npop with notify: parked receive answered {latency * 1000:.0f} ms after the send to broker-b")
+    assert latency < 10, latency
+    assert _ack(pb, front, group, msgs).status.code == pb.Code.OK
