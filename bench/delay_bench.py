@@ -258,14 +258,18 @@ def release(args: argparse.Namespace, addr: str, work: Path) -> None:
                        path=str(d), publish=False)
     svc.start()
     t0 = time.monotonic()
+    c0 = time.process_time()
     while svc.releaser.released + svc.releaser.dropped < n:
         gevent.sleep(0.2)
     took = time.monotonic() - t0
+    cpu = time.process_time() - c0
     late = sorted(svc.releaser.lateness_ms)
     k = len(late)
     print(f"   released {svc.releaser.released:,} ({svc.releaser.dropped} dropped) in {took:.1f} s; "
           f"lateness ms p50={late[k // 2]} p99={late[int(k * 0.99)]} max={late[-1]} (of the last {k:,}); "
           f"process RSS {rss_mb():.0f} MB")
+    print(f"   CPU of the releasing process: {cpu * 1e6 / max(1, n):.0f} us per release "
+          f"(one core: {n / max(cpu, 1e-9):,.0f} releases/s); load average {os.getloadavg()[0]:.1f}")
     svc.close()
     spill.close()
 

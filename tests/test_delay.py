@@ -607,3 +607,23 @@ def test_queue_window_releases_pipelined_and_everything_once(tmp_path):
     svc.close()
     spill.close()
     broker.close()
+
+
+def test_release_frame_carries_the_producers_fields_and_answers_are_read_in_both_forms():
+    from rmqfast.delay.channel import parse_answer, release_frame
+    from rmqfast.deliver.sender import build_request
+
+    rec = CopyRecord(topic="Delayed", body=b"\x00body", properties="KEYS\x01k \"q\"\x02UNIQ_KEY\x01U\u00e9\x02",
+                     queue_id=3, sys_flag=1, born_timestamp=1_700_000_000_123, flag=7, broker_name="broker-a",
+                     producer_group="PG")
+    got = decode_frame(release_frame(rec, 77))
+    code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
+    assert (got.code, got.opaque, got.serialize_type, got.ext_fields, got.body) == (
+        code, 77, SERIALIZE_ROCKETMQ, ext, body)
+    tricky = {"code": "0", "opaque": "5", "x": 'a","code":0,"opaque":9,"flag":1,"'}
+    for stype in (SERIALIZE_JSON, SERIALIZE_ROCKETMQ):
+        req = RemotingCommand(code=310, opaque=41, serialize_type=stype)
+        ok = encode(make_response(req, C.SUCCESS, ext_fields=tricky))
+        busy = encode(make_response(req, C.SYSTEM_BUSY, "busy now", ext_fields=tricky))
+        assert parse_answer(ok)[:3] == (41, 1, 0)
+        assert parse_answer(busy) == (41, 1, C.SYSTEM_BUSY, "busy now")

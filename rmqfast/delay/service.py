@@ -27,16 +27,17 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from rmqfast.clouds.remoting import ConnectionPool
+from rmqfast.clouds.remoting import ConnectionPool, RemoteError
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch, encode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import KEYS, UNIQ_KEY, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
+from rmqfast.delay.channel import ReleaseChannel
 from rmqfast.delay.semantics import DelayInvalid, due_ms, has_delay_property, strip_delay
 from rmqfast.delay.settings import DelaySection
 from rmqfast.delay.store import DUE_PREFIX, DelayStore, Held, StoreFull, WriteFailed, split_due_key
-from rmqfast.deliver.sender import send_until_stored
+from rmqfast.deliver.sender import STORED_CODES, send_until_stored
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, slots_of
 from rmqfast.spill.record import CopyRecord
@@ -363,7 +364,8 @@ class Releaser:
                  retry_initial: float, retry_max: float) -> None:
         self.svc = service
         self.store = service.store
-        self.pool = ConnectionPool(connect_timeout)
+        self.pool = ConnectionPool(connect_timeout)  # one request at a time: retries, rechecks
+        self.channels: dict[str, ReleaseChannel] = {}  # pipelined releases, by broker
         self.request_timeout = request_timeout
         self.retry_initial = retry_initial
         self.retry_max = retry_max
@@ -449,27 +451,67 @@ class Releaser:
     def _lane(self, lane: tuple[str, str, int]) -> None:
         q = self.lanes[lane]
         try:
-            while q and not self.closed:
-                window = max(1, self.svc.cfg.queue_window)
-                if window == 1 or len(q) == 1:
-                    k, v, held = q[0]
-                    outcomes = [self._send(k, held)]
-                else:  # up to `window` sends in flight on this queue (their order among them is the broker's)
-                    outcomes = self._send_window([q[i] for i in range(min(window, len(q)))])
-                for outcome in outcomes:
-                    k, v, held = q[0]
-                    if outcome is None:
-                        return  # stopping (or failed): it stays stored for the next run / a new lane greenlet
-                    q.popleft()
-                    self.queued -= 1
-                    self.space.set()
-                    self._done(k, v, held, None if outcome else "refused")
+            if q and not self.closed:
+                self._pipeline(q)
         finally:
             if not q:
                 self.lanes.pop(lane, None)
             self._lane_greenlets.pop(lane, None)
             if q and not self.closed:  # died with work left: a new lane greenlet takes it
                 self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
+
+    def channel(self, addr: str) -> ReleaseChannel:
+        ch = self.channels.get(addr)
+        if ch is None or ch.closed:
+            ch = self.channels[addr] = ReleaseChannel(addr, connect_timeout=self.pool.connect_timeout,
+                                                      wrap=self.pool.wrap)
+        return ch
+
+    def _fill(self, q: deque[tuple[bytes, bytes, Held]], inflight: deque[Any], window: int) -> None:
+        """Write the lane's next messages (up to ``window`` in flight) in one write; a message
+        that may have been sent before a crash is not pipelined (it goes alone, after a recheck)."""
+        recs = []
+        for j in range(len(inflight), min(window, len(q))):
+            k, _v, held = q[j]
+            if self.recheck_upto and k <= self.recheck_upto:
+                break
+            recs.append(held.record)
+        if not recs:
+            return
+        try:
+            inflight.extend(self.channel(q[0][2].addr).send(recs))
+        except RemoteError:
+            inflight.extend([None] * len(recs))  # each goes through _send (retries, back-off)
+
+    def _pipeline(self, q: deque[tuple[bytes, bytes, Held]]) -> None:
+        """Release a lane: up to ``queue_window`` sends in flight on its connection, refilled as
+        answers come (no round trip per batch); answers are taken in order.  A send that did not
+        store at once is sent again by :meth:`_send` (retries, back-off) before the next is done."""
+        inflight: deque[Any] = deque()  # the waiters of q[0 .. len(inflight) - 1]
+        while q and not self.closed:
+            window = max(1, self.svc.cfg.queue_window)
+            # refilled once half the window is answered: one write carries many sends
+            if len(inflight) < len(q) and len(inflight) <= window // 2:
+                self._fill(q, inflight, window)
+            k, v, held = q[0]
+            ok = False
+            if inflight:
+                w = inflight.popleft()
+                if w is not None:
+                    try:
+                        code, _remark = w.get(timeout=self.request_timeout)
+                        ok = code in STORED_CODES
+                    except (gevent.Timeout, RemoteError):
+                        ch = self.channels.get(held.addr)
+                        if ch is not None:
+                            ch.forget(w)
+            outcome: bool | None = True if ok else self._send(k, held)
+            if outcome is None:
+                return  # stopping: it stays stored for the next run
+            q.popleft()
+            self.queued -= 1
+            self.space.set()
+            self._done(k, v, held, None if outcome else "refused")
 
     def _done(self, k: bytes, v: bytes, held: Held | None, dropped: str | None) -> None:
         b = self.store.delete(k, v, held)
@@ -499,31 +541,6 @@ class Releaser:
                         extra=ctx(msg_id=held.msg_id, error=str(exc)))
             return False
 
-    def _send_window(self, items: list[tuple[bytes, bytes, Held]]) -> list[bool | None]:
-        """Send a window of one lane in one write (pipelined); what the broker did not store at
-        once (or what may have been sent before a crash) goes through :meth:`_send`, one by one."""
-        from rmqfast.clouds.remoting import RemoteError
-        from rmqfast.deliver.sender import STORED_CODES, build_request
-
-        fresh = [i for i, (k, _v, _h) in enumerate(items) if not (self.recheck_upto and k <= self.recheck_upto)]
-        results: dict[int, bool | None] = {}
-        if fresh:
-            reqs = []
-            for i in fresh:
-                rec = items[i][2].record
-                code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
-                if not rec.broker_name:
-                    ext.pop("n", None)
-                reqs.append((code, ext, body))
-            try:
-                answers: list[Any] = self.pool.get(items[0][2].addr).request_many(reqs, timeout=self.request_timeout)
-            except RemoteError:
-                answers = [None] * len(fresh)
-            for i, a in zip(fresh, answers, strict=True):
-                if a is not None and not isinstance(a, Exception) and a.code in STORED_CODES:
-                    results[i] = True
-        return [results[i] if i in results else self._send(k, held) for i, (k, _v, held) in enumerate(items)]
-
     def _send(self, k: bytes, held: Held) -> bool | None:
         """Send until the broker stores it (True) or refuses it for good (False); None: stopping."""
         rec = held.record
@@ -546,6 +563,8 @@ class Releaser:
         for g in list(self._lane_greenlets.values()):
             g.kill(block=True, timeout=2)
         self.pool.close()
+        for ch in self.channels.values():
+            ch.close()
 
 
 def _batch_without_delay(entries: list[Any]) -> tuple[bytes, str, str]:
