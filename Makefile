@@ -9,7 +9,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: system-deps install demo test test-unit test-pure test-integration lint clean bench bench-short bench-real bench-clouds
+.PHONY: system-deps install demo test test-unit test-pure test-integration lint clean bench bench-short bench-real bench-clouds bench-idle
 
 $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -53,8 +53,14 @@ lint:
 clean:
 	rm -rf $(VENV) build dist *.egg-info ext/*.c ext/*.html rmqfast/*.so java/*/target java/target
 
+# The null-broker bench, then 10,000 mostly idle connections through one worker (RSS per
+# connection, connects/s rmqfast vs HAProxy); `make bench-real` adds Apache's proxy on a real broker.
 bench: install
 	$(PYTHON) -m rmqfast.bench
+	$(PYTHON) -m rmqfast.bench --idle
+
+bench-idle: install
+	$(PYTHON) -m rmqfast.bench --idle
 
 bench-short: install
 	$(PYTHON) -m rmqfast.bench --short

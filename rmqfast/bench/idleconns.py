@@ -294,6 +294,11 @@ def _memory(t: Target) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> int:
     soft, hard = raise_nofile(2 * args.conns + 1024)
+    fit = (soft - 300) // 2  # a relaying proxy holds two descriptors per connection (HAProxy: maxconn + 100)
+    if args.conns > fit:
+        print(f"{LABEL}: WARNING: the open-files limit ({soft}, hard {hard}; raising it is not allowed here) "
+              f"lets a proxy relay {fit:,} connections, not {args.conns:,}: running with {fit:,}", file=sys.stderr)
+        args.conns = fit
     print(f"{LABEL}: open-files limit {soft} (hard {hard}); {args.conns:,} connections per target", file=sys.stderr)
     tools = build_tools(None)
     run_id, path, common = results_file(args.results, "idle", "idle-conns")
