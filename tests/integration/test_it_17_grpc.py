@@ -224,3 +224,67 @@ def test_pop_with_notify_no_false_empty(front: str, two_brokers: tuple[RocketMQC
     print(f"\npop with notify: parked receive answered {latency * 1000:.0f} ms after the send to broker-b")
     assert latency < 10, latency
     assert _ack(pb, front, group, msgs).status.code == pb.Code.OK
+
+
+@pytest.fixture(scope="module")
+def java_driver(jars: JarPaths) -> str:
+    from rmqfast.testing.grpcclient import ensure_grpc_driver
+
+    return ensure_grpc_driver(jars.java_dir)
+
+
+def test_java_client_send_and_simple_consumer(front: str, java_driver: str) -> None:
+    """rocketmq-client-java 5.0.7: a Producer sends 8 messages in 2 message groups (FIFO properties)
+    through rmqfast, a SimpleConsumer receives and acks all 8 with their groups; per group the
+    order of the queue offsets follows the send order (one group, one queue)."""
+    from rmqfast.testing.grpcclient import run_driver
+
+    run = f"java-{uuid.uuid4().hex[:8]}"
+    sent = run_driver(java_driver, "produce", front, TOPIC, run, "8", "2")
+    assert sent.lines[-1] == "DONE 8", sent.lines
+    bodies = [e[1] for e in sent.events("SENT")]
+    got = run_driver(java_driver, "consume", front, TOPIC, f"grpc_jc_{run}", run, "8", "60")
+    assert got.lines[-1] == "DONE 8", (got.lines, got.stderr[-2000:])
+    recv = got.events("RECV")  # id group attempt body
+    assert sorted(e[3] for e in recv) == sorted(bodies)
+    for e in recv:
+        i = int(e[3].rsplit("-", 1)[1])
+        assert e[1] == f"g{i % 2}", e  # the message group came back with the message
+    assert {e[0] for e in recv} == {e[0] for e in sent.events("SENT")}  # message ids as the producer saw them
+
+
+def test_python_client_change_invisible_duration(front: str) -> None:
+    """A received message whose invisible time is changed to 1 s (receipt handle renewed) and not
+    acked comes back (second delivery attempt) and is then acked with the new handle."""
+    from rocketmq import FilterExpression, Message, Producer, SimpleConsumer
+
+    run = uuid.uuid4().hex[:8]
+    producer = Producer(_client_config(front), (TOPIC,))
+    producer.startup()
+    try:
+        m = Message()
+        m.topic = TOPIC
+        m.body = f"cid-{run}".encode()
+        m.tag = "cid"
+        producer.send(m)
+    finally:
+        producer.shutdown()
+    consumer = SimpleConsumer(_client_config(front), f"grpc_cid_{run}", {TOPIC: FilterExpression("cid")},
+                              await_duration=5)
+    consumer.startup()
+    attempts: list[int] = []
+    try:
+        deadline = time.monotonic() + BOUND
+        while len(attempts) < 2 and time.monotonic() < deadline:
+            for msg in consumer.receive(4, 30) or []:
+                if msg.body != m.body:
+                    consumer.ack(msg)
+                    continue
+                attempts.append(msg.delivery_attempt)
+                if len(attempts) == 1:
+                    consumer.change_invisible_duration(msg, 1)
+                else:
+                    consumer.ack(msg)
+    finally:
+        consumer.shutdown()
+    assert attempts == [1, 2], attempts
