@@ -171,6 +171,9 @@ class Worker:
         # [limits]: sends the scanner's limiter refused get SYSTEM_BUSY or are shaped, before the
         # filters that hold or copy sends (a refused send is neither held nor copied)
         limit: list[Filter] = [SendLimitFilter(self.limits)] if self.limits is not None else []
+        # [gray]: canary releases (rmqfast.gray): consumer lists, pulls, offset commits and the queue
+        # ids of sends of split topics; after the limits, before the filters that hold or copy sends
+        gray: list[Filter] = [self._gray_filter()] if self.cfg.gray.enabled else []
         ns_allow = [*pol.allow_codes, *preset_codes(pol.preset, "namesrv")]
         broker_allow = [*pol.allow_codes, *preset_codes(pol.preset, "broker")]
         self.chains = {
@@ -187,11 +190,30 @@ class Worker:
                     DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied),
                     *acl,
                     *limit,
+                    *gray,
                     *broker_filters,
                     self.message_addresses,
                 ]
             ),
         }
+
+    def _gray_filter(self) -> Filter:
+        from rmqfast.gray.filter import GrayFilter, gray_metrics
+        from rmqfast.gray.state import Commands, state_path
+
+        def queues(topic: str, broker: str) -> int | None:
+            route = self.book.get(topic)  # cached; else asked of the name server (this greenlet waits)
+            if route is None:
+                return None
+            return next((n for name, n, _ in route[1] if name == broker), None)
+
+        def broker_name(addr: str, topic: str) -> str | None:
+            self.book.get(topic)  # the route names the brokers
+            return self.book.broker_name_of(addr)
+
+        g = self.cfg.gray
+        commands = Commands(state_path(g.state_file, self.cfg.proxy.state_dir))
+        return GrayFilter(g, queues, commands, gray_metrics(), broker_name=broker_name)
 
     def _setup_delay(self) -> None:
         """[delay]: proxy-held delayed messages, in the worker's spill (the replicator's when there is one)."""
