@@ -323,6 +323,7 @@ class MessagingService:
             return msgs
         start = brokers.index(first)
         targets = (brokers[start:] + brokers[:start])[: self.cfg.max_fanout]
+        backoff = self.cfg.min_poll / 4
         while (remaining := deadline - time.monotonic()) > self.cfg.min_poll:
             self.stats.notify_rounds += 1
             poll_ms = int(remaining * 1000)
@@ -344,7 +345,10 @@ class MessagingService:
             finally:
                 for t in pending:
                     t.cancel()
-            await asyncio.sleep(self.cfg.min_poll / 4)  # every notification ended: a short back-off
+            # every notification ended early (brokers failing, or a message taken by another consumer):
+            # back off, doubling up to 1 s, so that such a receive does not spin on the brokers
+            await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(1.0, backoff * 2)
         return []
 
     async def ReceiveMessage(self, req: Any, ctx: Any) -> AsyncIterator[Any]:
