@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import time
+import types
 from typing import Any
 
 import gevent
@@ -471,8 +472,9 @@ def test_failover_config_parses_checks_and_survives_the_worker_handoff() -> None
 
     base = {"namesrv": {"upstreams": ["127.0.0.1:9876"]}}
     cfg = config.from_dict({**base, "failover": {"ordered_topics": ["Orders*"], "probe_timeout": 0.5,
-                                                 "go_away": False}})
+                                                 "hang_timeout": 0.3, "go_away": False}})
     assert cfg.failover.ordered_topics == ["Orders*"] and cfg.failover.probe_timeout == 0.5
+    assert cfg.failover.hang_timeout == 0.3
     assert cfg.failover.is_ordered_topic("OrdersEU") and not cfg.failover.is_ordered_topic("Audit")
     assert config.from_json(cfg.to_json()).failover == cfg.failover
     assert json.loads(cfg.to_json())["failover"]["go_away"] is False
@@ -546,3 +548,126 @@ def test_requests_held_at_once_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPa
         client.close()
         g.join(timeout=5)
         health.close()
+
+
+def test_hung_broker_with_stalled_sends_is_down_well_before_two_probe_timeouts() -> None:
+    """Relayed sends stalled (the sweep's report) and a probe unanswered for hang_timeout / 2: down,
+    long before the second unanswered probe_timeout."""
+    broker = FakeBroker()
+    cfg = FailoverSection(probe_interval=30, probe_interval_down=30, probe_timeout=5.0, hang_timeout=0.4)
+    h = BrokerHealth(cfg)
+    reporting = True
+
+    def sweep() -> None:
+        t0 = None
+        while reporting:
+            gevent.sleep(0.05)
+            if broker.hung:
+                t0 = t0 or time.monotonic()
+                h.stalled(broker.addr, time.monotonic() - t0)
+
+    g = gevent.spawn(sweep)
+    try:
+        h.watch([broker.addr])
+        _wait(lambda: len(broker.requests) >= 1)
+        n = len(broker.requests)
+        t = time.monotonic()
+        broker.hung = True
+        _wait(lambda: h.is_down(broker.addr), timeout=10)
+        took = time.monotonic() - t
+        assert len(broker.requests) >= n + 1  # the probe the stall asked for, unanswered
+        assert took < 3.0, took  # probe_timeout is 5 s: two of them would be 10 s
+    finally:
+        reporting = False
+        g.kill()
+        h.close()
+        broker.kill()
+
+
+def test_slow_but_alive_broker_is_not_declared_dead_by_stalled_sends() -> None:
+    """Relayed sends stall (a slow store) but the broker answers its probe: never down."""
+    broker = FakeBroker()
+    cfg = FailoverSection(probe_interval=30, probe_interval_down=30, probe_timeout=5.0, hang_timeout=0.2)
+    h = BrokerHealth(cfg)
+    try:
+        h.watch([broker.addr])
+        _wait(lambda: len(broker.requests) >= 1)
+        n = len(broker.requests)
+        for k in range(20):
+            h.stalled(broker.addr, 0.3 + k * 0.1)
+            gevent.sleep(0.05)
+        assert len(broker.requests) > n  # each report of a stall asked a probe...
+        assert not h.is_down(broker.addr)  # ...which was answered
+    finally:
+        h.close()
+        broker.kill()
+
+
+def test_unread_probe_answer_in_the_socket_is_not_a_hang() -> None:
+    """A worker starved of CPU has not read the probe's answer yet: the answer waiting in the socket
+    counts as answered, whatever the stall reports say."""
+    from rmqfast.proxy import health as health_mod
+
+    a, b = socket.socketpair()
+    try:
+        assert not health_mod._readable(a)
+        b.sendall(b"\x00\x00\x00\x04")
+        _wait(lambda: health_mod._readable(a), timeout=2)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_stalled_sends_counts_only_sends_waiting_with_nothing_read_back() -> None:
+    from rmqfast import codec
+    from rmqfast.codec import code_slot
+    from rmqfast.proxy.failover import stalled_sends
+
+    twins = [codec.InFlightPy] + ([codec.InFlightC] if codec.InFlightC is not None else [])
+    for cls in twins:
+        def session(addr: str, heard: float, tracked: list[tuple[int, int]], role: str = "broker",
+                    cls: Any = cls) -> Any:
+            t = cls(64)
+            for k, (opaque, code) in enumerate(tracked):
+                t.track(0, opaque, code_slot(code), k)
+            return type("S", (), {"role": role, "closed": False, "inflight": t, "upstream_addr": addr,
+                                  "heard": [heard]})()
+
+        now = 100.0
+        send, pull = C.SEND_MESSAGE_V2, C.PULL_MESSAGE
+        hung = session("b1:1", 0.0, [(1, pull), (2, send)])
+        talking = session("b2:1", 100.0, [(3, send)])  # the broker sent something back since
+        polling = session("b3:1", 0.0, [(4, pull)])  # a long-polled pull is not a stall
+        ns = session("n:1", 0.0, [(5, send)], role="namesrv")
+        all_ = [hung, talking, polling, ns]
+        assert stalled_sends(all_, now) == {}  # first sight: nothing has waited yet
+        talking.heard[0] = now + 0.45
+        got = stalled_sends(all_, now + 0.5)
+        assert got == {"b1:1": 0.5, "b2:1": pytest.approx(0.05)}, got
+        hung.inflight.take(0, 2)
+        hung.inflight.track(0, 6, code_slot(send), 9)  # a newer send: its wait starts now
+        assert stalled_sends(all_, now + 0.7).get("b1:1") is None
+        assert stalled_sends(all_, now + 0.9)["b1:1"] == pytest.approx(0.2)
+
+
+def test_unknown_topic_route_lookups_are_cached_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmqfast.clouds import remoting
+    from rmqfast.proxy import failover as fo
+
+    asked: list[str] = []
+    known: dict[str, Any] = {}
+
+    def fetch(_pool: Any, _ns: list[str], topic: str, timeout: float = 3.0) -> Any:
+        asked.append(topic)
+        return known.get(topic)
+
+    monkeypatch.setattr(remoting, "fetch_route", fetch)
+    book = RouteBook(lambda: ["127.0.0.1:1"])
+    clock = [1000.0]
+    monkeypatch.setattr(fo, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))  # this module's clock
+    assert book.get("Nope") is None and book.get("Nope") is None
+    assert asked == ["Nope"]  # the second send of an unknown topic did not ask again
+    clock[0] += fo.UNKNOWN_TTL + 0.1
+    known["Nope"] = ({"broker-b": "127.0.0.1:2"}, [("broker-b", 4, 6)])
+    assert book.get("Nope") == known["Nope"]  # asked again once the short memory expired: now known
+    assert book.get("Nope") == known["Nope"] and asked == ["Nope", "Nope"]

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,6 @@ PROXY_CONFIG = """
 [failover]
 probe_interval = 0.5
 probe_interval_down = 0.1
-probe_timeout = {probe_timeout}
 """
 
 
@@ -174,36 +174,93 @@ def _wait(cond: Any, timeout: float, what: str, producers: list[Producer]) -> No
         time.sleep(0.1)
 
 
+def _row(p: Producer, seen: Counter[str], windows: list[dict[str, Any]]) -> dict[str, Any]:
+    acked = {idx for idx, _, _ in p.ok}
+    lost = sorted(i for i in acked if seen[f"{p.run}|{i}"] == 0)
+    dups = sum(max(0, seen[f"{p.run}|{i}"] - 1) for i in range(max(acked | {-1}) + 1 + len(p.failed)))
+    attempts = len(p.ok) + len(p.failed)
+    acks = [t for _, t, _ in p.ok]
+    per = []
+    for w in windows:
+        lo, hi = w["kill_ms"], w["restart_ms"]
+        failed = sum(1 for _, t, _ in p.failed if lo <= t <= hi)
+        ok = sum(1 for t in acks if lo <= t <= hi)
+        per.append({"fault": w["fault"], "acknowledged": ok, "failed": failed,
+                    "success_ratio": ok / (ok + failed) if ok + failed else 0.0,
+                    "longest_gap_ms": longest_gap_ms(acks, lo, hi),
+                    # from the last acknowledged send before the fault to the first one after it: the recovery
+                    "gap_across_fault_ms": gap_across(acks, lo)})
+    fault_acked = sum(w["acknowledged"] for w in per)
+    fault_failed = sum(w["failed"] for w in per)
+    return {
+        "producer": p.name, "attempted": attempts, "acknowledged": len(p.ok), "failed": len(p.failed),
+        "success_ratio": len(p.ok) / attempts if attempts else 0.0,
+        # the fault windows: from each fault to the broker's return (the producers' first sends at
+        # start-up, which time out now and then on a loaded machine, are outside them)
+        "failed_in_fault": fault_failed, "acknowledged_in_fault": fault_acked,
+        "fault_success_ratio": fault_acked / (fault_acked + fault_failed) if fault_acked + fault_failed else 0.0,
+        "longest_gap_ms": longest_gap_ms(acks),
+        "longest_gap_after_kill_ms": max((w["longest_gap_ms"] for w in per), default=0),
+        "gap_across_fault_ms": max((w["gap_across_fault_ms"] for w in per), default=0),
+        "windows": per,
+        "lost": len(lost), "lost_idx": lost[:20], "duplicates": dups,
+        "failed_examples": sorted({e for _, _, e in p.failed})[:5],
+    }
+
+
+def _metric_sum(proxy: ProxyProcess, name: str) -> float:
+    try:
+        m = proxy.metrics()
+    except OSError:
+        return 0.0
+    return sum(v for (n, _), v in m.items() if n == name)
+
+
+def two_masters(jars: JarPaths, stack: contextlib.ExitStack) -> tuple[RocketMQCluster, RocketMQCluster]:
+    """One name server, ``broker-a`` and ``broker-b`` both holding :data:`TOPIC` (entered on ``stack``)."""
+    a = stack.enter_context(RocketMQCluster(jars=jars, broker_name="broker-a"))
+    b = stack.enter_context(RocketMQCluster(jars=jars, broker_name="broker-b", join=a))
+    a.create_topic(TOPIC, QUEUES)
+    b.create_topic(TOPIC, QUEUES)
+    deadline = time.monotonic() + 60
+    while True:
+        route = a.topic_route(TOPIC) or {}
+        names = {q.get("brokerName") for q in route.get("queueDatas", []) if isinstance(q, dict)}
+        if {"broker-a", "broker-b"} <= names:
+            return a, b
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"route of {TOPIC} does not name both brokers: {route}")
+        time.sleep(0.2)
+
+
 def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5", "4"),
                  before: int = 100, during: int = 200, after: int = 100, down_min: float = 10.0,
-                 phase_timeout: float = 240.0, workers: int = 2, interval_ms: int = 5, fault: str = "kill",
-                 probe_timeout: float = 1.0, log: Any = print) -> dict[str, Any]:
-    """One run: both paths, every client, one fault of broker-a and its end.  Returns the figures.
+                 phase_timeout: float = 240.0, workers: int = 2, interval_ms: int = 5,
+                 fault: str | Sequence[str] = "kill", probe_timeout: float | None = None,
+                 during_direct: int | None = None, pair: tuple[RocketMQCluster, RocketMQCluster] | None = None,
+                 log: Any = print) -> dict[str, Any]:
+    """One run: both paths, every client, one or more faults of broker-a in turn, each ended before
+    the next.  Returns the figures.
 
     ``fault``: ``"kill"`` (``kill -9``, then a restart on the same store) or ``"stop"`` (``SIGSTOP``:
     a hung broker keeps its connections, so the name server keeps it in routes for two minutes;
-    then ``SIGCONT``).
+    then ``SIGCONT``), or a sequence of them.  A fault lasts until every producer has ``during``
+    more acknowledged sends (direct producers ``during_direct``), the proxy has seen broker-a dead,
+    and ``down_min`` seconds have passed.  ``pair``: clusters from :func:`two_masters` to reuse
+    (else started and stopped here).  ``probe_timeout``: rmqfast's ``failover.probe_timeout``
+    (None: its default).
     """
-    if fault not in ("kill", "stop"):
-        raise ValueError(f"fault must be 'kill' or 'stop', not {fault!r}")
+    faults = [fault] if isinstance(fault, str) else list(fault)
+    if not faults or any(f not in ("kill", "stop") for f in faults):
+        raise ValueError(f"fault must be 'kill' or 'stop' (or a sequence of them), not {fault!r}")
     jars = jars or ensure_jars(rocketmq4="4" in clients)
+    during_direct = during if during_direct is None else during_direct
     work = Path(tempfile.mkdtemp(prefix="rmqfast-failover-"))
+    windows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        a = stack.enter_context(RocketMQCluster(jars=jars, broker_name="broker-a"))
-        b = stack.enter_context(RocketMQCluster(jars=jars, broker_name="broker-b", join=a))
-        a.create_topic(TOPIC, QUEUES)
-        b.create_topic(TOPIC, QUEUES)
-        deadline = time.monotonic() + 60
-        while True:
-            route = a.topic_route(TOPIC) or {}
-            names = {q.get("brokerName") for q in route.get("queueDatas", []) if isinstance(q, dict)}
-            if {"broker-a", "broker-b"} <= names:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"route of {TOPIC} does not name both brokers: {route}")
-            time.sleep(0.2)
-        proxy = stack.enter_context(ProxyProcess([a.namesrv_addr], workers=workers, extra_config=PROXY_CONFIG.format(
-            probe_timeout=probe_timeout)))
+        a, b = pair if pair is not None else two_masters(jars, stack)
+        cfg = PROXY_CONFIG + ("" if probe_timeout is None else f"probe_timeout = {probe_timeout}\n")
+        proxy = stack.enter_context(ProxyProcess([a.namesrv_addr], workers=workers, extra_config=cfg))
         producers: list[Producer] = []
         for path, ns in (("rmqfast", proxy.namesrv_addr), ("direct", a.namesrv_addr)):
             for client in clients:
@@ -216,28 +273,9 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
         log(f"producers started: {', '.join(p.name for p in producers)}")
         _wait(lambda: all(len(p.ok) >= before for p in producers), phase_timeout,
               f"every producer has {before} acknowledged sends", producers)
-        marks = {p.name: len(p.ok) for p in producers}
-        kill_ms = int(time.time() * 1000)
-        pgid = os.getpgid(a.broker_pid or 0)
-        if fault == "kill":
-            a.stop_broker()  # kill -9 (process group)
-        else:
-            os.killpg(pgid, signal.SIGSTOP)
-            stack.callback(lambda: os.killpg(pgid, signal.SIGCONT) if a.broker_running else None)
-        log(f"broker-a {'killed (kill -9)' if fault == 'kill' else 'stopped (SIGSTOP)'} at {kill_ms}")
-        t_kill = time.monotonic()
-        _wait(lambda: all(len(p.ok) >= marks[p.name] + during for p in producers)
-              and time.monotonic() - t_kill >= down_min, phase_timeout + down_min,
-              f"every producer has {during} acknowledged sends with broker-a down", producers)
-        if fault == "kill":
-            a.start_broker()
-        else:
-            os.killpg(pgid, signal.SIGCONT)
-        restart_ms = int(time.time() * 1000)
-        log(f"broker-a {'restarted and registered' if fault == 'kill' else 'continued (SIGCONT)'} at {restart_ms}")
-        marks = {p.name: len(p.ok) for p in producers}
-        _wait(lambda: all(len(p.ok) >= marks[p.name] + after for p in producers), phase_timeout,
-              f"every producer has {after} acknowledged sends after the restart", producers)
+        for f in faults:
+            windows.append(_one_fault(f, a, proxy, producers, during, during_direct, after, down_min,
+                                      phase_timeout, stack, log))
         for p in producers:
             p.stop()
         seen = read_topic([a.broker_addr, b.broker_addr])
@@ -245,39 +283,74 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
         fo = {name: sum(v for (n, _), v in m.items() if n == name) for name in (
             "rmqfast_failovers_total", "rmqfast_failover_refused_total", "rmqfast_failover_possible_duplicates_total",
             "rmqfast_route_heals_total", "rmqfast_broker_down_total")}
-    rows = []
-    for p in producers:
-        acked = {idx for idx, _, _ in p.ok}
-        lost = sorted(i for i in acked if seen[f"{p.run}|{i}"] == 0)
-        dups = sum(max(0, seen[f"{p.run}|{i}"] - 1) for i in range(max(acked | {-1}) + 1 + len(p.failed)))
-        attempts = len(p.ok) + len(p.failed)
-        acks = [t for _, t, _ in p.ok]
-        fault_failed = sum(1 for _, t, _ in p.failed if kill_ms <= t <= restart_ms)
-        fault_acked = sum(1 for t in acks if kill_ms <= t <= restart_ms)
-        rows.append({
-            "producer": p.name, "attempted": attempts, "acknowledged": len(p.ok), "failed": len(p.failed),
-            "success_ratio": len(p.ok) / attempts if attempts else 0.0,
-            "failed_in_fault": fault_failed,
-            "acknowledged_in_fault": fault_acked,
-            # the fault window: from the fault to the broker's return (the producers' first sends at
-            # start-up, which time out now and then on a loaded machine, are outside it)
-            "fault_success_ratio": fault_acked / (fault_acked + fault_failed) if fault_acked + fault_failed else 0.0,
-            "longest_gap_ms": longest_gap_ms(acks),
-            "longest_gap_after_kill_ms": longest_gap_ms(acks, kill_ms, restart_ms),
-            # from the last acknowledged send before the fault to the first one after it: the recovery
-            "gap_across_fault_ms": gap_across(acks, kill_ms),
-            "lost": len(lost), "lost_idx": lost[:20], "duplicates": dups,
-            "failed_examples": sorted({e for _, _, e in p.failed})[:5],
-        })
-    return {"rows": rows, "fault": fault, "probe_timeout": probe_timeout, "kill_ms": kill_ms,
-            "restart_ms": restart_ms, "interval_ms": interval_ms,
-            "proxy_metrics": fo}
+    rows = [_row(p, seen, windows) for p in producers]
+    return {"rows": rows, "fault": faults[0] if len(faults) == 1 else "+".join(faults), "windows": windows,
+            "probe_timeout": probe_timeout, "kill_ms": windows[0]["kill_ms"], "restart_ms": windows[-1]["restart_ms"],
+            "interval_ms": interval_ms, "proxy_metrics": fo}
+
+
+def _one_fault(fault: str, a: RocketMQCluster, proxy: ProxyProcess, producers: list[Producer], during: int,
+               during_direct: int, after: int, down_min: float, phase_timeout: float,
+               stack: contextlib.ExitStack, log: Any) -> dict[str, Any]:
+    """One fault of broker-a under the running producers, and its end; (fault, kill_ms, restart_ms)."""
+    marks = {p.name: len(p.ok) for p in producers}
+    downs = _metric_sum(proxy, "rmqfast_broker_down_total")
+    kill_ms = int(time.time() * 1000)
+    pgid = os.getpgid(a.broker_pid or 0)
+    stopped = [False]
+
+    def cont() -> None:  # also on the way out of a failed run: a stopped broker would never exit
+        if stopped[0]:
+            stopped[0] = False
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)
+
+    if fault == "kill":
+        a.stop_broker()  # kill -9 (process group)
+    else:
+        os.killpg(pgid, signal.SIGSTOP)
+        stopped[0] = True
+        stack.callback(cont)
+    log(f"broker-a {'killed (kill -9)' if fault == 'kill' else 'stopped (SIGSTOP)'} at {kill_ms}")
+    t_kill = time.monotonic()
+    seen_dead = [False]
+    last_scrape = [0.0]
+
+    def done() -> bool:  # acknowledged sends counted by the producers' own clock: from the fault on
+        want = {p.name: during if p.name.startswith("rmqfast") else during_direct for p in producers}
+        if not all(_acked_since(p, marks[p.name], kill_ms) >= want[p.name] for p in producers) \
+                or time.monotonic() - t_kill < down_min:
+            return False
+        if not seen_dead[0] and time.monotonic() - last_scrape[0] >= 0.5:  # scrapes cost the proxy: not too often
+            last_scrape[0] = time.monotonic()
+            seen_dead[0] = _metric_sum(proxy, "rmqfast_broker_down_total") > downs
+        return seen_dead[0]
+
+    _wait(done, phase_timeout + down_min,
+          f"every producer has {during} acknowledged sends with broker-a down and rmqfast saw it dead", producers)
+    if fault == "kill":
+        a.start_broker()
+    else:
+        cont()
+    restart_ms = int(time.time() * 1000)
+    log(f"broker-a {'restarted and registered' if fault == 'kill' else 'continued (SIGCONT)'} at {restart_ms}")
+    marks = {p.name: len(p.ok) for p in producers}
+    _wait(lambda: all(_acked_since(p, marks[p.name], restart_ms) >= after for p in producers), phase_timeout,
+          f"every producer has {after} acknowledged sends after broker-a's return", producers)
+    return {"fault": fault, "kill_ms": kill_ms, "restart_ms": restart_ms}
+
+
+def _acked_since(p: Producer, mark: int, ms: int) -> int:
+    """Sends of ``p`` acknowledged at or after ``ms`` (epoch ms), looking from index ``mark`` on."""
+    return sum(1 for _, t, _ in p.ok[mark:] if t >= ms)
 
 
 def render(result: dict[str, Any]) -> str:
-    down = (result["restart_ms"] - result["kill_ms"]) / 1000
-    head = (f"fault: {result.get('fault', 'kill')}, broker-a down {down:.1f} s, "
-            f"probe_timeout {result.get('probe_timeout', 1.0)} s\n"
+    windows = result.get("windows") or [{"fault": result.get("fault", "kill"), "kill_ms": result["kill_ms"],
+                                         "restart_ms": result["restart_ms"]}]
+    down = ", ".join(f"{w['fault']} {(w['restart_ms'] - w['kill_ms']) / 1000:.1f} s" for w in windows)
+    pt = result.get("probe_timeout")
+    head = (f"faults (broker-a down): {down}; probe_timeout {'default' if pt is None else f'{pt} s'}\n"
             f"{'producer':<12} {'sent':>6} {'acked':>6} {'failed':>6} {'success':>9} {'in fault':>9} {'gap ms':>7} "
             f"{'recovery':>8} {'lost':>5} {'dups':>5}")
     lines = [head]
@@ -286,6 +359,9 @@ def render(result: dict[str, Any]) -> str:
                      f"{100 * r['success_ratio']:>8.3f}% {100 * r['fault_success_ratio']:>8.3f}% "
                      f"{r['longest_gap_ms']:>7} {r['gap_across_fault_ms']:>8} "
                      f"{r['lost']:>5} {r['duplicates']:>5}")
+        for w in r.get("windows", []) if len(windows) > 1 else []:
+            lines.append(f"  {w['fault']:<10} {'':>6} {w['acknowledged']:>6} {w['failed']:>6} {'':>9} "
+                         f"{100 * w['success_ratio']:>8.3f}% {w['longest_gap_ms']:>7} {w['gap_across_fault_ms']:>8}")
     fo = result["proxy_metrics"]
     lines.append("rmqfast: " + ", ".join(f"{k.removeprefix('rmqfast_')}={v:g}" for k, v in fo.items()))
     return "\n".join(lines)
@@ -302,19 +378,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--during", type=int, default=300, help="acknowledged sends per producer while broker-a is down")
     ap.add_argument("--interval-ms", type=int, default=5,
                     help="pause after each send (default 5: both paths offer the same load; 0: as fast as possible)")
-    ap.add_argument("--fault", choices=("kill", "stop"), default="kill",
-                    help="kill: kill -9 then restart (default); stop: SIGSTOP (a hung broker) then SIGCONT")
-    ap.add_argument("--probe-timeout", type=float, default=1.0,
-                    help="rmqfast's failover.probe_timeout (default 1.0; a hang is seen after two)")
+    ap.add_argument("--fault", default="kill",
+                    help="kill: kill -9 then restart (default); stop: SIGSTOP (a hung broker) then SIGCONT; "
+                         "several, comma-separated, one after the other in the same run (e.g. stop,kill)")
+    ap.add_argument("--probe-timeout", type=float, default=None,
+                    help="rmqfast's failover.probe_timeout (default: rmqfast's default)")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     ap.add_argument("--results", type=Path, default=Path("results/bench"), help="folder for failover.jsonl")
     args = ap.parse_args(argv)
     clients = tuple(c.strip() for c in args.clients.split(",") if c.strip())
     args.results.mkdir(parents=True, exist_ok=True)
     code = 0
+    faults = tuple(f.strip() for f in args.fault.split(",") if f.strip())
     for k in range(args.runs):
         res = run_scenario(clients=clients, during=args.during, down_min=args.down, interval_ms=args.interval_ms,
-                           fault=args.fault, probe_timeout=args.probe_timeout,
+                           fault=faults, probe_timeout=args.probe_timeout,
                            log=lambda s, k=k: print(f"[failover run {k + 1}] {s}", file=sys.stderr))
         res["run"] = k + 1
         with (args.results / "failover.jsonl").open("a") as f:

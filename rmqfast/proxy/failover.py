@@ -36,7 +36,7 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,6 +64,9 @@ SERVICE_NOT_AVAILABLE = 14
 TRY_NEXT_CODES = frozenset({C.SYSTEM_ERROR, C.SYSTEM_BUSY, SERVICE_NOT_AVAILABLE, C.NO_PERMISSION,
                             C.TOPIC_NOT_EXIST, C.GO_AWAY})
 ROUTE_TTL = 30.0
+#: A topic the name servers did not know is not asked for again for this long (every send of it to a
+#: dead broker would otherwise cost a name server round trip).
+UNKNOWN_TTL = 2.0
 #: Requests of one failover connection handled at once; its reading pauses beyond that.
 MAX_IN_FLIGHT = 1024
 #: Bytes of the requests one failover connection holds at once (each may be a whole max-size
@@ -84,6 +87,7 @@ class RouteBook:
         self.ttl = ttl
         self.timeout = timeout
         self._routes: dict[str, tuple[float, Route]] = {}
+        self._unknown: dict[str, float] = {}  # topic -> when the name servers said they do not know it
         self._pool: Any = None
 
     def learn(self, topic: str, obj: dict[Any, Any]) -> None:
@@ -100,8 +104,11 @@ class RouteBook:
     def get(self, topic: str) -> Route | None:
         """The route of ``topic``: cached, else asked of the name servers (blocks this greenlet)."""
         got = self._routes.get(topic)
-        if got is not None and time.monotonic() - got[0] < self.ttl:
+        now = time.monotonic()
+        if got is not None and now - got[0] < self.ttl:
             return got[1]
+        if got is None and now - self._unknown.get(topic, -UNKNOWN_TTL) < UNKNOWN_TTL:
+            return None
         from rmqfast.clouds.remoting import ConnectionPool, RemoteError, fetch_route
 
         if self._pool is None:
@@ -112,7 +119,11 @@ class RouteBook:
             log.warning("no route for a send to move", extra=ctx(topic=topic, error=str(exc)))
             return got[1] if got is not None else None
         if route is None:
+            if len(self._unknown) > 10000:
+                self._unknown.clear()
+            self._unknown[topic] = time.monotonic()
             return None
+        self._unknown.pop(topic, None)
         self._routes[topic] = (time.monotonic(), route)
         return route
 
@@ -229,6 +240,32 @@ def answer_in_flight(session: Any, remark: str) -> tuple[int, int]:
         if slot_code(slot) in SEND_CODES:
             sends += 1
     return answered, sends
+
+
+def stalled_sends(sessions: Iterable[Any], now: float) -> dict[str, float]:
+    """Broker address -> the longest time (seconds) a send relayed on one of its connections has
+    waited for its answer with nothing at all read back from the broker on that connection since.
+
+    Called a few times a second (the worker's sweep); a send's age counts from the sweep that first
+    saw it waiting (the in-flight table is not asked for times), so it is under-estimated by at most
+    one sweep period.  Long-polled pulls and other requests a broker may hold are not counted."""
+    out: dict[str, float] = {}
+    for s in sessions:
+        inflight = s.inflight
+        if s.role != "broker" or s.closed or inflight is None or not len(inflight) or not s.upstream_addr:
+            continue
+        oldest = next((o for o, slot in inflight.waiting(0) if slot_code(slot) in SEND_CODES), None)
+        if oldest is None:
+            s.stall_mark = None
+            continue
+        mark = getattr(s, "stall_mark", None)
+        if mark is None or mark[0] != oldest:
+            s.stall_mark = (oldest, now)
+            continue
+        waited = min(now - mark[1], now - s.heard[0])
+        if waited > out.get(s.upstream_addr, 0.0):
+            out[s.upstream_addr] = waited
+    return out
 
 
 # Serving a client whose broker is down -------------------------------------------------------------

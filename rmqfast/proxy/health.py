@@ -9,7 +9,16 @@ passively: a broker killed with ``kill -9`` closes it at once, which wakes the p
 
 A refused probe connection marks the broker down at once; any other failure (no answer in time,
 connect timeout, connection closed while asking) does so the second time running (a hung or cut-off
-broker: about ``2 * probe_timeout``).
+broker nobody sends to: about ``2 * probe_timeout``).
+
+A hung broker that clients are sending to is seen sooner, from two witnesses that must agree: the
+worker's sweep reports relayed sends that have waited ``hang_timeout`` with nothing at all read
+back from the broker on their connection (:meth:`BrokerHealth.stalled`), which makes the prober
+ask at once; if that probe then goes unanswered for ``hang_timeout / 2`` too (and no answer sits
+unread in its socket: a worker that is itself starved of CPU has not read it yet), the broker is
+down (about ``hang_timeout + hang_timeout / 2`` after it stopped).  A broker that is slow but alive
+answers the probe (it is served by another thread pool of the broker than sends): one witness is
+never enough.
 Sessions add what they see, off the send path, as hints (:meth:`BrokerHealth.suspect`): a failed
 upstream connect, an upstream connection that ended, a moved send that failed make the prober ask
 again now; only the prober decides (one slow connect on a loaded machine must not cut every client
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import select
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -31,12 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gevent
+from gevent import monkey
 from gevent.event import Event
 
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
 
 log = logging.getLogger("rmqfast.health")
+
+_poll = monkey.get_original("select", "poll")  # the real poll(2), also in a monkey-patched process
 
 #: Request code of the probe: GET_MAX_OFFSET (30) answers from memory, needs no body.
 PROBE_CODE = 30
@@ -51,6 +64,8 @@ class FailoverSection:
     probe_interval: float = 1.0  # seconds between probes of a broker that is up
     probe_interval_down: float = 0.2  # ... of a broker that is down
     probe_timeout: float = 1.0  # a probe not answered within this time fails
+    # relayed sends unanswered this long with nothing read back, and a probe unanswered half as long: hung
+    hang_timeout: float = 0.5
     send_timeout: float = 3.0  # a moved send waits this long for the other broker's answer
     # topics (fnmatch patterns) whose sends are never moved: their order matters
     ordered_topics: list[str] = field(default_factory=list)
@@ -69,6 +84,7 @@ class FailoverSection:
 _FIELDS = {
     "enabled": bool, "heal_routes": bool, "go_away": bool,
     "probe_interval": float, "probe_interval_down": float, "probe_timeout": float, "send_timeout": float,
+    "hang_timeout": float,
     "ordered_topics": list, "ordered_property": str,
 }
 
@@ -137,7 +153,7 @@ Prober = Callable[[str, float], Any]
 
 
 class _Watch:
-    __slots__ = ("addr", "up", "since", "wake", "greenlet", "conn", "fails", "refused", "back")
+    __slots__ = ("addr", "up", "since", "wake", "greenlet", "conn", "fails", "refused", "back", "stall", "stall_at")
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
@@ -150,6 +166,8 @@ class _Watch:
         self.refused = False  # down because connecting was refused (nothing listens), not hung
         self.back = Event()  # set while up
         self.back.set()
+        self.stall = 0.0  # seconds relayed sends had waited with nothing read back, as last reported
+        self.stall_at = 0.0  # when (monotonic)
 
 
 class BrokerHealth:
@@ -214,6 +232,18 @@ class BrokerHealth:
         log.info("broker suspected; probing now", extra=ctx(broker=addr, reason=reason))
         w.wake.set()
 
+    def stalled(self, addr: str, waited: float, now: float | None = None) -> None:
+        """Relayed sends to ``addr`` have waited ``waited`` seconds with nothing read back from the
+        broker on their connections (the worker's sweep, a few times a second while it lasts).
+        Past ``hang_timeout / 2`` the prober asks now; it decides (see the module docstring)."""
+        w = self._watches.get(addr)
+        if w is None or not w.up:
+            return
+        w.stall = waited
+        w.stall_at = time.monotonic() if now is None else now
+        if waited >= self.cfg.hang_timeout / 2 and not w.wake.is_set():
+            w.wake.set()
+
     def still_down(self, addr: str) -> bool:
         """Is ``addr`` still down, asked for a new client of it? A broker seen dead because its port
         refused connections (killed) is back as soon as something listens there again, possibly
@@ -271,8 +301,9 @@ class BrokerHealth:
             except Exception:
                 log.exception("health listener failed")
 
-    def _probe_once(self, w: _Watch) -> tuple[bool, str]:
-        """(answered, why not): a refused or closed connection, or no answer within probe_timeout."""
+    def _probe_once(self, w: _Watch) -> tuple[bool, str, bool]:
+        """(answered, why not, hung): a refused or closed connection, or no answer within
+        probe_timeout; hung: no answer within ``hang_timeout / 2`` while relayed sends are stalled."""
         timeout = self.cfg.probe_timeout
         try:
             if w.conn is None or w.conn.closed:
@@ -280,30 +311,73 @@ class BrokerHealth:
                 reader = getattr(w.conn, "_reader", None)
                 if reader is not None:  # the connection closing (kill -9) wakes the prober at once
                     reader.link(lambda _g, wake=w.wake: wake.set())
-            w.conn.request(PROBE_CODE, {"topic": "TBW102", "queueId": "0"}, timeout=timeout)
-            return True, ""
+            asking = gevent.spawn(_ask, w.conn, timeout)
+            start = time.monotonic()
+            while not asking.ready():
+                asking.join(timeout=0.05)
+                if asking.ready():
+                    break
+                waited = time.monotonic() - start
+                if self._hung(w, waited):
+                    asking.kill(block=False)
+                    w.conn.close()
+                    w.conn = None
+                    return False, (f"probe unanswered for {waited:.2f} s and relayed sends unanswered for "
+                                   f"{w.stall:.2f} s with nothing read back (hung)"), True
+            error = asking.get()
+            if error is not None:
+                raise error
+            return True, "", False
         except Exception as exc:  # RemoteError, OSError: the broker does not serve
             if w.conn is not None:
                 w.conn.close()
                 w.conn = None
-            return False, str(exc)
+            return False, str(exc), False
+
+    def _hung(self, w: _Watch, probe_waited: float) -> bool:
+        """Do both witnesses say the broker is hung (see the module docstring)?"""
+        hang = self.cfg.hang_timeout
+        if probe_waited < hang / 2 or w.stall < hang or time.monotonic() - w.stall_at > max(0.3, hang / 2):
+            return False
+        sock = getattr(w.conn, "sock", None)
+        return sock is None or not _readable(sock)
 
     def _probe_loop(self, w: _Watch) -> None:
         while not self.closed:
             w.wake.clear()
-            ok, reason = self._probe_once(w)
+            ok, reason, hung = self._probe_once(w)
             if ok:
                 w.fails = 0
                 self._set(w, True, "")
             else:
                 w.fails += 1
                 # a broker that does not answer in time twice running is hung (or cut off); one slow
-                # answer on a loaded machine is not enough to move its clients away
-                if w.fails >= 2 or "refused" in reason.lower():
+                # answer on a loaded machine is not enough to move its clients away, unless relayed
+                # sends are stalled too (hung)
+                if w.fails >= 2 or hung or "refused" in reason.lower():
                     self._set(w, False, f"probe failed: {reason}")
             # a failed probe is asked again soon, whatever the state: a hang is confirmed (or not) quickly
             interval = self.cfg.probe_interval if w.up and w.fails == 0 else self.cfg.probe_interval_down
             w.wake.wait(timeout=interval)
+
+
+def _ask(conn: Any, timeout: float) -> Exception | None:
+    """One probe on ``conn``: None once answered (any code), else the error (a greenlet's own)."""
+    try:
+        conn.request(PROBE_CODE, {"topic": "TBW102", "queueId": "0"}, timeout=timeout)
+        return None
+    except Exception as exc:  # RemoteError, OSError
+        return exc
+
+
+def _readable(sock: Any) -> bool:
+    """Bytes (an answer) wait unread in ``sock``'s receive buffer: asked of the kernel, not of gevent."""
+    try:
+        poller = _poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _default_connect(addr: str, timeout: float) -> Any:

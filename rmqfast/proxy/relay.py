@@ -223,6 +223,9 @@ class Session(SessionCore):
         self.events = events  # worker-level hooks: counters, session registry
         self.upstream: socket.socket | None = None
         self.last_activity = time.monotonic()
+        # when bytes last came from the upstream (broker health: hangs), in a list the pumps store into
+        # without a branch
+        self.heard = [self.last_activity]
         self.client_lock = Semaphore()
         self.upstream_lock = Semaphore()
         self.conn_id = 0  # set by the worker; carried into sampled request records
@@ -468,11 +471,12 @@ class Session(SessionCore):
         step = pump.step
         locked = dst_lock.locked
         policy = self.policy
+        heard = [0.0] if from_client else self.heard
         st = step(not locked())
         while not self.closed:
             if st == P_WAIT_READ:
                 wait(rwatch)
-                self.last_activity = time.monotonic()
+                self.last_activity = heard[0] = time.monotonic()
             elif st == P_WAIT_WRITE or st == P_WAIT_LOCK:
                 with dst_lock:
                     while not self.closed:
@@ -489,7 +493,7 @@ class Session(SessionCore):
                 if not policy(out, frame, from_client):
                     return
             elif st == P_YIELD:
-                self.last_activity = time.monotonic()
+                self.last_activity = heard[0] = time.monotonic()
                 gevent.sleep(0)
             elif st == P_EOF:
                 return
@@ -523,6 +527,7 @@ class Session(SessionCore):
         rwatch = self._watcher(src, 0)
         recv_into = src._sock.recv_into
         monotonic_ns = time.monotonic_ns
+        heard = [0.0] if from_client else self.heard
         readable = True  # try a read before waiting for readiness
         try:
             while not self.closed:
@@ -541,7 +546,7 @@ class Session(SessionCore):
                 # failing recv per message when clients send one request at a time).
                 readable = n == len(rb.buf) - rb.filled
                 now = monotonic_ns()
-                self.last_activity = now / 1e9
+                self.last_activity = heard[0] = now / 1e9
                 state.stalled_since = 0
                 rb.filled += n
                 need = self._relay_received(rb, scanner, skip_of, out, from_client)

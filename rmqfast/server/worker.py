@@ -40,7 +40,7 @@ from rmqfast.log import ctx
 from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
-from rmqfast.proxy.failover import FailoverService, RouteBook, answer_in_flight
+from rmqfast.proxy.failover import FailoverService, RouteBook, answer_in_flight, stalled_sends
 from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
@@ -302,6 +302,7 @@ class Worker:
         gevent.spawn(self._refresh_loop)
         gevent.spawn(self._publish_loop)
         gevent.spawn(self._idle_loop)
+        gevent.spawn(self._stall_loop)
         if self.cfg.failover.enabled:
             self._watch_brokers()
         self.metrics.workers_up.set(1)
@@ -438,6 +439,22 @@ class Worker:
                     self._watch_brokers()
             except Exception:
                 log.exception("endpoint table refresh failed")
+
+    def _stall_loop(self) -> None:
+        """[failover]: tell broker health of relayed sends waiting with nothing read back (a hung
+        broker is seen in well under a second when both that and its probe say so)."""
+        last = time.monotonic()
+        while not self.draining:
+            gevent.sleep(min(0.1, self.cfg.failover.hang_timeout / 4))
+            now = time.monotonic()
+            late, last = now - last > 0.3, now  # this worker was starved: quiet connections prove nothing
+            if not self.cfg.failover.enabled or late:
+                continue
+            try:
+                for addr, waited in stalled_sends(self.sessions, now).items():
+                    self.health.stalled(addr, waited, now)
+            except Exception:
+                log.exception("stalled-send sweep failed")
 
     def _idle_loop(self) -> None:
         """Close connections idle for longer than ``proxy.idle_timeout`` (checked a few times per period)."""
