@@ -39,16 +39,28 @@ cdef extern from "<sys/mman.h>" nogil:
     void* MAP_FAILED
 
 
-P_WAIT_READ = 0
-P_WAIT_WRITE = 1
-P_WAIT_LOCK = 2
-P_POLICY = 3
-P_EOF = 4
-P_OS_ERROR = 5
-P_PROTOCOL_ERROR = 6
-P_YIELD = 7
-P_BOUNDARY = 8      # ``hold`` is set and the destination stream is at a frame boundary
-P_OVER_BUDGET = 9   # a frame held whole took the BufferBudget past its limit
+cdef enum:
+    PS_WAIT_READ = 0
+    PS_WAIT_WRITE = 1
+    PS_WAIT_LOCK = 2
+    PS_POLICY = 3
+    PS_EOF = 4
+    PS_OS_ERROR = 5
+    PS_PROTOCOL_ERROR = 6
+    PS_YIELD = 7
+    PS_BOUNDARY = 8      # ``hold`` is set and the destination stream is at a frame boundary
+    PS_OVER_BUDGET = 9   # a frame held whole took the BufferBudget past its limit
+
+P_WAIT_READ = PS_WAIT_READ
+P_WAIT_WRITE = PS_WAIT_WRITE
+P_WAIT_LOCK = PS_WAIT_LOCK
+P_POLICY = PS_POLICY
+P_EOF = PS_EOF
+P_OS_ERROR = PS_OS_ERROR
+P_PROTOCOL_ERROR = PS_PROTOCOL_ERROR
+P_YIELD = PS_YIELD
+P_BOUNDARY = PS_BOUNDARY
+P_OVER_BUDGET = PS_OVER_BUDGET
 
 cdef enum:
     PH_SCAN = 0      # scan [pos, filled)
@@ -102,6 +114,13 @@ cdef class Pump:
     cdef readonly Py_ssize_t need   # size of the frame being held (after P_OVER_BUDGET)
     cdef Py_ssize_t charged         # bytes charged to the budget
     cdef public bint hold           # a local answer waits: stop at the next frame boundary
+    # Reactor (see below): the source became readable while the pump was not parked; the
+    # parked pump's wake-up (a gevent Waiter, None while its greenlet runs); ``locked`` of the
+    # destination's write lock (the pump sends only when no one else is mid-write).
+    cdef bint ready_in
+    cdef object waiter
+    cdef object locked
+    cdef bint attached
 
     def __cinit__(self, FrameScanner scanner not None, int src_fd, int dst_fd, Py_ssize_t size,
                   BufferBudget budget=None):
@@ -206,7 +225,16 @@ cdef class Pump:
             return 1
         return 0
 
+    @property
+    def last_receive(self):
+        """Monotonic ns of the last receive (-1: none yet)."""
+        return self.now
+
     def step(self, bint may_send):
+        """Work until the pump must wait or Python must act; returns a P_* status."""
+        return self._step(may_send)
+
+    cdef int _step(self, bint may_send) except -1:
         cdef tuple t
         cdef ssize_t n
         cdef Py_ssize_t space, rest, end
@@ -216,7 +244,7 @@ cdef class Pump:
                 if self.hold:
                     # A local answer waits: scan no further than the end of the current frame.
                     if self.scanner._skip == 0:
-                        return P_BOUNDARY
+                        return PS_BOUNDARY
                     if self.pos + self.scanner._skip < end:
                         end = self.pos + self.scanner._skip
                 self.scan_end = end
@@ -228,26 +256,26 @@ cdef class Pump:
             if self.phase == PH_FLUSH:
                 while self.start < self.fwd:
                     if not may_send:
-                        return P_WAIT_LOCK
+                        return PS_WAIT_LOCK
                     n = c_send(self.dst, self.buf + self.start, self.fwd - self.start, MSG_NOSIGNAL)
                     if n < 0:
                         if errno == EAGAIN:
-                            return P_WAIT_WRITE
+                            return PS_WAIT_WRITE
                         if errno == EINTR:
                             continue
                         self.errno_value = errno
-                        return P_OS_ERROR
+                        return PS_OS_ERROR
                     self.start += n
                     if self.start < self.fwd:
-                        return P_WAIT_WRITE
+                        return PS_WAIT_WRITE
                 if self.pend_ev == 1:
                     self.frame_start = self.fwd
                     self.frame_end = self.pend_b
                     self.start = self.fwd
                     self.phase = PH_POLICY
-                    return P_POLICY
+                    return PS_POLICY
                 if self.pend_ev == 2:
-                    return P_PROTOCOL_ERROR
+                    return PS_PROTOCOL_ERROR
                 if self.scan_end < self.filled and self.pend_b == 0:
                     # The scan stopped at the end of a frame for a local answer: go on from there.
                     self.pos = self.fwd
@@ -260,21 +288,21 @@ cdef class Pump:
                 self.filled = rest
                 self.start = self.pos = 0
                 if self._fit(rest):
-                    return P_OVER_BUDGET
+                    return PS_OVER_BUDGET
                 self.phase = PH_READ
             if self.phase == PH_POLICY:
                 raise RuntimeError("step() called before consume() of the policy frame")
             # PH_READ
             if self.hold and self.scanner._skip == 0:
-                return P_BOUNDARY
+                return PS_BOUNDARY
             if not self.readable:
                 # The last read drained the socket: wait for readiness rather than fail a recv.
                 self.readable = True
                 self.reads = 0
-                return P_WAIT_READ
+                return PS_WAIT_READ
             if self.reads >= READS_BEFORE_YIELD:
                 self.reads = 0
-                return P_YIELD
+                return PS_YIELD
             space = self.cap - self.filled
             if self.buf != self.base and space > self.base_cap:
                 space = self.base_cap  # a held frame is charged as it arrives: bounded steps
@@ -282,17 +310,17 @@ cdef class Pump:
             if n < 0:
                 if errno == EAGAIN:
                     self.reads = 0
-                    return P_WAIT_READ
+                    return PS_WAIT_READ
                 if errno == EINTR:
                     continue
                 self.errno_value = errno
-                return P_OS_ERROR
+                return PS_OS_ERROR
             if n == 0:
-                return P_EOF
+                return PS_EOF
             self.reads += 1
             self.now = monotonic_ns()
             self.readable = n == space
             self.filled += n
             self.phase = PH_SCAN
             if self.buf != self.base and self.filled > self.base_cap and self._charge(self.filled - self.base_cap):
-                return P_OVER_BUDGET
+                return PS_OVER_BUDGET

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import gevent
 from gevent import socket
+from gevent.hub import Waiter
 from gevent.lock import Semaphore
 
 from rmqfast import codec
@@ -57,6 +58,7 @@ if Pump is not None:
         P_WAIT_WRITE,
         P_YIELD,
         BufferBudget,
+        Reactor,
     )
 
 #: Default of ``proxy.buffer_budget``: bytes per worker for frames held whole beyond the base buffers.
@@ -75,6 +77,46 @@ class PyBufferBudget:
 
 #: One budget per process (a worker): every pump of every session reserves from it.
 BUDGET: Any = BufferBudget(DEFAULT_BUFFER_BUDGET) if Pump is not None else PyBufferBudget()
+
+#: Whether compiled pumps wait in the process's reactor (``_speedups.Reactor``: one epoll set
+#: stepped in C per event-loop turn) rather than on a libev watcher each.
+#: ``RMQFAST_RELAY_REACTOR=0`` turns it off (a comparison aid).
+USE_REACTOR = os.environ.get("RMQFAST_RELAY_REACTOR", "1") != "0"
+
+_reactors: dict[Any, Any] = {}  # hub -> (Reactor, its libev watcher)
+
+
+def reactor_of(hub: Any) -> Any:
+    """The reactor of ``hub``'s event loop (made and watched on first use), or None when the
+    compiled pump is not there or the reactor is turned off."""
+    if Pump is None or not USE_REACTOR:
+        return None
+    entry = _reactors.get(hub)
+    if entry is None:
+        reactor = Reactor()
+        watcher = hub.loop.io(reactor.fileno(), 1)
+        watcher.start(reactor.turn)
+        entry = _reactors[hub] = (reactor, watcher)
+    return entry[0]
+
+
+class _Received:
+    """``[0]``: when a pump parked in the reactor last received (seconds, monotonic), or the
+    last time stored into it; the reactor steps such a pump without Python, so its receives
+    are read from the pump instead of stored per receive."""
+
+    __slots__ = ("pump", "at")
+
+    def __init__(self, pump: Any, at: float) -> None:
+        self.pump = pump
+        self.at = at
+
+    def __getitem__(self, i: int) -> float:
+        got = self.pump.last_receive / 1e9
+        return got if got > self.at else self.at
+
+    def __setitem__(self, i: int, value: float) -> None:
+        self.at = value
 
 
 _malloc_pinned = False
@@ -234,6 +276,8 @@ class Session(SessionCore):
         self._watchers: dict[socket.socket, tuple[Any, Any]] = {}
         # socket -> its one writer (the pump forwarding into it and the local answers it waits for)
         self._outs: dict[socket.socket, _Out] = {}
+        self._reactor: Any = None  # the reactor the compiled pumps wait in (set by _pump_c)
+        self._parked: list[Any] = []  # pumps attached to it
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -288,11 +332,22 @@ class Session(SessionCore):
         if self.inflight is not None:
             self.inflight.abandon(self.stats)  # what was not answered by now never will be
         self.chain.on_close(self)
+        self._detach_pumps()
         watchers = [w for pair in self._watchers.values() for w in pair]
         self._watchers.clear()
         # Thrown into a pump waiting on one of these watchers (a fresh one: it carries a traceback).
         closed = OSError(errno.EBADF, "connection closed by the other side of the relay")
         self.hub.cancel_waits_close_and_then(watchers, closed, self._close_sockets)
+
+    def _detach_pumps(self) -> None:
+        """Take the pumps out of the reactor before the sockets close (the descriptor numbers
+        are reused at once); a greenlet parked there wakes and sees the session closed."""
+        reactor, pumps = self._reactor, self._parked
+        self._parked = []
+        for pump in pumps:
+            waiter = reactor.detach(pump)
+            if waiter is not None:
+                self.hub.loop.run_callback(waiter.switch, P_EOF)
 
     def _close_sockets(self) -> None:
         for sock in (self.client, self.upstream):
@@ -303,7 +358,12 @@ class Session(SessionCore):
                     pass
 
     def idle_for(self, now: float) -> float:
-        return now - self.last_activity
+        last = self.last_activity
+        for pump in self._parked:  # pumps in the reactor note their receives themselves
+            got = pump.last_receive / 1e9
+            if got > last:
+                last = got
+        return now - last
 
     def stalled_for(self, now_ns: int) -> tuple[str, float]:
         """(side, seconds) of the longest wait for the rest of a frame a peer started sending."""
@@ -376,7 +436,10 @@ class Session(SessionCore):
     # libev watchers of their own: gevent's socket methods cost a getsockopt per sendall and a
     # Timeout object per recv, which was most of the relay's time.  Idle connections are found
     # by the worker's sweep (``last_activity``), not by per-call timeouts; ``close`` wakes any
-    # pump waiting on a watcher.
+    # pump waiting on a watcher.  With the compiled pump the watchers give way to the process's
+    # reactor (``reactor_of``, ext/reactor.pxi): a pump waiting for its source is parked in one
+    # epoll set that the hub steps in C once per event-loop turn, and its greenlet runs only for
+    # the statuses that need Python.
     #
     # One writer per socket: a pump forwards into its destination; the answers the proxy makes
     # itself go out only at a frame boundary of that forwarded stream (``SessionCore.answer``), so
@@ -472,9 +535,25 @@ class Session(SessionCore):
         locked = dst_lock.locked
         policy = self.policy
         heard = [0.0] if from_client else self.heard
+        reactor = reactor_of(self.hub)
+        if reactor is not None:
+            reactor.attach(pump, locked)
+            self._reactor = reactor
+            self._parked.append(pump)
+            park = reactor.park
+            hub = self.hub
+            if not from_client:
+                self.heard = heard = _Received(pump, heard[0])
         st = step(not locked())
         while not self.closed:
             if st == P_WAIT_READ:
+                if reactor is not None:
+                    # Parked: the reactor steps the pump in C while it only waits for its source,
+                    # and hands back any other status.
+                    st = park(pump, waiter := Waiter(hub))
+                    if st < 0:
+                        st = waiter.get()
+                    continue
                 wait(rwatch)
                 self.last_activity = heard[0] = time.monotonic()
             elif st == P_WAIT_WRITE or st == P_WAIT_LOCK:
@@ -495,19 +574,21 @@ class Session(SessionCore):
             elif st == P_YIELD:
                 self.last_activity = heard[0] = time.monotonic()
                 gevent.sleep(0)
-            elif st == P_EOF:
-                return
-            elif st == P_OS_ERROR:
-                raise OSError(pump.errno_value, os.strerror(pump.errno_value))
-            elif st == P_OVER_BUDGET:
-                self._over_budget(side, pump.need)
-                return
-            else:  # P_PROTOCOL_ERROR
-                self._protocol_error(side, scanner)
+            else:
+                self._pump_ended(st, pump, scanner, side)
                 return
             if self.closed:
                 return
             st = step(not locked())
+
+    def _pump_ended(self, st: int, pump: Any, scanner: FrameScanner, side: str) -> None:
+        """The compiled pump stopped for good (end of stream, error, over budget): say why."""
+        if st == P_OS_ERROR:
+            raise OSError(pump.errno_value, os.strerror(pump.errno_value))
+        if st == P_OVER_BUDGET:
+            self._over_budget(side, pump.need)
+        elif st != P_EOF:  # P_PROTOCOL_ERROR
+            self._protocol_error(side, scanner)
 
     def _pump_py(
         self,
