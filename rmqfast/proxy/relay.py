@@ -36,6 +36,7 @@ from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec._scan_py import R_ONEWAY, result_index
 from rmqfast.log import ctx
+from rmqfast.proxy.connect import connect_tcp
 from rmqfast.proxy.core import PumpState, SessionCore, Writer
 from rmqfast.proxy.policy import FilterChain, Frame, error_response
 from rmqfast.proxy.tls import is_tls
@@ -380,7 +381,7 @@ class Session(SessionCore):
         tls = getattr(self.events, "tls", None)
         for hp in self.upstreams:
             try:
-                sock = socket.create_connection((hp.host, hp.port), timeout=self.settings.connect_timeout)
+                sock = connect_tcp(hp.host, hp.port, self.settings.connect_timeout)
                 if tls is not None and tls.upstream_enabled(self.role):  # rmqfast.proxy.tls
                     sock = tls.connect(self.role, sock, hp.host, self.settings.connect_timeout)
             except OSError as exc:
