@@ -33,13 +33,12 @@ install: $(PYTHON) system-deps
 demo: install
 	$(PYTHON) -m rmqfast demo
 
-# Unit tests with the compiled codec, again with the pure-Python reference (minus the Spark
-# report tests, which do not touch the codec), then the integration tests against a real
-# RocketMQ name server + broker and real Java clients.
+# Unit tests with the compiled codec, then again with the pure-Python reference (minus the Spark
+# report tests, which do not touch the codec); at the same time, in a second lane, the
+# integration tests against a real RocketMQ name server + broker and real clients
+# (tests/run_suite.sh says why and how).
 test: install lint
-	$(PYTHON) -m pytest -q -m "not integration"
-	RMQFAST_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -m "not integration and not spark"
-	$(PYTHON) -m pytest -q -m integration
+	PYTHON=$(PYTHON) bash tests/run_suite.sh
 
 test-unit: install
 	$(PYTHON) -m pytest -q -m "not integration"
