@@ -118,6 +118,7 @@ class ScriptedPool:
     def __init__(self, stock: dict[str, list[bytes]]) -> None:
         self.stock = stock
         self.calls: list[tuple[str, int]] = []
+        self.exts: list[dict[str, str]] = []
         self.arrived = asyncio.Event()
 
     def arrive(self, addr: str, body: bytes) -> None:
@@ -127,6 +128,7 @@ class ScriptedPool:
     async def request(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"", *,
                       timeout: float = 3.0) -> RemotingCommand:
         self.calls.append((addr, code))
+        self.exts.append(ext)
         if code == C.POP_MESSAGE:
             bodies = self.stock.get(addr) or []
             if not bodies:
@@ -200,5 +202,18 @@ def test_pop_with_notify_bounded_fanout_and_empty_end(pb: Any) -> None:
         notified = [a for a, c in pool.calls if c == C.NOTIFICATION]
         assert set(notified) == {"c:1", "d:1"}  # the named broker and the next one, no more
         assert [c for _, c in pool.calls].count(C.POP_MESSAGE) == 1
+
+    asyncio.run(go())
+
+
+def test_single_pop_mode_long_polls_one_broker(pb: Any) -> None:
+    """``notify = false``: one pop on the named broker, long-polling for the whole time (Apache's
+    proxy's behaviour, kept for comparison); a message on another broker is not looked for."""
+    async def go() -> None:
+        pool = ScriptedPool({"c:1": [b"on-c"]})
+        svc, route = _service(pb, pool, notify=False)
+        msgs = await svc._pop_with_notify(route, _request(pb, "a"), 30000, time.monotonic() + 5)
+        assert msgs == [] and pool.calls == [("a:1", C.POP_MESSAGE)]
+        assert 4000 <= int(pool.exts[0]["pollTime"]) <= 5000
 
     asyncio.run(go())

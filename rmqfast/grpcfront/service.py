@@ -317,6 +317,9 @@ class MessagingService:
             raise Fail("FORBIDDEN", "no readable queue")
         named = req.message_queue.broker.name
         first = named if named in brokers else brokers[next(self._rr) % len(brokers)]
+        if not self.cfg.notify:  # one pop, long-polling on that broker for the whole time
+            poll = max(0.0, deadline - time.monotonic())
+            return await self._pop(r, first, req, invisible_ms, int(poll * 1000), poll + self.cfg.request_timeout)
         msgs = await self._pop(r, first, req, invisible_ms, 0, self.cfg.request_timeout)
         if msgs:
             self.stats.first_pop_hits += 1

@@ -16,6 +16,7 @@ from rmqfast.errors import ConfigError
 class GrpcSection:
     enabled: bool = False
     listen: str = "0.0.0.0:8081"  # host:port, bound with SO_REUSEPORT by every worker's gRPC process
+    notify: bool = True  # pop with notify; false: one pop long-polling on one broker (as Apache's proxy)
     max_fanout: int = 8  # brokers a receive sends NOTIFICATION to at once
     min_poll: float = 0.2  # s: no new notification round with less long-poll time left
     long_poll_reserve: float = 0.5  # s kept from the client's deadline for the answer to travel
@@ -32,7 +33,7 @@ class GrpcSection:
 _FLOATS = {"min_poll": (0.01, 60.0), "long_poll_reserve": (0.0, 10.0), "request_timeout": (0.1, 60.0),
            "connect_timeout": (0.1, 60.0), "route_ttl": (0.1, 3600.0), "default_invisible": (1.0, 43200.0)}
 _INTS = {"max_fanout": (1, 256), "max_body_size": (1, 1 << 30)}
-KEYS = {"enabled", "listen", *_FLOATS, *_INTS}
+KEYS = {"enabled", "notify", "listen", *_FLOATS, *_INTS}
 
 
 def parse_grpc(raw: Any) -> GrpcSection:
@@ -42,10 +43,11 @@ def parse_grpc(raw: Any) -> GrpcSection:
     if unknown:
         raise ConfigError(f"grpc: unknown key(s) {', '.join(sorted(unknown))}")
     s = GrpcSection()
-    if "enabled" in raw:
-        if not isinstance(raw["enabled"], bool):
-            raise ConfigError("grpc.enabled: must be true or false")
-        s.enabled = raw["enabled"]
+    for k in ("enabled", "notify"):
+        if k in raw:
+            if not isinstance(raw[k], bool):
+                raise ConfigError(f"grpc.{k}: must be true or false")
+            setattr(s, k, raw[k])
     if "listen" in raw:
         v = raw["listen"]
         host, sep, port = str(v).rpartition(":")
