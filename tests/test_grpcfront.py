@@ -217,3 +217,50 @@ def test_single_pop_mode_long_polls_one_broker(pb: Any) -> None:
         assert 4000 <= int(pool.exts[0]["pollTime"]) <= 5000
 
     asyncio.run(go())
+
+
+def test_keeper_starts_restarts_and_stops_the_front(tmp_path: Any) -> None:
+    """The worker's FrontKeeper: the front process serves gRPC on the configured port; killed, it is
+    started again and serves again; stop() ends it."""
+    import os
+    import signal
+    import socket
+
+    import gevent
+
+    from rmqfast import config as config_mod
+    from rmqfast.grpcfront.keeper import FrontKeeper
+    from rmqfast.testing.ports import reserve
+
+    lease = reserve([0])
+    try:
+        cfg = config_mod.from_dict({"namesrv": {"listen": "127.0.0.1:1", "upstreams": ["127.0.0.1:2"]},
+                                    "grpc": {"enabled": True, "listen": f"127.0.0.1:{lease.base}"}})
+        (tmp_path / "config.json").write_text(cfg.to_json())
+
+        def serving() -> bool:
+            with socket.socket() as s:
+                s.settimeout(0.2)
+                return s.connect_ex(("127.0.0.1", lease.base)) == 0
+
+        def wait(cond: Any, what: str) -> None:
+            deadline = time.monotonic() + 60
+            while not cond():
+                assert time.monotonic() < deadline, what
+                gevent.sleep(0.05)
+
+        keeper = FrontKeeper(tmp_path, interval=0.1)
+        keeper.start()
+        try:
+            wait(serving, "the front listens")
+            first = keeper.proc
+            assert first is not None
+            os.kill(first.pid, signal.SIGKILL)
+            wait(lambda: keeper.restarts == 1 and keeper.proc is not first, "a new front")
+            wait(serving, "the new front listens")
+        finally:
+            keeper.stop()
+        assert keeper.proc is not None and keeper.proc.poll() is not None
+        wait(lambda: not serving(), "the port is closed")
+    finally:
+        lease.release()

@@ -615,9 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     # the worker (its lifeline pipe closes)
     grpc_front = None
     if cfg.grpc.enabled:
-        from rmqfast.grpcfront.server import spawn as spawn_grpc
+        from rmqfast.grpcfront.keeper import FrontKeeper
 
-        grpc_front = spawn_grpc(runtime)
+        grpc_front = FrontKeeper(runtime)
+        grpc_front.start()
     done = gevent.event.Event()
 
     def on_term() -> None:
@@ -641,12 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     status({"event": "ready", "worker_pid": os.getpid(), **identity()})
     done.wait()
     if grpc_front is not None:
-        proc, lifeline = grpc_front
-        os.close(lifeline)
-        try:
-            proc.wait(timeout=5)
-        except Exception:
-            proc.kill()
+        grpc_front.stop()
     return 0
 
 
