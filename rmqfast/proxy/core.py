@@ -53,7 +53,9 @@ class Writer:
 
     def __init__(self) -> None:
         self.pump: Any = None  # a C Pump or a PumpState, once the pump runs
-        self.queue: deque[tuple[bytes, bool]] = deque()  # (frame, answers a client request?)
+        # (frame, answers a client request?); no answer waiting is one shared empty tuple, not a
+        # deque per writer (~760 bytes each, two per connection): a deque is made for the first answer
+        self.queue: deque[tuple[bytes, bool]] | tuple[()] = ()
 
     def write(self, data: Any) -> None:
         raise NotImplementedError
@@ -152,14 +154,18 @@ class SessionCore:
             if request:
                 self.local_answers += 1
             return
-        out.queue.append((data, request))
+        q = out.queue if isinstance(out.queue, deque) else deque()
+        out.queue = q
+        q.append((data, request))
         if out.pump is not None:
             out.pump.hold = True
 
     def flush_answers(self, out: Writer) -> None:
         """Called by the pump writing to ``out`` when its stream is at a frame boundary."""
-        while out.queue:
-            data, request = out.queue.popleft()
+        q = out.queue
+        while q:
+            assert isinstance(q, deque)
+            data, request = q.popleft()
             out.write(data)
             if request:
                 self.local_answers += 1
