@@ -454,7 +454,7 @@ _KNOWN = {
     "gray": {"settle", "grace", "state_file", "group"},
     "grpc": set(GRPC_KEYS),
     "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout", "hang_timeout",
-                 "send_timeout", "ordered_topics", "ordered_property", "go_away"},
+                 "send_timeout", "ordered_topics", "ordered_property", "go_away", "resend"},
 }
 
 _REPLICATE_CHOICES = ("online", "always", "never")

@@ -31,12 +31,14 @@ from rmqfast.proxy.failover import (
 from rmqfast.proxy.goaway import V5_3_1, GoAway
 from rmqfast.proxy.health import BrokerHealth, FailoverSection
 from rmqfast.proxy.policy import Frame
-from tests.test_relay import connect as relay_connect
 from tests.test_relay import (
+    IMPLS,
     proxy,  # noqa: F401  (the relay fixture: a session per parametrized pump)
     send_frame,
     wait_until,
 )
+from tests.test_relay import Events as RelayEvents
+from tests.test_relay import connect as relay_connect
 
 _I32 = struct.Struct(">i")
 
@@ -446,7 +448,7 @@ def test_relay_answers_requests_in_flight_when_the_broker_connection_dies(proxy:
             answers.append(decode_frame(f))
     assert sorted(a.opaque for a in answers) == [41, 42]
     assert all(a.code == C.SYSTEM_ERROR and a.is_response and "send again" in (a.remark or "") for a in answers)
-    assert lost == [(2, 2)]
+    assert lost == [(2, 2, 0)]  # answered, sends among them, resent (nothing kept here)
     wait_until(lambda: not sessions)
     dying.stop(timeout=1)
 
@@ -671,3 +673,119 @@ def test_unknown_topic_route_lookups_are_cached_briefly(monkeypatch: pytest.Monk
     known["Nope"] = ({"broker-b": "127.0.0.1:2"}, [("broker-b", 4, 6)])
     assert book.get("Nope") == known["Nope"]  # asked again once the short memory expired: now known
     assert book.get("Nope") == known["Nope"] and asked == ["Nope", "Nope"]
+
+
+@pytest.mark.parametrize("mode", ["all", "policy-alone", "policy-with-other"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kept_sends_in_flight_are_resent_when_the_broker_connection_dies(
+        impl: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker reads two sends and closes (a kill -9).  Kept sends are resent (here: a fake move
+    answering SUCCESS with a queue id of its own) and the client gets those answers with its
+    opaques; a send not kept (``policy`` with no other filter taking sends to Python) gets
+    SYSTEM_ERROR, as before."""
+    from rmqfast.proxy import relay
+    from rmqfast.proxy.failover import KeepSendsInFlight
+    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain, Verdict
+    from rmqfast.proxy.policy import Filter as PolicyFilter
+    from rmqfast.proxy.relay import RelaySettings, Session
+
+    scanner, stats_cls, c_pump = impl
+    monkeypatch.setattr(relay, "FrameScanner", scanner)
+    if not c_pump:
+        monkeypatch.setattr(relay, "Pump", None)
+
+    class SeesSends(PolicyFilter):  # another filter that takes sends to Python (an allowlist, say)
+        def request_slots(self) -> set[int]:
+            from rmqfast.codec import code_slot
+            return {code_slot(C.SEND_MESSAGE_V2)}
+
+        def on_request(self, session: Any, frame: Any) -> Verdict | None:
+            return None
+
+    keeper = KeepSendsInFlight(everything=mode == "all")
+    others: list[Any] = [SeesSends()] if mode == "policy-with-other" else []
+    chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES), *others, keeper])
+    seen: list[int] = []
+
+    def swallow(sock: socket.socket, _addr: Any) -> None:
+        buf = bytearray()
+        while len(seen) < 2:
+            f = _read_frame(sock, buf)
+            if f is None:
+                return
+            seen.append(decode_frame(f).opaque)
+        sock.close()
+
+    dying = StreamServer(("127.0.0.1", 0), swallow)
+    dying.start()
+    resent: list[bytes] = []
+
+    def resend(data: bytes) -> RemotingCommand:
+        resent.append(data)
+        cmd = decode_frame(data)
+        gevent.sleep(0.05)  # a round trip to the other broker
+        return make_response(cmd, C.SUCCESS, None, ext_fields={"queueId": "1", "msgId": "M"})
+
+    results: list[tuple[int, int, int]] = []
+
+    class Ev(RelayEvents):
+        def upstream_lost(self, session: Any) -> None:
+            results.append(answer_in_flight(session, "rmqfast: broker gone; send again", resend, 5.0))
+
+    def handle(sock: socket.socket, addr: Any) -> None:
+        Session("broker", sock, f"{addr[0]}:{addr[1]}", [HostPort("127.0.0.1", dying.server_port)], chain,
+                stats_cls(), RelaySettings(4096, 16 << 20, 1 << 16, 1.0, 30.0), Ev()).run()
+
+    server = StreamServer(("127.0.0.1", 0), handle)
+    server.start()
+    try:
+        s = relay_connect(server.server_port)
+        frames = [send_frame(41), send_frame(42)]
+        s.sendall(frames[0] + frames[1])
+        buf = bytearray()
+        answers = []
+        with gevent.Timeout(10):
+            while (f := _read_frame(s, buf)) is not None:
+                answers.append(decode_frame(f))
+        assert sorted(a.opaque for a in answers) == [41, 42]
+        if mode == "policy-alone":  # nothing takes sends to Python: nothing kept, SYSTEM_ERROR as before
+            assert not resent and results == [(2, 2, 0)]
+            assert all(a.code == C.SYSTEM_ERROR for a in answers)
+        else:
+            assert sorted(resent) == sorted(frames)  # the very bytes the broker was sent
+            assert results == [(2, 2, 2)]
+            assert all(a.code == C.SUCCESS and a.ext_fields["queueId"] == "1" for a in answers), answers
+        assert keeper.held == 0  # nothing kept once the connection closed
+    finally:
+        server.stop(timeout=1)
+        dying.stop(timeout=1)
+
+
+def test_keeper_is_bounded_and_forgets_answered_sends() -> None:
+    from rmqfast import codec
+    from rmqfast.codec import code_slot
+    from rmqfast.proxy import failover as fo
+    from rmqfast.proxy.failover import KeepSendsInFlight
+
+    keeper = KeepSendsInFlight(everything=True)
+    table = codec.InFlightPy(1000)
+    session = type("S", (), {"state": {}, "inflight": table})()
+
+    def send(opaque: int, size: int = 100) -> None:
+        data = send_frame(opaque, b"x" * size)
+        keeper.on_request(session, Frame(data, C.SEND_MESSAGE_V2, 0, opaque))
+        table.track(0, opaque, code_slot(C.SEND_MESSAGE_V2), opaque)
+
+    for o in range(fo.KEEP_PER_CONNECTION + 5):
+        send(o)
+    assert len(session.state["kept"]) == fo.KEEP_PER_CONNECTION  # the rest were not kept
+    for o in range(fo.KEEP_PER_CONNECTION + 5):
+        table.take(0, o)  # answered (the scanner took them)
+    send(1000)
+    assert list(session.state["kept"]) == [1000]  # answered sends forgotten at the next send
+    assert keeper.held == session.state["kept_bytes"] == len(send_frame(1000, b"x" * 100))
+    table.take(0, 1000)
+    send(1001, fo.KEEP_BYTES_PER_CONNECTION)  # over the per-connection bytes: not kept
+    assert session.state["kept"] == {} and keeper.held == 0
+    keeper.on_close(session)
+    assert keeper.held == 0

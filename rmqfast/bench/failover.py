@@ -238,7 +238,7 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
                  phase_timeout: float = 240.0, workers: int = 2, interval_ms: int = 5,
                  fault: str | Sequence[str] = "kill", probe_timeout: float | None = None,
                  during_direct: int | None = None, pair: tuple[RocketMQCluster, RocketMQCluster] | None = None,
-                 log: Any = print) -> dict[str, Any]:
+                 resend: str | None = None, log: Any = print) -> dict[str, Any]:
     """One run: both paths, every client, one or more faults of broker-a in turn, each ended before
     the next.  Returns the figures.
 
@@ -248,7 +248,7 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
     more acknowledged sends (direct producers ``during_direct``), the proxy has seen broker-a dead,
     and ``down_min`` seconds have passed.  ``pair``: clusters from :func:`two_masters` to reuse
     (else started and stopped here).  ``probe_timeout``: rmqfast's ``failover.probe_timeout``
-    (None: its default).
+    (None: its default); ``resend``: its ``failover.resend`` (None: its default).
     """
     faults = [fault] if isinstance(fault, str) else list(fault)
     if not faults or any(f not in ("kill", "stop") for f in faults):
@@ -259,7 +259,8 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
     windows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         a, b = pair if pair is not None else two_masters(jars, stack)
-        cfg = PROXY_CONFIG + ("" if probe_timeout is None else f"probe_timeout = {probe_timeout}\n")
+        cfg = PROXY_CONFIG + ("" if probe_timeout is None else f"probe_timeout = {probe_timeout}\n") + (
+            "" if resend is None else f"resend = \"{resend}\"\n")
         proxy = stack.enter_context(ProxyProcess([a.namesrv_addr], workers=workers, extra_config=cfg))
         producers: list[Producer] = []
         for path, ns in (("rmqfast", proxy.namesrv_addr), ("direct", a.namesrv_addr)):
@@ -282,10 +283,12 @@ def run_scenario(*, jars: JarPaths | None = None, clients: tuple[str, ...] = ("5
         m = proxy.metrics()
         fo = {name: sum(v for (n, _), v in m.items() if n == name) for name in (
             "rmqfast_failovers_total", "rmqfast_failover_refused_total", "rmqfast_failover_possible_duplicates_total",
+            "rmqfast_failover_resent_total",
             "rmqfast_route_heals_total", "rmqfast_broker_down_total")}
     rows = [_row(p, seen, windows) for p in producers]
     return {"rows": rows, "fault": faults[0] if len(faults) == 1 else "+".join(faults), "windows": windows,
-            "probe_timeout": probe_timeout, "kill_ms": windows[0]["kill_ms"], "restart_ms": windows[-1]["restart_ms"],
+            "probe_timeout": probe_timeout, "resend": resend,
+            "kill_ms": windows[0]["kill_ms"], "restart_ms": windows[-1]["restart_ms"],
             "interval_ms": interval_ms, "proxy_metrics": fo}
 
 
@@ -350,7 +353,8 @@ def render(result: dict[str, Any]) -> str:
                                          "restart_ms": result["restart_ms"]}]
     down = ", ".join(f"{w['fault']} {(w['restart_ms'] - w['kill_ms']) / 1000:.1f} s" for w in windows)
     pt = result.get("probe_timeout")
-    head = (f"faults (broker-a down): {down}; probe_timeout {'default' if pt is None else f'{pt} s'}\n"
+    head = (f"faults (broker-a down): {down}; probe_timeout {'default' if pt is None else f'{pt} s'}; "
+            f"resend {result.get('resend') or 'default'}\n"
             f"{'producer':<12} {'sent':>6} {'acked':>6} {'failed':>6} {'success':>9} {'in fault':>9} {'gap ms':>7} "
             f"{'recovery':>8} {'lost':>5} {'dups':>5}")
     lines = [head]
@@ -383,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                          "several, comma-separated, one after the other in the same run (e.g. stop,kill)")
     ap.add_argument("--probe-timeout", type=float, default=None,
                     help="rmqfast's failover.probe_timeout (default: rmqfast's default)")
+    ap.add_argument("--resend", choices=("policy", "all", "off"), default=None,
+                    help="rmqfast's failover.resend (default: rmqfast's default)")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     ap.add_argument("--results", type=Path, default=Path("results/bench"), help="folder for failover.jsonl")
     args = ap.parse_args(argv)
@@ -392,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = tuple(f.strip() for f in args.fault.split(",") if f.strip())
     for k in range(args.runs):
         res = run_scenario(clients=clients, during=args.during, down_min=args.down, interval_ms=args.interval_ms,
-                           fault=faults, probe_timeout=args.probe_timeout,
+                           fault=faults, probe_timeout=args.probe_timeout, resend=args.resend,
                            log=lambda s, k=k: print(f"[failover run {k + 1}] {s}", file=sys.stderr))
         res["run"] = k + 1
         with (args.results / "failover.jsonl").open("a") as f:

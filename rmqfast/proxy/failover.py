@@ -53,6 +53,7 @@ from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_field
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
 from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
+from rmqfast.proxy.policy import Filter, slots_of
 
 log = logging.getLogger("rmqfast.failover")
 
@@ -215,31 +216,157 @@ def retarget(cmd: RemotingCommand, info: SendInfo, broker_name: str, write_queue
 # A relayed connection whose upstream died -------------------------------------------------------------
 
 
-def answer_in_flight(session: Any, remark: str) -> tuple[int, int]:
-    """Answer the client requests still waiting on ``session`` (its upstream connection just ended)
-    with SYSTEM_ERROR, which 4.x and 5.x producers retry on another broker at once.
+#: Copies of sends kept while they are in flight (for a resend when their broker dies): at most
+#: this many per connection, bytes per connection, bytes per worker.  A send beyond them is not
+#: kept (if its broker dies it is answered SYSTEM_ERROR, as without keeping).
+KEEP_PER_CONNECTION = 32
+KEEP_BYTES_PER_CONNECTION = 4 * 1024 * 1024
+KEEP_BYTES_PER_WORKER = 64 * 1024 * 1024
+
+
+class KeepSendsInFlight(Filter):
+    """Keeps the bytes of each send forwarded to a broker until it is answered (the last filter of
+    the broker chain, so what it keeps is what the broker was sent).
+
+    ``everything``: every send is handed to Python to be kept (``failover.resend = "all"``: the
+    sends leave the compiled fast path); else only the sends another filter has handed to Python
+    anyway are kept (``"policy"``: no cost on the fast path).  Answers are not seen here: entries
+    whose answer came are dropped when the connection's in-flight table says so (at the next send).
+    """
+
+    name = "failover-keep"
+
+    def __init__(self, everything: bool = False) -> None:
+        self.everything = everything
+        self.held = 0  # bytes kept by every connection of the worker's chain
+
+    def request_slots(self) -> set[int]:
+        return slots_of(SEND_CODES) if self.everything else set()
+
+    def passive_slots(self) -> set[int]:
+        return slots_of(SEND_CODES)
+
+    def on_request(self, session: Any, frame: Any) -> None:
+        if frame.is_oneway or frame.code not in SEND_CODES:
+            return None
+        st = session.state
+        kept: dict[int, bytes] | None = st.get("kept")
+        if kept is None:
+            kept = st["kept"] = {}
+            st["kept_bytes"] = 0
+            st["keeper"] = self
+        elif kept:
+            self._prune(session, kept)
+        n = len(frame.data)
+        if frame.opaque in kept:
+            self.release(session, frame.opaque)
+        if (len(kept) >= KEEP_PER_CONNECTION or st["kept_bytes"] + n > KEEP_BYTES_PER_CONNECTION
+                or self.held + n > KEEP_BYTES_PER_WORKER):
+            return None  # not kept: answered SYSTEM_ERROR if its broker dies
+        kept[frame.opaque] = bytes(frame.data)
+        st["kept_bytes"] += n
+        self.held += n
+        return None  # decides nothing: the send is forwarded as it is
+
+    def _prune(self, session: Any, kept: dict[int, bytes]) -> None:
+        inflight = session.inflight
+        if inflight is None:
+            return
+        waiting = len(inflight)
+        if waiting == 0:
+            live: set[int] = set()
+        elif len(kept) > waiting or len(kept) >= KEEP_PER_CONNECTION:
+            live = {o for o, _ in inflight.waiting(0)}
+        else:
+            return
+        for opaque in [o for o in kept if o not in live]:
+            self.release(session, opaque)
+
+    def release(self, session: Any, opaque: int) -> bytes | None:
+        """The kept copy of ``opaque``'s send (None if none), no longer counted."""
+        st = session.state
+        data = st.get("kept", {}).pop(opaque, None)
+        if data is not None:
+            st["kept_bytes"] -= len(data)
+            self.held -= len(data)
+        return data
+
+    def on_close(self, session: Any) -> None:
+        kept = session.state.get("kept")
+        if kept:
+            for opaque in list(kept):
+                self.release(session, opaque)
+
+
+def answer_in_flight(session: Any, remark: str,
+                     resend: Callable[[bytes], RemotingCommand | None] | None = None,
+                     resend_timeout: float = 3.0) -> tuple[int, int, int]:
+    """Answer the client requests still waiting on ``session`` (its upstream connection just ended,
+    or its broker was seen dead).
+
+    A send whose bytes were kept (:class:`KeepSendsInFlight`) is given to ``resend`` (which moves
+    it to another live master and returns that broker's answer, or a refusal for an ordered or
+    signed send), all of them at once, and the client gets that answer; the others, and a send
+    whose resend did not end within ``resend_timeout``, get SYSTEM_ERROR, which 4.x and 5.x
+    producers retry on another broker at once.
 
     Without it the client only sees the connection close: a 5.x client fails the waiting requests
     at once (``failFast`` on an inactive channel), a 4.9.4 client waits for each one's timeout
     (3 s for a send: the producer has no time left to retry and reports a failure).  The answers
     go out only if the stream to the client is at a frame boundary.  Returns (requests answered,
-    sends among them: each may have been stored by the dying broker, so the retry may duplicate it).
+    sends among them: each may have been stored by the dying broker, so its resend or retry may
+    duplicate it, sends among those resent by rmqfast).
     """
     inflight = session.inflight
     out = session.to_client
     if inflight is None or out is None or out.queue or not out.at_boundary():
-        return 0, 0
+        return 0, 0, 0
+    keeper = session.state.get("keeper") if resend is not None else None
     answered = sends = 0
+    moving: list[tuple[int, int, Any]] = []
     for opaque, slot in inflight.waiting(0):
         if inflight.take(0, opaque) is None:
             continue
-        data = encode(RemotingCommand(code=C.SYSTEM_ERROR, flag=C.FLAG_RESPONSE, opaque=opaque, remark=remark))
-        session.stats.count_result(slot, result_index(C.SYSTEM_ERROR))
-        session.answer(out, data, True)
+        is_send = slot_code(slot) in SEND_CODES
+        sends += is_send
+        data = keeper.release(session, opaque) if keeper is not None and is_send else None
+        if data is not None:
+            moving.append((opaque, slot, gevent.spawn(_resend_one, resend, data)))
+            continue
+        _answer_error(session, out, opaque, slot, remark)
         answered += 1
-        if slot_code(slot) in SEND_CODES:
-            sends += 1
-    return answered, sends
+    if not moving:
+        return answered, sends, 0
+    gevent.joinall([g for _, _, g in moving], timeout=resend_timeout)
+    resent = 0
+    for opaque, slot, g in moving:
+        got = g.value if g.ready() else None
+        if not g.ready():
+            g.kill(block=False)
+        if session.closed or out.queue or not out.at_boundary():
+            continue  # the client connection went meanwhile: nothing can be told
+        if got is None:
+            _answer_error(session, out, opaque, slot, remark)
+        else:
+            session.stats.count_result(slot, result_index(got.code))
+            session.answer(out, encode(replace(got, opaque=opaque)), True)
+            resent += 1
+        answered += 1
+    return answered, sends, resent
+
+
+def _resend_one(resend: Callable[[bytes], RemotingCommand | None], data: bytes) -> RemotingCommand | None:
+    try:
+        return resend(data)
+    except Exception:  # a resend that fails is answered SYSTEM_ERROR (never breaks the close)
+        log.exception("resending a send in flight failed")
+        return None
+
+
+def _answer_error(session: Any, out: Any, opaque: int, slot: int, remark: str) -> None:
+    data = encode(RemotingCommand(code=C.SYSTEM_ERROR, flag=C.FLAG_RESPONSE, opaque=opaque, remark=remark))
+    session.stats.count_result(slot, result_index(C.SYSTEM_ERROR))
+    session.answer(out, data, True)
 
 
 def stalled_sends(sessions: Iterable[Any], now: float) -> dict[str, float]:

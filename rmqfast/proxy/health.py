@@ -72,6 +72,10 @@ class FailoverSection:
     # sends carrying this property are ordered (5.x SHARDING_KEY, set for FIFO messages); "" disables
     ordered_property: str = "__SHARDINGKEY"
     go_away: bool = True  # draining workers answer 5.3.2+ clients GO_AWAY (1500) instead of cutting them
+    # sends in flight when their broker dies are resent to another live master by rmqfast: "policy" (the
+    # sends another filter hands to Python anyway are kept), "all" (every send kept: leaves the fast path),
+    # "off" (all answered SYSTEM_ERROR, the producer retries)
+    resend: str = "policy"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FailoverSection:
@@ -81,11 +85,13 @@ class FailoverSection:
         return any(fnmatch.fnmatchcase(topic, p) for p in self.ordered_topics)
 
 
+RESEND_MODES = ("policy", "all", "off")
+
 _FIELDS = {
     "enabled": bool, "heal_routes": bool, "go_away": bool,
     "probe_interval": float, "probe_interval_down": float, "probe_timeout": float, "send_timeout": float,
     "hang_timeout": float,
-    "ordered_topics": list, "ordered_property": str,
+    "ordered_topics": list, "ordered_property": str, "resend": str,
 }
 
 
@@ -110,6 +116,8 @@ def parse_failover(raw: Any) -> FailoverSection:
                 raise ConfigError(f"failover.{key}: expected a list of topic names or patterns (fnmatch)")
         elif not isinstance(value, str):
             raise ConfigError(f"failover.{key}: {value!r} is not allowed; expected a string")
+        elif key == "resend" and value not in RESEND_MODES:
+            raise ConfigError(f"failover.resend: {value!r} is not allowed; expected one of {', '.join(RESEND_MODES)}")
         setattr(out, key, value)
     return out
 
@@ -139,6 +147,11 @@ class HealthMetrics:
         self.possible_duplicates = Counter(
             "rmqfast_failover_possible_duplicates_total",
             "Moved sends that had already been written to the dying broker (may be stored twice)", ["broker"],
+        )
+        self.resent = Counter(
+            "rmqfast_failover_resent_total",
+            "Sends in flight when their broker died, resent by rmqfast to another master (answered with its result)",
+            ["broker"],
         )
         self.route_heals = Counter(
             "rmqfast_route_heals_total", "Route answers in which a dead master's queues were marked unwritable",
@@ -244,6 +257,15 @@ class BrokerHealth:
         if waited >= self.cfg.hang_timeout / 2 and not w.wake.is_set():
             w.wake.set()
 
+    def report_stalls(self, stalls: dict[str, float], now: float | None = None) -> None:
+        """One sweep's findings (address -> seconds, see :meth:`stalled`): a broker not named has no
+        stalled send now (an earlier report of it no longer counts)."""
+        now = time.monotonic() if now is None else now
+        for addr, w in self._watches.items():
+            waited = stalls.get(addr, 0.0)
+            if waited > 0.0 or w.stall > 0.0:
+                self.stalled(addr, waited, now)
+
     def still_down(self, addr: str) -> bool:
         """Is ``addr`` still down, asked for a new client of it? A broker seen dead because its port
         refused connections (killed) is back as soon as something listens there again, possibly
@@ -337,7 +359,8 @@ class BrokerHealth:
     def _hung(self, w: _Watch, probe_waited: float) -> bool:
         """Do both witnesses say the broker is hung (see the module docstring)?"""
         hang = self.cfg.hang_timeout
-        if probe_waited < hang / 2 or w.stall < hang or time.monotonic() - w.stall_at > max(0.3, hang / 2):
+        # the sweep's last report counts while fresh (a sweep of a worker short of CPU comes late)
+        if probe_waited < hang / 2 or w.stall < hang or time.monotonic() - w.stall_at > max(1.0, 2 * hang):
             return False
         sock = getattr(w.conn, "sock", None)
         return sock is None or not _readable(sock)

@@ -144,6 +144,11 @@ class Filter:
         """Scanner slots (see :func:`rmqfast.codec.code_slot`) whose requests this filter sees."""
         return set()
 
+    def passive_slots(self) -> set[int]:
+        """Slots whose requests this filter sees only when another filter of the chain has them
+        handed to Python anyway (it sees them last, once every other filter let them pass)."""
+        return set()
+
     #: True: every response of the role goes to ``on_response`` (route rewrites need that).
     wants_responses = False
     #: True: ``on_response`` sees the answers to the requests whose frame it marked
@@ -189,6 +194,10 @@ class FilterChain:
                 table[s] = ACTION_POLICY
             for s in range(CODE_SLOTS):
                 if s in slots or (f.sees_limited and s in limited):
+                    by_slot[s].append(f)
+        for f in filters:
+            for s in f.passive_slots() - f.request_slots():
+                if table[s] == ACTION_POLICY:
                     by_slot[s].append(f)
         self.request_actions = bytes(table)
         self.response_policy = any(f.wants_responses for f in filters)

@@ -34,13 +34,20 @@ from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, slot_code
 from rmqfast.codec import codes as C
 from rmqfast.codec._scan_py import result_index
 from rmqfast.codec.admincodes import preset_codes
+from rmqfast.codec.command import decode_frame
 from rmqfast.config import Config, HostPort
 from rmqfast.limits.filter import SendLimitFilter
 from rmqfast.log import ctx
 from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
-from rmqfast.proxy.failover import FailoverService, RouteBook, answer_in_flight, stalled_sends
+from rmqfast.proxy.failover import (
+    FailoverService,
+    KeepSendsInFlight,
+    RouteBook,
+    answer_in_flight,
+    stalled_sends,
+)
 from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
 from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
@@ -174,6 +181,10 @@ class Worker:
         # [gray]: canary releases (rmqfast.gray): consumer lists, pulls, offset commits and the queue
         # ids of sends of split topics; after the limits, before the filters that hold or copy sends
         gray: list[Filter] = [self._gray_filter()] if self.cfg.gray.enabled else []
+        # [failover] resend: copies of the sends in flight, for a resend when their broker dies (last:
+        # what it keeps is what the broker was sent)
+        keep: list[Filter] = ([KeepSendsInFlight(everything=fo.resend == "all")]
+                              if fo.enabled and fo.resend != "off" else [])
         ns_allow = [*pol.allow_codes, *preset_codes(pol.preset, "namesrv")]
         broker_allow = [*pol.allow_codes, *preset_codes(pol.preset, "broker")]
         self.chains = {
@@ -193,6 +204,7 @@ class Worker:
                     *gray,
                     *broker_filters,
                     self.message_addresses,
+                    *keep,
                 ]
             ),
         }
@@ -391,33 +403,53 @@ class Worker:
         if session.role != "broker" or not addr or not self.cfg.failover.enabled:
             return
         self.health.suspect(addr, "a relayed connection ended on the broker's side")
-        answered, sends = answer_in_flight(
-            session, f"rmqfast: broker {addr} closed the connection with this request in flight (a send may "
-                     "have been stored); send it again")
+        self._answer_in_flight(session, addr, f"rmqfast: broker {addr} closed the connection with this request "
+                                              "in flight (a send may have been stored); send it again")
+
+    def _answer_in_flight(self, session: Session, addr: str, remark: str) -> None:
+        """Answer what waits on ``session`` (its broker ``addr`` died): kept sends are resent to another
+        live master and answered with its result, the rest SYSTEM_ERROR (rmqfast.proxy.failover)."""
+
+        def resend(data: bytes) -> Any:
+            answer, _to = self.failover.move(decode_frame(data), addr)
+            return answer
+
+        answered, sends, resent = answer_in_flight(session, remark, resend, self.cfg.failover.send_timeout)
         if answered:
-            log.info("requests in flight answered SYSTEM_ERROR: the broker connection ended",
-                     extra=ctx(broker=addr, client=session.client_addr, requests=answered, sends=sends))
+            log.info("requests in flight answered: the broker connection ended",
+                     extra=ctx(broker=addr, client=session.client_addr, requests=answered, sends=sends,
+                               resent=resent))
         if sends:
             self.health_metrics.possible_duplicates.labels(addr).inc(sends)
+        if resent:
+            self.health_metrics.resent.labels(addr).inc(resent)
 
     def _broker_changed(self, addr: str, up: bool) -> None:
         """A broker seen dead: its relayed connections (a hung broker keeps them open) are cut, the
-        requests waiting on them answered SYSTEM_ERROR; their clients reconnect to failover."""
+        requests waiting on them answered (kept sends resent elsewhere, the rest SYSTEM_ERROR); their
+        clients reconnect to failover."""
         if up or not self.cfg.failover.enabled:
             return
-        cut = 0
-        for s in list(self.sessions):
-            if s.role != "broker" or s.upstream_addr != addr or s.closed:
-                continue
-            answered, sends = answer_in_flight(
-                s, f"rmqfast: broker {addr} stopped answering with this request in flight (a send may have been "
-                   "stored); send it again")
-            if sends:
-                self.health_metrics.possible_duplicates.labels(addr).inc(sends)
-            s.close()
-            cut += 1
+        cut = [s for s in self.sessions if s.role == "broker" and s.upstream_addr == addr and not s.closed]
+        for s in cut:
+            gevent.spawn(self._cut, s, addr)  # resends take a round trip: never in the prober's greenlet
         if cut:
-            log.warning("connections to a dead broker cut", extra=ctx(broker=addr, connections=cut))
+            log.warning("connections to a dead broker cut", extra=ctx(broker=addr, connections=len(cut)))
+
+    def _cut(self, s: Session, addr: str) -> None:
+        remark = (f"rmqfast: broker {addr} stopped answering with this request in flight (a send may have been "
+                  "stored); send it again")
+        try:
+            self._answer_in_flight(s, addr, remark)
+            if not s.closed:
+                # what the client sent while the resends ran: answered now, with no yield before the close
+                _, sends, _ = answer_in_flight(s, remark)
+                if sends:
+                    self.health_metrics.possible_duplicates.labels(addr).inc(sends)
+        except Exception:  # answering is best effort; the cut is not
+            log.exception("answering requests of a dead broker's connection failed", extra=ctx(broker=addr))
+        finally:
+            s.close()
 
     def upstream_error(self, role: str) -> None:
         self.metrics.upstream_errors.labels(role).inc()
@@ -443,16 +475,15 @@ class Worker:
     def _stall_loop(self) -> None:
         """[failover]: tell broker health of relayed sends waiting with nothing read back (a hung
         broker is seen in well under a second when both that and its probe say so)."""
-        last = time.monotonic()
         while not self.draining:
+            # a worker short of CPU sweeps late and may not have read answers that came: the prober
+            # checks its own socket for an unread answer before it believes a stall
             gevent.sleep(min(0.1, self.cfg.failover.hang_timeout / 4))
-            now = time.monotonic()
-            late, last = now - last > 0.3, now  # this worker was starved: quiet connections prove nothing
-            if not self.cfg.failover.enabled or late:
+            if not self.cfg.failover.enabled:
                 continue
             try:
-                for addr, waited in stalled_sends(self.sessions, now).items():
-                    self.health.stalled(addr, waited, now)
+                now = time.monotonic()
+                self.health.report_stalls(stalled_sends(self.sessions, now), now)
             except Exception:
                 log.exception("stalled-send sweep failed")
 

@@ -58,7 +58,8 @@ def test_hung_then_killed_broker_through_rmqfast_and_direct(
     broker-a (direct ones 5: a direct producer gets about one send a second through a hung broker's
     route) and rmqfast has seen broker-a dead."""
     res = run_scenario(jars=jars4, pair=pair, clients=("5", "4"), fault=("stop", "kill"), before=20, during=30,
-                       during_direct=5, after=20, down_min=0.0, interval_ms=5, phase_timeout=BOUND * 2)
+                       during_direct=5, after=20, down_min=0.0, interval_ms=5, phase_timeout=BOUND * 2,
+                       resend="all")
     with capsys.disabled():
         print("\n" + render(res))
     rows = {r["producer"]: r for r in res["rows"]}
