@@ -17,6 +17,10 @@ Scenarios (``--scenario``, repeatable; default all):
 * ``send-busy``: every send over its limit (rule mode ``reject``): answered SYSTEM_BUSY by the
   proxy through the policy path;
 * ``denied``: an admin request code answered NO_PERMISSION by the proxy.
+* ``send-kept``: ``send`` with ``[failover] resend = "all"`` (every send kept until answered, for a
+  resend if its broker dies: the sends take the policy path);
+* ``send-kept-policy``: ``send`` with ``resend = "policy"`` (kept only if another filter takes the
+  send to Python: here none does).
 
     .venv/bin/python bench/relay_instructions.py [--frames 2000 12000] [--batch 32] [--scenario send]
 
@@ -36,7 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCENARIOS = ("send", "send-limited", "send-busy", "denied")
+SCENARIOS = ("send", "send-limited", "send-busy", "denied", "send-kept", "send-kept-policy")
 TOPIC = "BenchTopic"
 UPDATE_BROKER_CONFIG = 25
 
@@ -79,6 +83,10 @@ def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
             filters.append(SendLimitFilter(limits))
         except ImportError:  # older trees: the session took them
             kwargs["limits"] = limits
+    if scenario.startswith("send-kept"):  # last, as in the worker's broker chain
+        from rmqfast.proxy.failover import KeepSendsInFlight
+
+        filters.append(KeepSendsInFlight(everything=scenario == "send-kept"))
     chain = FilterChain(filters)
     settings = RelaySettings(65536, 16 << 20, 1 << 16, 5.0, 600.0)
     listener = gsocket.socket(gsocket.AF_INET, gsocket.SOCK_STREAM)
