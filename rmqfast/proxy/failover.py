@@ -222,6 +222,10 @@ def retarget(cmd: RemotingCommand, info: SendInfo, broker_name: str, write_queue
 KEEP_PER_CONNECTION = 32
 KEEP_BYTES_PER_CONNECTION = 4 * 1024 * 1024
 KEEP_BYTES_PER_WORKER = 64 * 1024 * 1024
+#: A resend of a send in flight must be answered within this long, else the producer gets SYSTEM_ERROR
+#: (and retries it itself, a possible duplicate): its own timeout (3 s by default, retries included)
+#: must leave it time for that.
+RESEND_DEADLINE = 1.0
 
 
 class KeepSendsInFlight(Filter):
@@ -300,7 +304,7 @@ class KeepSendsInFlight(Filter):
 
 def answer_in_flight(session: Any, remark: str,
                      resend: Callable[[bytes], RemotingCommand | None] | None = None,
-                     resend_timeout: float = 3.0) -> tuple[int, int, int]:
+                     resend_timeout: float = RESEND_DEADLINE) -> tuple[int, int, int]:
     """Answer the client requests still waiting on ``session`` (its upstream connection just ended,
     or its broker was seen dead).
 
@@ -344,8 +348,12 @@ def answer_in_flight(session: Any, remark: str,
         if not g.ready():
             g.kill(block=False)
         if session.closed or out.queue or not out.at_boundary():
-            continue  # the client connection went meanwhile: nothing can be told
+            log.warning("a send in flight was resent but its client connection went meanwhile",
+                        extra=ctx(client=getattr(session, "client_addr", ""), resent=got is not None))
+            continue  # nothing can be told
         if got is None:
+            log.warning("a send in flight was not resent in time; answered SYSTEM_ERROR (the producer retries it)",
+                        extra=ctx(client=getattr(session, "client_addr", ""), deadline=resend_timeout))
             _answer_error(session, out, opaque, slot, remark)
         else:
             session.stats.count_result(slot, result_index(got.code))

@@ -43,6 +43,7 @@ from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.failover import (
     FailoverService,
+    RESEND_DEADLINE,
     KeepSendsInFlight,
     RouteBook,
     answer_in_flight,
@@ -414,7 +415,8 @@ class Worker:
             answer, _to = self.failover.move(decode_frame(data), addr)
             return answer
 
-        answered, sends, resent = answer_in_flight(session, remark, resend, self.cfg.failover.send_timeout)
+        answered, sends, resent = answer_in_flight(session, remark, resend,
+                                                   min(RESEND_DEADLINE, self.cfg.failover.send_timeout))
         if answered:
             log.info("requests in flight answered: the broker connection ended",
                      extra=ctx(broker=addr, client=session.client_addr, requests=answered, sends=sends,
