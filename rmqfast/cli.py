@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rmqfast.delay import cli as delay_cli
 
     delay_cli.add_parser(sub)
+    from rmqfast.gray import admin as gray_admin
+
+    gray_admin.add_parser(sub)
 
     # The bench has its own parser (rmqfast.bench); `rmqfast bench ...` hands it the rest of argv.
     sub.add_parser(
@@ -166,14 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
-    if args.command == "limits":
-        from rmqfast.limits import cli as limits_cli
+    # commands that talk to a running proxy's admin endpoint: their module's run(args)
+    runners = {"limits": "rmqfast.limits.cli", "delay": "rmqfast.delay.cli", "gray": "rmqfast.gray.admin"}
+    if args.command in runners:
+        import importlib
 
-        return limits_cli.run(args)
-    if args.command == "delay":
-        from rmqfast.delay import cli as delay_cli
-
-        return delay_cli.run(args)
+        return int(importlib.import_module(runners[args.command]).run(args))
     if args.command == "demo":
         from rmqfast.demo import run_demo
 

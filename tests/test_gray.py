@@ -355,3 +355,89 @@ def test_other_groups_and_topics_pass() -> None:
     fr = frame_of(cmd)
     data = fr.data
     assert f.on_request(s, fr) is None and fr.data is data
+
+
+# admin endpoint and command line -------------------------------------------------------------------
+
+
+class AdminBackend:
+    """A stand-in supervisor with a [gray] configuration and some gray counters."""
+
+    def __init__(self, cfg: config_mod.Config, token: str = "") -> None:
+        self.cfg = cfg
+        self.token = token
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {"status": "ok"}
+
+    def ready(self) -> tuple[bool, str]:
+        return True, "ok"
+
+    def ready_detail(self) -> dict[str, Any]:
+        return {}
+
+    def metrics_text(self) -> bytes:
+        return (b'# TYPE rmqfast_gray_pulls_parked_total counter\n'
+                b'rmqfast_gray_pulls_parked_total{group="orders-cg",side="normal"} 7.0\n')
+
+    def limits_view(self) -> dict[str, Any]:
+        return {}
+
+    def admin_token(self) -> str:
+        return self.token
+
+    def change_limits(self, change: Any) -> bool:
+        return True
+
+
+def test_admin_endpoint_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rmqfast.cli import main
+    from rmqfast.config import HostPort
+    from rmqfast.server.admin import AdminServer
+
+    cfg = config_mod.from_dict({"namesrv": {"upstreams": ["127.0.0.1:9876"]}, "proxy": {"state_dir": str(tmp_path)},
+                                "gray": {"settle": 30, "group": [{"group": G, "topics": [T], "clients": ["*@c*"]}]}})
+    srv = AdminServer(HostPort("127.0.0.1", 0), AdminBackend(cfg, token="s3cret"))  # type: ignore[arg-type]
+    srv.start()
+    try:
+        admin = ["gray", "--admin", f"http://127.0.0.1:{srv.port}", "--token", "s3cret"]
+        assert main([*admin, "status"]) == 0
+        out = capsys.readouterr().out
+        assert f"{G}: active" in out and "pulls_parked_total{normal} 7" in out
+        assert main([*admin, "abort", G]) == 0
+        assert f"{G}: aborting" in capsys.readouterr().out
+        assert read_commands(tmp_path / "gray.json")[G]["action"] == "abort"  # what the workers read
+        assert main([*admin, "--json", "promote", G]) == 0
+        v = json.loads(capsys.readouterr().out)
+        assert v["groups"][0]["phase"] == "promoting" and v["groups"][0]["settle_left"] > 0
+        assert main([*admin, "reset", G]) == 0 and read_commands(tmp_path / "gray.json") == {}
+        capsys.readouterr()
+        assert main([*admin, "abort", "nope"]) == 1
+        assert "unknown gray group 'nope'" in capsys.readouterr().err
+        assert main(["gray", "--admin", f"http://127.0.0.1:{srv.port}", "abort", G]) == 1  # no token
+        assert "HTTP 401" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+
+
+def test_held_pull_answered_after_the_queue_changed_hands_brings_no_message() -> None:
+    f, clock, cmds = make_filter(k=1, queues=4)
+    normal = FakeSession()
+    heartbeat(f, normal, "127.0.0.1@app-1")
+    cmds.cmds[G] = ("abort", clock.t - 10)  # aborted: normal consumers pull the gray queue
+    fr = pull(3, opaque=40, offset=70)
+    assert f.on_request(normal, fr) is None and fr.want_response  # relayed, its answer checked
+    ok = frame_of(RemotingCommand(C.SUCCESS, opaque=40, flag=FLAG_RESPONSE, ext_fields={
+        "suggestWhichBrokerId": "0", "nextBeginOffset": "72", "minOffset": "0", "maxOffset": "90"}, body=b"msgs"))
+    assert f.on_response(normal, ok) is None  # still the owner: the messages go through
+    fr = pull(3, opaque=41, offset=72)
+    f.on_request(normal, fr)
+    cmds.cmds.pop(G)  # back to a canary while the broker holds the pull: the gray side owns the queue
+    late = frame_of(RemotingCommand(C.SUCCESS, opaque=41, flag=FLAG_RESPONSE, ext_fields={
+        "suggestWhichBrokerId": "0", "nextBeginOffset": "75", "minOffset": "0", "maxOffset": "91"}, body=b"msgs"))
+    v = f.on_response(normal, late)
+    assert v is not None and v.kind is Kind.REWRITE
+    r = decode_frame(v.data)
+    assert r.code == C.PULL_NOT_FOUND and r.body == b"" and r.ext_fields is not None
+    assert r.ext_fields["nextBeginOffset"] == "72" and r.ext_fields["maxOffset"] == "91"
+    assert f.on_request(normal, pull(3, opaque=42, offset=72)).kind is Kind.REPLY  # type: ignore[union-attr]

@@ -72,6 +72,10 @@ class GrayMetrics:
                              "Queues handed to a client from the group's committed offset", ["group", "side"])
         self.commits_dropped = Counter("rmqfast_gray_commits_dropped_total",
                                        "Offset commits of a client for a queue it does not own", ["group", "side"])
+        self.answers_dropped = Counter(
+            "rmqfast_gray_pull_answers_dropped_total",
+            "Answers to pulls the broker held past a switch, turned into 'no message' (the queue changed hands)",
+            ["group", "side"])
         self.lists = Counter("rmqfast_gray_consumer_lists_total", "Consumer lists rewritten to one side",
                              ["group", "side"])
         self.phase = Gauge("rmqfast_gray_phase", "0 active, 1 promoting, 2 promoted, 3 aborting, 4 aborted",
@@ -116,6 +120,7 @@ class GrayFilter(Filter):
         self.clock = clock
         start = clock()
         self.alive_at = {g: start for g in self.groups}  # last time a consumer list had a gray member
+        self._phases: dict[str, Phase] = {}  # the phase each group was last seen in (logged on change)
 
     def request_slots(self) -> set[int]:
         return slots_of(self.CODES)
@@ -125,8 +130,11 @@ class GrayFilter(Filter):
     def phase(self, group: str) -> Phase:
         action, at = self.commands.get(group)
         ph = phase(action, at, self.clock(), self.cfg.settle)
-        if self.metrics is not None:
-            self.metrics.phase.labels(group).set(PHASE_VALUE[ph])
+        if self._phases.get(group) is not ph:
+            self._phases[group] = ph
+            log.info("gray: phase", extra=ctx(group=group, phase=ph.value, action=action))
+            if self.metrics is not None:
+                self.metrics.phase.labels(group).set(PHASE_VALUE[ph])
         return ph
 
     def gray_alive(self, group: str) -> bool:
@@ -219,6 +227,14 @@ class GrayFilter(Filter):
             return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
         if key in parked:  # this client's position for the queue is stale: start it from the committed offset
             return self._offset_fix(session, frame, cmd, key, side)
+        if topic in g.topics:
+            # the broker may hold this pull (long polling) past a switch: its answer is checked again
+            pulls: dict[int, tuple[tuple[Any, ...], str, bool, RemotingCommand]] = session.state.setdefault(
+                "gray_pulls", {})
+            if len(pulls) >= _MAX_TRACKED:
+                pulls.clear()
+            pulls[frame.opaque] = (key, side, gq, cmd)
+            frame.want_response = True
         return None
 
     def _offset_fix(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
@@ -308,7 +324,29 @@ class GrayFilter(Filter):
         fixes: dict[int, Any] | None = session.state.get("gray_fixes")
         if fixes and frame.opaque in fixes:
             return self._offset_answer(session, frame, *fixes.pop(frame.opaque))
+        pulls: dict[int, Any] | None = session.state.get("gray_pulls")
+        if pulls and frame.opaque in pulls:
+            return self._pull_answer(session, frame, *pulls.pop(frame.opaque))
         return None
+
+    def _pull_answer(self, session: Session, frame: Frame, key: tuple[Any, ...], side: str, gq: bool,
+                     pull: RemotingCommand) -> Verdict | None:
+        """The answer to a pull the broker held: if the queue changed hands meanwhile, the client gets
+        no message (its position stays) and the queue counts as parked for it."""
+        group = key[0]
+        if frame.code != C.SUCCESS or may_pull(side, self.phase(group), gq, self.gray_alive(group)):
+            return None
+        parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
+        if len(parked) < _MAX_TRACKED:
+            parked.setdefault(key, self.phase(group))
+        if self.metrics is not None:
+            self.metrics.answers_dropped.labels(group, side).inc()
+        ext = frame.command().ext_fields or {}
+        offset = (pull.ext_fields or {}).get("queueOffset", "0")
+        out = {"suggestWhichBrokerId": ext.get("suggestWhichBrokerId", "0"), "nextBeginOffset": offset,
+               "minOffset": ext.get("minOffset", "0"), "maxOffset": ext.get("maxOffset", offset)}
+        return rewrite(encode(make_response(pull, C.PULL_NOT_FOUND, "rmqfast gray: queue changed hands",
+                                            ext_fields=out)))
 
     def _consumer_list_response(self, session: Session, frame: Frame, group: str) -> Verdict | None:
         if frame.code != C.SUCCESS or not frame.body:
@@ -358,5 +396,5 @@ class GrayFilter(Filter):
                                             ext_fields=out)))
 
     def on_close(self, session: Session) -> None:
-        for k in ("gray_lists", "gray_fixes", "gray_parked"):
+        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls"):
             session.state.pop(k, None)

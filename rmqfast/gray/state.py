@@ -23,7 +23,8 @@ ACTIONS = ("promote", "abort")
 
 
 def state_path(state_file: str, state_dir: str) -> Path:
-    return Path(state_file) if state_file else Path(state_dir) / "gray.json"
+    """``gray.state_file`` (relative to ``proxy.state_dir`` unless absolute), default ``<state_dir>/gray.json``."""
+    return Path(state_dir) / (state_file or "gray.json")
 
 
 def read_commands(path: Path) -> dict[str, dict[str, Any]]:

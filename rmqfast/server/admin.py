@@ -218,6 +218,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200 if ok else 503, {"ready": ok, "reason": why, **b.ready_detail()})
         elif path == "/limits":
             self._json(200, b.limits_view())
+        elif path == "/gray":  # gray (canary) releases (rmqfast.gray.admin)
+            from rmqfast.gray.admin import admin_gray
+
+            self._json(*admin_gray(self, "GET", path, ""))
         else:
             self._json(404, {"error": f"GET {path}: unknown path; try {', '.join(GET_PATHS)}"})
 
@@ -235,6 +239,11 @@ class _Handler(BaseHTTPRequestHandler):
             from rmqfast.delay.cancel import admin_cancel
 
             self._json(*admin_cancel(self, query))
+            return
+        if path.startswith("/gray/"):  # promote / abort / reset a gray release (rmqfast.gray.admin)
+            from rmqfast.gray.admin import admin_gray
+
+            self._json(*admin_gray(self, "POST", path, query))
             return
         self._not_allowed("POST")
 

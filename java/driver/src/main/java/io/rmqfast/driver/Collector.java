@@ -16,6 +16,9 @@ import org.apache.rocketmq.common.message.MessageExt;
 
 /** Thread-safe record of every delivery a consumer saw, and the decision whether to ack it. */
 final class Collector {
+    /** Print one line per delivery on stderr (--trace-deliveries). */
+    static volatile boolean trace;
+
     private final long t0;
     private final String onlyRun;
     private final int failEvery;
@@ -66,6 +69,10 @@ final class Collector {
         }
         r.put("acked", ack);
         deliveries.add(r);
+        if (trace) {
+            System.err.println("DELIVERED " + r.get("run") + ":" + idx + " " + r.get("broker_name") + ":"
+                + r.get("queue_id") + " " + r.get("recv_epoch_ms"));
+        }
         String k = key(m);
         queues.add(r.get("broker_name") + ":" + r.get("queue_id"));
         if (ack) {

@@ -17,7 +17,7 @@ import org.apache.rocketmq.common.message.MessageQueue;
  *
  * <pre>
  * FailoverProducer failover --namesrv H:P --topic T --run RUN --stop-file PATH [--group G] [--interval-ms 0]
- *                  [--max-ms 600000] [--body-size 64]
+ *                  [--max-ms 600000] [--body-size 64] [--props k=v,k2=v2 (user properties of every message)]
  *
  * START  client_version
  * OK     idx  epoch_ms  broker_name  queue_id  msg_id  latency_ms
@@ -25,7 +25,8 @@ import org.apache.rocketmq.common.message.MessageQueue;
  * END    sent  failed
  * </pre>
  *
- * Message idx has body "fo|RUN|IDX|" padded with '.' to --body-size, keys "fo-RUN-IDX", user property idx.
+ * Message idx has body "fo|RUN|IDX|" padded with '.' to --body-size, keys "fo-RUN-IDX", user properties idx
+ * and run.
  */
 public final class FailoverProducer {
     private FailoverProducer() {
@@ -42,6 +43,7 @@ public final class FailoverProducer {
         long interval = o.lng("interval-ms", 0);
         long maxMs = o.lng("max-ms", 600000);
         int bodySize = o.integer("body-size", 64);
+        String props = o.str("props", "");
         DefaultMQProducer p = new DefaultMQProducer(o.str("group", "rmqfast_failover_" + run));
         p.setNamesrvAddr(namesrv);
         p.setInstanceName("fo_" + run + "_" + ProcessHandle.current().pid());
@@ -58,6 +60,13 @@ public final class FailoverProducer {
             }
             Message m = new Message(topic, "TagF", "fo-" + run + "-" + idx, body.toString().getBytes(StandardCharsets.UTF_8));
             m.putUserProperty("idx", String.valueOf(idx));
+            m.putUserProperty("run", run);
+            for (String kv : props.split(",")) {
+                int eq = kv.indexOf('=');
+                if (eq > 0) {
+                    m.putUserProperty(kv.substring(0, eq), kv.substring(eq + 1));
+                }
+            }
             long s = System.currentTimeMillis();
             try {
                 SendResult r = p.send(m);

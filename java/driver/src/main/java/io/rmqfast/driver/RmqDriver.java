@@ -86,6 +86,8 @@ import org.apache.rocketmq.remoting.RPCHook;
  *              --fail-every K (first delivery of idx%K==0 is refused: RECONSUME_LATER / SUSPEND)
  *              --retry-delay-level 1  --max-reconsume 16  --suspend-ms 200  --consume-threads 4
  *              --pull-batch-size 32  --poll-ms 200  --commit-interval-ms 1000  --metadata-check-ms 1000
+ *              --stop-file PATH (consume-push/litepull end once it exists)  --trace-deliveries (a
+ *              "DELIVERED run:idx broker:queue epoch_ms" line on stderr per delivery, for consumers killed mid-run)
  * Transaction  --count 6  --unknown-every 2 (idx%U==U-1 answers UNKNOW)  --rollback-every 0
  *              --check-result commit|rollback|unknown  --consume true  --consumer push|litepull
  * </pre>
@@ -706,6 +708,7 @@ public final class RmqDriver {
     }
 
     private Collector newCollector() {
+        Collector.trace = o.bool("trace-deliveries", false);
         return new Collector(T0, o.str("only-run", null), o.integer("fail-every", 0), maxBodyPrint);
     }
 
@@ -721,9 +724,10 @@ public final class RmqDriver {
         result.put("expect", expect);
         Collector col = newCollector();
         RunningConsumer c = startConsumer(kind, topic, group, col);
+        java.io.File stop = new java.io.File(o.str("stop-file", "/nonexistent/stop"));
         boolean reached;
         try {
-            reached = await(c, () -> col.distinctOk() >= expect, timeoutMs, settleMs);
+            reached = await(c, () -> col.distinctOk() >= expect || stop.exists(), timeoutMs, settleMs);
         } finally {
             c.shutdown();
         }
