@@ -425,10 +425,35 @@ class MessagingService:
         new = handle.renewed(int(rx.get("popTime", 0)), int(rx.get("invisibleTime", ms)), int(rx.get("reviveQid", 0)))
         return pb.ChangeInvisibleDurationResponse(status=self.status("OK"), receipt_handle=new)
 
+    async def ForwardMessageToDeadLetterQueue(self, req: Any, ctx: Any) -> Any:
+        """CONSUMER_SEND_MSG_BACK with delay level -1 (straight to ``%DLQ%group``) to the broker of the
+        receipt handle, then the message is acked there, as the Java proxy does."""
+        pb = self.pb
+        topic, group = req.topic.name, req.group.name
+        try:
+            handle = ReceiptHandle.decode(req.receipt_handle)
+            if handle.commit_log_offset < 0:
+                raise BadRequest("INVALID_RECEIPT_HANDLE", "the receipt handle has no commit-log offset")
+            r = await self.route(topic)
+            addr = r.brokers.get(handle.broker)
+            if addr is None:
+                raise Fail("INVALID_RECEIPT_HANDLE", f"broker {handle.broker} is not in the route of {topic}")
+            ext = {"offset": str(handle.commit_log_offset), "group": group, "delayLevel": "-1",
+                   "originMsgId": req.message_id, "originTopic": handle.real_topic(topic, group),
+                   "unitMode": "false", "maxReconsumeTimes": "0"}
+            resp = await self.broker_call(addr, C.CONSUMER_SEND_MSG_BACK, ext)
+            if resp.code != C.SUCCESS:
+                raise Fail(_BROKER_CODES.get(resp.code, "INTERNAL_SERVER_ERROR"),
+                           f"{handle.broker}: {resp.code} {resp.remark}")
+            await self._handle_call(topic, group, handle, C.ACK_MESSAGE, {})
+        except (Fail, BadRequest) as f:
+            return pb.ForwardMessageToDeadLetterQueueResponse(status=self.status(f.code, str(f)))
+        return pb.ForwardMessageToDeadLetterQueueResponse(status=self.status("OK"))
+
     # --- wiring ----------------------------------------------------------------------------
 
     SERVED = ("QueryRoute", "Heartbeat", "Telemetry", "SendMessage", "QueryAssignment", "ReceiveMessage",
-              "AckMessage", "ChangeInvisibleDuration", "NotifyClientTermination")
+              "AckMessage", "ChangeInvisibleDuration", "NotifyClientTermination", "ForwardMessageToDeadLetterQueue")
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The served methods; the others answer gRPC ``UNIMPLEMENTED``."""

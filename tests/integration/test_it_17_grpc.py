@@ -323,3 +323,39 @@ def test_python_client_delayed_message(front: str) -> None:
         consumer.shutdown()
     assert got_at is not None
     assert got_at >= due_ms - 100, (got_at, due_ms)  # the broker's timer has a 100 ms precision
+
+
+def test_forward_to_dead_letter_queue(front: str, two_brokers: tuple[RocketMQCluster, RocketMQCluster]) -> None:
+    """ForwardMessageToDeadLetterQueue (as a push consumer calls it after its last attempt): the
+    message is stored in ``%DLQ%group`` on its broker (the front answers OK only once the broker
+    also acknowledged the ack of the original)."""
+    from rmqfast.codec import codes as C
+    from rmqfast.testing.remoting import remoting_request
+
+    a, b = two_brokers
+    pb = _pb()
+    group = f"grpc_dlq_{uuid.uuid4().hex[:8]}"
+    while True:  # a new group: read and ack what the topic holds for it
+        msgs, status, _ = _receive(pb, front, group, a.broker_name, 1)
+        if not msgs:
+            break
+        _ack(pb, front, group, msgs)
+    _send_direct(b.broker_addr, "broker-b", b"to-the-dlq")
+    msgs, status, _ = _receive(pb, front, group, "broker-b", 10)
+    assert [m.body for m in msgs] == [b"to-the-dlq"], status
+    m = msgs[0]
+    channel = grpc.insecure_channel(front)
+    try:
+        call = channel.unary_unary(f"/{pb.service.full_name}/ForwardMessageToDeadLetterQueue",
+                                   request_serializer=pb.ForwardMessageToDeadLetterQueueRequest.SerializeToString,
+                                   response_deserializer=pb.ForwardMessageToDeadLetterQueueResponse.FromString)
+        req = pb.ForwardMessageToDeadLetterQueueRequest(receipt_handle=m.system_properties.receipt_handle,
+                                                        message_id=m.system_properties.message_id,
+                                                        delivery_attempt=1, max_delivery_attempts=1)
+        req.group.name, req.topic.name = group, TOPIC
+        resp = call(req, timeout=10)
+    finally:
+        channel.close()
+    assert resp.status.code == pb.Code.OK, resp
+    r = remoting_request(b.broker_addr, C.GET_MAX_OFFSET, {"topic": f"%DLQ%{group}", "queueId": 0})
+    assert r.code == 0 and int(r.ext_fields["offset"]) == 1, (r.code, r.remark, r.ext_fields)
