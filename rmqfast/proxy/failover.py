@@ -341,7 +341,12 @@ def answer_in_flight(session: Any, remark: str,
         answered += 1
     if not moving:
         return answered, sends, 0
-    gevent.joinall([g for _, _, g in moving], timeout=resend_timeout)
+    st = session.state
+    st["resending"] = st.get("resending", 0) + 1  # whoever closes this connection waits for the answers
+    try:
+        gevent.joinall([g for _, _, g in moving], timeout=resend_timeout)
+    finally:
+        st["resending"] -= 1
     resent = 0
     for opaque, slot, g in moving:
         got = g.value if g.ready() else None
@@ -361,6 +366,15 @@ def answer_in_flight(session: Any, remark: str,
             resent += 1
         answered += 1
     return answered, sends, resent
+
+
+def wait_resends(session: Any, timeout: float = RESEND_DEADLINE + 0.5) -> None:
+    """Wait (at most ``timeout``) until no :func:`answer_in_flight` of ``session`` is resending:
+    closing it sooner would lose the answers (the broker's death is seen by the relay and by the
+    prober at about the same time, each may answer some of the requests)."""
+    deadline = time.monotonic() + timeout
+    while session.state.get("resending") and time.monotonic() < deadline:
+        gevent.sleep(0.02)
 
 
 def _resend_one(resend: Callable[[bytes], RemotingCommand | None], data: bytes) -> RemotingCommand | None:

@@ -48,6 +48,7 @@ from rmqfast.proxy.failover import (
     RouteBook,
     answer_in_flight,
     stalled_sends,
+    wait_resends,
 )
 from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
@@ -443,6 +444,7 @@ class Worker:
                   "stored); send it again")
         try:
             self._answer_in_flight(s, addr, remark)
+            wait_resends(s)  # the relay's own answer_in_flight (upstream_lost) may be resending too
             if not s.closed:
                 # what the client sent while the resends ran: answered now, with no yield before the close
                 _, sends, _ = answer_in_flight(s, remark)
