@@ -264,3 +264,45 @@ def test_keeper_starts_restarts_and_stops_the_front(tmp_path: Any) -> None:
         wait(lambda: not serving(), "the port is closed")
     finally:
         lease.release()
+
+
+def test_grpc_sends_take_the_shared_send_limits(pb: Any, tmp_path: Any) -> None:
+    """[limits]: a gRPC send takes tokens from the buckets the workers share; over the burst it is
+    answered TOO_MANY_REQUESTS without reaching the broker; other topics are not limited."""
+    from rmqfast.grpcfront.server import send_limiter
+    from rmqfast.limits import create_shared
+    from rmqfast.limits.rules import parse_limits
+
+    create_shared(tmp_path)
+    lim = send_limiter(tmp_path, parse_limits({"rule": [{"topic": "T", "rate": 0.01, "burst": 2}]}))
+    assert lim is not None
+    assert send_limiter(tmp_path, parse_limits({})) is None
+
+    class SendPool:
+        sends = 0
+
+        async def request(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"", *,
+                          timeout: float = 3.0) -> RemotingCommand:
+            assert code == C.SEND_MESSAGE_V2
+            SendPool.sends += 1
+            return RemotingCommand(code=0, flag=1, ext_fields={"queueOffset": "1", "msgId": "X"})
+
+    class Ctx:
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:5000"
+
+    svc = MessagingService(pb, [], GrpcSection(enabled=True), lim)
+    svc.pool = SendPool()  # type: ignore[assignment]
+    route = Route.parse(b'{"brokerDatas":[{"brokerName":"a","brokerAddrs":{"0":"a:1"}}],'
+                        b'"queueDatas":[{"brokerName":"a","perm":6,"readQueueNums":2,"writeQueueNums":2}]}', 60)
+    svc._routes = {"T": route, "U": route}
+
+    def send(topic: str) -> int:
+        req = pb.SendMessageRequest()
+        m = req.messages.add(body=b"x")
+        m.topic.name, m.system_properties.message_id = topic, "ID"
+        return asyncio.run(svc.SendMessage(req, Ctx())).status.code
+
+    assert [send("T") for _ in range(3)] == [pb.Code.OK, pb.Code.OK, pb.Code.TOO_MANY_REQUESTS]
+    assert send("U") == pb.Code.OK
+    assert SendPool.sends == 3

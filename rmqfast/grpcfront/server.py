@@ -19,18 +19,34 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("rmqfast.grpc")
 
 
-async def serve(namesrvs: list[str], settings, lifeline: int | None) -> None:  # type: ignore[no-untyped-def]
+def send_limiter(runtime: Path, limits: Any) -> Any:
+    """``[limits]``: a limiter over the buckets the workers share (the supervisor's file), so gRPC sends
+    and Remoting sends take the same tokens; None without rules.  Shape rules act as reject here (the
+    front holds no backlog)."""
+    from rmqfast.limits import SHM_NAME, open_limiter
+
+    path = runtime / SHM_NAME
+    rules = limits.limiter_rules()
+    if not rules or not path.exists():
+        return None
+    lim = open_limiter(path)
+    lim.configure(rules)
+    return lim
+
+
+async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limiter: Any = None) -> None:
     import grpc
 
     from rmqfast.grpcfront import protos
     from rmqfast.grpcfront.service import MessagingService
 
     pb = protos.load()
-    svc = MessagingService(pb, namesrvs, settings)
+    svc = MessagingService(pb, namesrvs, settings, limiter)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length",
                                                                   settings.max_body_size + (1 << 20))])
     server.add_generic_rpc_handlers((svc.handler(),))
@@ -63,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         log_mod.setup(cfg.log.format, cfg.log.level)
     namesrvs = [f"{u.host}:{u.port}" for u in cfg.namesrv.upstreams]
     try:
-        asyncio.run(serve(namesrvs, cfg.grpc, args.lifeline))
+        asyncio.run(serve(namesrvs, cfg.grpc, args.lifeline, send_limiter(Path(args.runtime), cfg.limits)))
     except OSError as exc:
         log.error("gRPC front cannot start: %s", exc)
         return 3

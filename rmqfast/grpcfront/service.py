@@ -95,8 +95,10 @@ class Stats:
 class MessagingService:
     """The handlers; ``handler()`` gives the grpc generic handler."""
 
-    def __init__(self, pb: Any, namesrvs: list[str], settings: GrpcSection) -> None:
+    def __init__(self, pb: Any, namesrvs: list[str], settings: GrpcSection, limiter: Any = None) -> None:
         self.pb = pb
+        #: ``[limits]``: the send limiter over the workers' shared buckets (rmqfast.limits), or None
+        self.limiter = limiter
         self.namesrvs = namesrvs
         self.cfg = settings
         self.pool = Pool(settings.connect_timeout)
@@ -235,6 +237,10 @@ class MessagingService:
         if msg.system_properties.message_type == pb.MessageType.TRANSACTION:
             raise Fail("NOT_IMPLEMENTED", "transactional messages are not served by this proxy yet")
         props, sys_flag = send_properties(pb, msg, PRODUCER_GROUP, self._peer(ctx))
+        tag = msg.system_properties.tag
+        if self.limiter is not None and self.limiter.admit(topic.encode(), tag.encode() if tag else None, 1,
+                                                           len(msg.body)) != -1:
+            raise Fail("TOO_MANY_REQUESTS", f"send limit of topic {topic} reached")
         r = await self.route(topic)
         if not r.writable:
             raise Fail("FORBIDDEN", f"topic {topic} has no writable queue")
