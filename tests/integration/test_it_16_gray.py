@@ -1,0 +1,317 @@
+"""Gray (canary) releases inside one consumer group (real RocketMQ 5.3.3, two masters; real Java 5.3.3
+and 4.9.4 push consumers and producers through rmqfast with ``[gray]``).
+
+One consumer group: two normal consumers (client 5 and 4) and two gray ones (instance names
+``canary-*``, client 5 and 4).  Three producers send continuously: a normal one (client 5), a gray one by
+producer group (``pg-canary``, client 4) and a gray one by user property (``gray=true``, client 5).  The
+topic has 4 queues on each broker; the last one of each is gray.  Phases, each paced by acknowledged
+sends and by consumption: running canary, abort mid-traffic, back to a canary, promote mid-traffic, back
+to a canary, ``kill -9`` of both gray consumers (normal consumers take the gray queues after the grace
+period).  Every acknowledged message is checked: consumed (lost = 0), by which side, and how often.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from itutil import BOUND, unique, wait_until
+
+from rmqfast.testing import JarPaths, RocketMQCluster, ensure_jars
+from rmqfast.testing.javaclient import DriverProcess, start_driver
+from rmqfast.testing.jvm import kill_group
+from rmqfast.testing.proxy import ProxyProcess
+from rmqfast.testing.tools import java_executable
+
+pytestmark = pytest.mark.integration
+
+QUEUES = 4  # per broker; queue 3 of each broker is gray
+SETTLE = 4.0
+GRACE = 8.0
+MAIN = "io.rmqfast.driver.FailoverProducer"
+_DELIVERED = re.compile(r"^DELIVERED (\S+) (\S+):(-?\d+) (\d+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def jars4(jars: JarPaths) -> JarPaths:
+    return ensure_jars(jars.java_dir, rocketmq4=True)
+
+
+@pytest.fixture(scope="module")
+def pair(jars4: JarPaths) -> Iterator[tuple[RocketMQCluster, RocketMQCluster]]:
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(RocketMQCluster(jars=jars4, broker_name="broker-a"))
+        b = stack.enter_context(RocketMQCluster(jars=jars4, broker_name="broker-b", join=a))
+        yield a, b
+
+
+@dataclass
+class Producer:
+    """A FailoverProducer JVM (sync sends until a stop file appears; one line per send)."""
+
+    name: str
+    gray: bool
+    client: str
+    run: str
+    work: Path
+    extra: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    ok: list[tuple[int, int, str, int]] = field(default_factory=list)  # idx, epoch ms, broker, queue id
+    _pos: int = 0
+
+    @property
+    def out(self) -> Path:
+        return self.work / f"{self.name}.out"
+
+    def start(self, jars: JarPaths, namesrv: str, topic: str) -> None:
+        cmd = [java_executable(), "-Xms32m", "-Xmx128m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+               f"-Drocketmq.client.logRoot={self.work}", "-Drocketmq.client.logUseSlf4j=false",
+               "-cp", jars.driver_classpath(self.client), MAIN, "failover", "--namesrv", namesrv, "--topic", topic,
+               "--run", self.run, "--stop-file", str(self.work / f"{self.name}.stop"), "--interval-ms", "20",
+               *self.extra]
+        err = (self.work / f"{self.name}.err").open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.out.open("wb"), stderr=err, start_new_session=True)
+
+    def poll(self) -> int:
+        with contextlib.suppress(FileNotFoundError), self.out.open("rb") as f:
+            f.seek(self._pos)
+            data = f.read()
+            end = data.rfind(b"\n")
+            if end >= 0:
+                self._pos += end + 1
+                for line in data[: end + 1].decode("utf-8", "replace").splitlines():
+                    p = line.split(" ")
+                    if p[0] == "OK" and len(p) >= 5:
+                        self.ok.append((int(p[1]), int(p[2]), p[3], int(p[4])))
+        return len(self.ok)
+
+    def stop(self) -> None:
+        (self.work / f"{self.name}.stop").touch()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                kill_group(self.proc)
+        self.poll()
+
+
+@dataclass
+class Consumer:
+    name: str
+    gray: bool
+    proc: DriverProcess
+
+    def deliveries(self) -> list[tuple[str, str, int, int]]:
+        """(run:idx, broker, queue id, epoch ms) in delivery order, from the driver's trace."""
+        return [(m[1], m[2], int(m[3]), int(m[4])) for m in _DELIVERED.finditer(self.proc.stderr_text())]
+
+
+def test_gray_consumers_and_producers_abort_promote_kill(
+        jars4: JarPaths, pair: tuple[RocketMQCluster, RocketMQCluster], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = pair
+    topic, group = unique("gray"), unique("graycg")
+    for c in (a, b):
+        c.create_topic(topic, QUEUES)
+    wait_until(lambda: {q.get("brokerName") for q in (a.topic_route(topic) or {}).get("queueDatas", [])}
+               >= {"broker-a", "broker-b"}, BOUND, "the route names both brokers")
+    extra = f"""
+[gray]
+settle = {SETTLE}
+grace = {GRACE}
+[[gray.group]]
+group = "{group}"
+topics = ["{topic}"]
+gray_queues = 1
+clients = ["*@canary*"]
+producer_groups = ["pg-canary*"]
+property = "gray=true"
+"""
+    with ProxyProcess([a.namesrv_addr], workers=2, extra_config=extra) as proxy:
+        ns = proxy.namesrv_addr
+        stop = tmp_path / "consumers.stop"
+        consumers = [
+            Consumer(name, gray, start_driver(
+                "consume-push", ns, client, jars=jars4, log_dir=tmp_path, topic=topic, group=group,
+                instance_name=name, expect=10**6, timeout_ms=600000, stop_file=str(stop), trace_deliveries=True,
+                settle_ms=0, **{"from": "CONSUME_FROM_FIRST_OFFSET"}))
+            for name, gray, client in (("app-n1", False, "5"), ("app-n2", False, "4"),
+                                       ("canary-g1", True, "5"), ("canary-g2", True, "4"))]
+        producers = [Producer("normal", False, "5", f"n{os.getpid()}", tmp_path, ["--group", "pg-app"]),
+                     Producer("graypg", True, "4", f"g{os.getpid()}", tmp_path, ["--group", "pg-canary-1"]),
+                     Producer("grayprop", True, "5", f"p{os.getpid()}", tmp_path,
+                              ["--group", "pg-app2", "--props", "gray=true"])]
+        try:
+            for c in consumers:
+                c.proc.wait_started(BOUND)
+            for p in producers:
+                p.start(jars4, ns, topic)
+            marks: list[tuple[str, float, float]] = []
+            status = _phases(proxy, group, producers, consumers, marks)
+            stop.touch()
+            for c in consumers:
+                if not c.gray:
+                    c.proc.result(BOUND, check=False)
+            metrics = proxy.metrics()
+        finally:
+            for p in producers:
+                if p.proc is not None and p.proc.poll() is None:
+                    kill_group(p.proc)
+            for c in consumers:
+                c.proc.kill()
+            with contextlib.suppress(OSError):
+                shutil.copy(proxy.log_path, tmp_path / "proxy.log")  # kept with the drivers' logs
+    res = _judge(producers, consumers, marks)
+    gray_metrics = {f"{n}{dict(lbl)}": v for (n, lbl), v in metrics.items() if n.startswith("rmqfast_gray_")
+                    and not n.endswith("_created")}
+    with capsys.disabled():
+        print(f"\ngray: {res}\nstatus before the kill:\n{status}\nmetrics: {gray_metrics}")
+    assert res["lost"] == 0, res
+    assert res["sent_wrong_share"] == [], res  # gray sends on gray queues only, normal ones never there
+    assert res["wrong_side"] == [], res  # per phase, the side that may consume it
+    assert res["sent"]["gray"] >= 100 and res["sent"]["normal"] >= 100, res
+
+
+def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumers: list[Consumer],
+            marks: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """Canary, abort, canary, promote, canary, kill -9 of both gray consumers; the status before the kill."""
+
+    def sent(n: int) -> None:
+        base = [len(p.ok) for p in producers]
+        wait_until(lambda: all(p.poll() >= b0 + n for p, b0 in zip(producers, base, strict=True)),
+                   BOUND, f"{n} more acknowledged sends per producer")
+
+    def consumed_all() -> None:
+        def done() -> bool:
+            got = {d[0] for c in consumers for d in c.deliveries()}
+            return all(f"{p.run}:{i}" in got for p in producers for i, *_ in p.ok)
+        wait_until(done, BOUND, "every acknowledged message consumed")
+
+    def command(action: str) -> None:  # what `rmqfast gray ACTION GROUP` sends (tests/test_gray.py runs it)
+        before = time.time()
+        req = urllib.request.Request(f"{proxy.admin_url}/gray/{action}?group={group}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=BOUND) as resp:
+            view = json.loads(resp.read())
+        since = next(g["since"] for g in view["groups"] if g["group"] == group) or time.time()
+        marks.append((action, before, since))
+
+    # 1. a running canary
+    sent(15)
+    consumed_all()
+    command("abort")  # 2. mid-traffic
+    sent(15)
+    wait_until(lambda: time.time() > marks[-1][2] + SETTLE + 1, BOUND, "abort settled")
+    sent(15)
+    consumed_all()
+    command("reset")  # 3. a canary again, then promote mid-traffic
+    sent(15)
+    command("promote")
+    sent(15)
+    wait_until(lambda: time.time() > marks[-1][2] + SETTLE + 1, BOUND, "promote settled")
+    sent(15)
+    consumed_all()
+    command("reset")  # 4. a canary again; then both gray consumers die
+    sent(15)
+    consumed_all()
+    with urllib.request.urlopen(f"{proxy.admin_url}/gray", timeout=BOUND) as resp:
+        status = json.loads(resp.read())
+    before = time.time()
+    for c in consumers:
+        if c.gray:
+            c.proc.kill()  # SIGKILL
+    marks.append(("kill", before, time.time()))
+    sent(15)
+    wait_until(lambda: time.time() > marks[-1][2] + GRACE + 1, BOUND, "grace period over")
+    sent(15)
+    for p in producers:
+        p.stop()
+    consumed_all()
+    return status
+
+
+def _phase_at(marks: list[tuple[str, float, float]], t: float) -> tuple[str, float] | None:
+    """The phase at epoch ``t``: the last command written 1.5 s before (None while a command is on its way:
+    from the call until 1.5 s after the admin endpoint wrote it; the workers read the file once a second)."""
+    cur = ("active", 0.0)
+    for name, before, after in marks:
+        if before <= t <= after + 1.5:
+            return None
+        if after + 1.5 < t:
+            cur = (name, after)
+    return cur
+
+
+def _queue_ok(phase: tuple[str, float], gray_side: bool, q: int, t: float, kill_at: float, consumer: bool) -> bool:
+    """Whether a client of that side may put (producer) / take (consumer) queue ``q`` at ``t``."""
+    name, at = phase
+    on_gray = q == QUEUES - 1
+    if name in ("active", "reset"):
+        return on_gray == gray_side
+    if name == "kill":  # gray consumers are dead; normal ones take the gray queues after the grace period
+        return on_gray == gray_side or (consumer and not gray_side and t > kill_at + GRACE - 1)
+    if name == "abort":  # nothing stored on gray queues; gray consumers take nothing, normal ones all after the settle
+        if consumer:
+            return not gray_side and (not on_gray or t > at + SETTLE)
+        return not on_gray
+    # promote: nothing stored on gray queues and normal consumers keep off them until the settle is over
+    return not on_gray or t > at + SETTLE - 0.5 or (consumer and gray_side)
+
+
+def _judge(producers: list[Producer], consumers: list[Consumer],
+           marks: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """Per acknowledged message: where it was stored, consumed or not, by which side.
+
+    Stored: while a canary runs, gray messages on gray queues and normal ones on normal queues; after an
+    abort, and during a promote's settle, none on a gray queue.  Consumed: while a canary runs, gray
+    queues by gray consumers only, normal queues by normal consumers only (after the kill of both gray
+    consumers and the grace period, normal ones take the gray queues too); after an abort gray consumers
+    take nothing; during a promote's settle normal consumers take no gray queue.  Moments within a
+    command's way to the workers are not judged (see :func:`_phase_at`).
+    """
+    kill_at = next((after for n, _, after in marks if n == "kill"), 0.0)
+    sent_by: dict[str, tuple[bool, float, int]] = {}
+    wrong_share: list[Any] = []
+    for p in producers:
+        for idx, t_ms, broker, q in p.ok:
+            t = t_ms / 1000
+            sent_by[f"{p.run}:{idx}"] = (p.gray, t, q)
+            ph = _phase_at(marks, t)
+            if ph is not None and not _queue_ok(ph, p.gray, q, t, kill_at, consumer=False):
+                wrong_share.append((p.name, idx, broker, q, ph[0], round(t - ph[1], 1)))
+    got: dict[str, list[tuple[str, bool, float]]] = defaultdict(list)
+    wrong: list[Any] = []
+    for c in consumers:
+        for key, _broker, q, t_ms in c.deliveries():
+            if key not in sent_by:
+                continue
+            t = t_ms / 1000
+            got[key].append((c.name, c.gray, t))
+            ph = _phase_at(marks, t)
+            if ph is None:
+                continue
+            if not _queue_ok(ph, c.gray, q, t, kill_at, consumer=True):
+                wrong.append((key, c.name, q, ph[0], round(t - ph[1], 1)))
+    lost = [k for k in sent_by if k not in got]
+    cross = Counter(("gray" if sent_by[k][0] else "normal") + " by " + ("gray" if by_gray else "normal")
+                    for k, ds in got.items() for _, by_gray, _ in ds if by_gray != sent_by[k][0])
+    return {"sent": {"gray": sum(1 for v in sent_by.values() if v[0]),
+                     "normal": sum(1 for v in sent_by.values() if not v[0])},
+            "lost": len(lost), "lost_keys": lost[:10],
+            "duplicates": sum(len(v) - 1 for v in got.values()),
+            "sent_wrong_share": wrong_share[:5], "sent_wrong_share_count": len(wrong_share),
+            "wrong_side": wrong[:5], "wrong_side_count": len(wrong),
+            "other_version_deliveries": dict(cross),  # allowed by abort, promote, the kill (see above)
+            "by_consumer": {c.name: len(c.deliveries()) for c in consumers},
+            "marks": [(n, round(b - marks[0][1], 1), round(a - b, 1)) for n, b, a in marks]}
