@@ -24,7 +24,14 @@ Scenarios (``--scenario``, repeatable; default all):
 
     .venv/bin/python bench/relay_instructions.py [--frames 2000 12000] [--batch 32] [--scenario send]
 
-``RMQFAST_NO_EXTENSIONS=1`` measures the pure-Python twins (pump and scanner) instead.
+``RMQFAST_NO_EXTENSIONS=1`` measures the pure-Python twins (pump and scanner) instead;
+``RMQFAST_RELAY_REACTOR=0`` the compiled pumps on watchers of their own instead of the reactor.
+``--batch 1`` is a client with one request in flight (every frame is a wake-up of its own).
+
+``--proxy haproxy`` measures HAProxy instead (``mode tcp``, one thread, the bench's config) on
+the same frames: the same figure for the proxy the project compares itself with (``send`` only).
+``--strace`` counts system calls per frame instead of instructions (``strace -f -c``; slower,
+and what the kernel does inside a call is not counted by either tool).
 Prints one line per run and one JSON line per scenario.  A measurement, not a test.
 """
 
@@ -144,10 +151,55 @@ def instructions(out_file: Path) -> int:
     return int(m.group(1))
 
 
-def run_once(upstream_port: int, scenario: str, n: int, batch: int, work: Path) -> tuple[int, dict[int, int]]:
-    out = work / f"callgrind.{scenario}.{n}.out"
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
-           "--serve", str(upstream_port), "--scenario", scenario, "--runtime", str(work)]
+def syscalls(out_file: Path) -> int:
+    """Total calls from an ``strace -c`` summary."""
+    m = re.search(r"^\s*100\.00\s+[\d.]+\s+\d+\s+(\d+)", out_file.read_text(errors="replace"), re.M)
+    if m is None:
+        raise RuntimeError(f"no call total in {out_file}")
+    return int(m.group(1))
+
+
+def _wrapper(out: Path, strace: bool) -> list[str]:
+    if strace:
+        return ["strace", "-f", "-c", "-o", str(out)]
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+
+
+def run_haproxy_once(upstream_port: int, n: int, batch: int, work: Path,
+                     strace: bool = False) -> tuple[int, dict[int, int]]:
+    """HAProxy (one thread, the bench's config) under the same tool, on the same frames."""
+    import signal
+
+    from rmqfast.bench.haproxy import HAProxyTarget, ensure_haproxy
+    from rmqfast.bench.processes import free_port, wait_port
+
+    exe = ensure_haproxy(False)
+    if exe is None:
+        raise RuntimeError("haproxy is not installed")
+    target = HAProxyTarget(exe, upstream_port, 1, "haproxy-1t")
+    target._port = free_port()
+    cfg = work / "haproxy.cfg"
+    cfg.write_text(target.config())
+    out = work / f"{'strace' if strace else 'callgrind'}.haproxy.{n}.out"
+    proc = subprocess.Popen(_wrapper(out, strace) + [exe, "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_port(target.port, proc, timeout=300.0)  # slow to start under valgrind
+        codes = drive(target.port, "send", n, batch)
+    finally:
+        # soft stop: exits once its connections are closed (under strace: strace's child)
+        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split() if strace else []
+        for pid in kids or [str(proc.pid)]:
+            os.kill(int(pid), signal.SIGUSR1)
+        proc.wait(timeout=600)
+    return (syscalls(out) if strace else instructions(out)), codes
+
+
+def run_once(upstream_port: int, scenario: str, n: int, batch: int, work: Path,
+             strace: bool = False) -> tuple[int, dict[int, int]]:
+    out = work / f"{'strace' if strace else 'callgrind'}.{scenario}.{n}.out"
+    cmd = _wrapper(out, strace) + [sys.executable, __file__, "--serve", str(upstream_port), "--scenario", scenario,
+                                   "--runtime", str(work)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -160,7 +212,7 @@ def run_once(upstream_port: int, scenario: str, n: int, batch: int, work: Path) 
         rc = proc.wait(timeout=600)
     if rc != 0:
         raise RuntimeError(f"proxy exited {rc}")
-    return instructions(out), codes
+    return (syscalls(out) if strace else instructions(out)), codes
 
 
 def main() -> None:
@@ -170,6 +222,8 @@ def main() -> None:
     ap.add_argument("--scenario", action="append", choices=SCENARIOS)
     ap.add_argument("--frames", type=int, nargs=2, default=[2000, 12000])
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--proxy", choices=("rmqfast", "haproxy"), default="rmqfast")
+    ap.add_argument("--strace", action="store_true", help="count system calls instead of instructions")
     args = ap.parse_args()
     if args.serve is not None:
         serve(args.serve, args.scenario[0], args.runtime)
@@ -178,17 +232,25 @@ def main() -> None:
     from rmqfast.bench.nullbroker import NullBroker
 
     impl = "python" if os.environ.get("RMQFAST_NO_EXTENSIONS") else "compiled"
+    if impl == "compiled" and os.environ.get("RMQFAST_RELAY_REACTOR") == "0":
+        impl = "compiled-watchers"
+    if args.proxy == "haproxy":
+        impl = "haproxy-1t"
+    unit = "system calls" if args.strace else "instructions"
     with NullBroker(build_tools()) as nb, tempfile.TemporaryDirectory() as tmp:
         for scenario in args.scenario or SCENARIOS:
             counts = []
             for n in args.frames:
-                ins, codes = run_once(nb.port, scenario, n, args.batch, Path(tmp))
-                print(f"{scenario} {impl}: {n} frames, {ins} instructions, answers {codes}", flush=True)
+                if args.proxy == "haproxy":
+                    ins, codes = run_haproxy_once(nb.port, n, args.batch, Path(tmp), args.strace)
+                else:
+                    ins, codes = run_once(nb.port, scenario, n, args.batch, Path(tmp), args.strace)
+                print(f"{scenario} {impl}: {n} frames, {ins} {unit}, answers {codes}", flush=True)
                 counts.append(ins)
             (n1, n2), (i1, i2) = args.frames, counts
             print(json.dumps({"scenario": scenario, "implementation": impl, "batch": args.batch,
-                              "frames": args.frames, "instructions": counts,
-                              "per_frame": round((i2 - i1) / (n2 - n1))}), flush=True)
+                              "frames": args.frames, "unit": unit, "instructions": counts,
+                              "per_frame": round((i2 - i1) / (n2 - n1), 2)}), flush=True)
 
 
 if __name__ == "__main__":
