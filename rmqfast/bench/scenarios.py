@@ -35,6 +35,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("send-16x32", 16, 32, what="1 KiB sends, 16 connections x 32 in flight (throughput)"),
         Scenario("send-64x1", 64, 1, what="1 KiB sends, 64 connections x 1 in flight (sync clients)"),
         Scenario("open-60k", 16, rate=60000, what="1 KiB sends, open loop at 60,000/s over 16 connections (latency)"),
+        Scenario("open-120k", 16, rate=120000,
+                 what="1 KiB sends, open loop at 120,000/s over 16 connections (latency near saturation)"),
         Scenario("pull-16x4", 16, 4, pull_pct=100,
                  what=f"pulls answered with {PULL_MSGS} x {PULL_BODY} B records, 16 connections x 4 in flight"),
     )
