@@ -139,7 +139,8 @@ def _consume_run(jr: JavaRuns, consumes: list[dict[str, Any]], rnd: int, target:
     group = f"rmqfast_bench_real_{target.replace('-', '_')}_{rnd}_{i}_{uuid.uuid4().hex[:6]}"
     res = run_driver("consume-push", addr, "5", topic=CONSUME_TOPIC, expect=count, group=group,
                      **{"from": "CONSUME_FROM_FIRST_OFFSET"}, consume_threads=16, pull_batch_size=32,
-                     max_body_print=0, timeout_ms=300_000, timeout=400, check=False, heap_mb=512)
+                     max_body_print=0, timeout_ms=300_000, timeout=400, check=False, heap_mb=512,
+                     api_timeout_ms=15_000)  # the client's 3 s default fails consumer starts on a loaded machine
     wall = time.monotonic() - t0
     cpu = sum(total_cpu(pids)) - sum(before_cpu)
     recv = sorted(m["recv_ms"] for m in res.get("received", []) if "recv_ms" in m)
