@@ -11,8 +11,9 @@ null broker: the children inherit it), and per target:
    connects/s and the setup latency percentiles;
 2. **idle**: holds them all open for ``--hold`` seconds, each sending one HEART_BEAT every
    ``--interval`` seconds (spread evenly), and reports the answers' latency;
-3. **memory**: the worker's RSS before the connections and while they are all open (the proxy's
-   processes for HAProxy), and the bytes per connection that makes.
+3. **memory and CPU**: the proxy's CPU per connection set up and the cores it uses while the
+   connections idle; the worker's RSS before the connections and while they are all open (the
+   proxy's process for HAProxy), and the bytes per connection that makes.
 
 The client is this Python process (epoll, non-blocking sockets); the ``direct`` target (straight to
 the null broker) shows what the client itself can set up, the ceiling of the setup rate.
@@ -310,10 +311,18 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 wait_idle(t.pids() + broker.pids)
                 before = _memory(t)
-                cpu0 = sum(total_cpu(t.pids()))
+                cpu = [sum(total_cpu(t.pids()))]  # at the start, all set up, end of the hold
+
+                def sample(t: Target = t, cpu: list[float] = cpu) -> dict[str, Any]:
+                    cpu.append(sum(total_cpu(t.pids())))
+                    return _memory(t)
+
                 res = open_idle(t.port, args.conns, concurrency=args.concurrency, interval=args.interval,
-                                hold=args.hold, at_peak=lambda t=t: _memory(t))  # type: ignore[misc]
-                res["proxy_cpu_s"] = round(sum(total_cpu(t.pids())) - cpu0, 3)
+                                hold=args.hold, at_peak=sample)
+                res["proxy_cpu_s"] = round(cpu[-1] - cpu[0], 3)
+                res["setup_cpu_us_per_conn"] = round((cpu[1] - cpu[0]) * 1e6 / res["set_up"], 1) \
+                    if res["set_up"] and t.pids() else None
+                res["idle_cpu_cores"] = round((cpu[2] - cpu[1]) / args.hold, 3) if t.pids() else None
             finally:
                 t.stop()
             peak = max(res["peak"]["rss_kib"], res["end"]["rss_kib"])
@@ -336,19 +345,26 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [f"{args.conns:,} connections to one proxy worker (rmqfast: 1 worker; HAProxy: 1 thread), set up "
              f"{args.concurrency} at a time (connect + first HEART_BEAT answered), then held {args.hold:g} s with one "
              f"HEART_BEAT per connection every {args.interval:g} s; RSS: rmqfast's worker, HAProxy's process", ""]
-    head = (f"{'target':<11} {'connects/s':>10} {'setup p99 ms':>12} {'idle p99 ms':>11} {'RSS MiB':>8} "
-            f"{'bytes/conn':>10} {'errors':>6}")
+    head = (f"{'target':<11} {'connects/s':>10} {'setup p99 ms':>12} {'CPU us/conn':>11} {'idle p99 ms':>11} "
+            f"{'idle cores':>10} {'RSS MiB':>8} {'bytes/conn':>10} {'errors':>6}")
     lines += [head, "-" * len(head)]
     for r in rows:
         rss = "-" if r["target"] == "direct" else f"{r['rss_peak_kib'] / 1024:,.1f}"
         bpc = "-" if r["target"] == "direct" or r["bytes_per_conn"] is None else f"{r['bytes_per_conn']:,}"
+        cpu = "-" if r.get("setup_cpu_us_per_conn") is None else f"{r['setup_cpu_us_per_conn']:,.0f}"
+        idle = "-" if r.get("idle_cpu_cores") is None else f"{r['idle_cpu_cores']:.3f}"
         lines.append(f"{r['target']:<11} {r['connects_per_s']:>10,.0f} {r['setup_lat_ms'].get('p99', 0):>12.2f} "
-                     f"{r['idle_lat_ms'].get('p99', 0):>11.2f} {rss:>8} {bpc:>10} {r['errors']:>6}")
+                     f"{cpu:>11} {r['idle_lat_ms'].get('p99', 0):>11.2f} {idle:>10} {rss:>8} {bpc:>10} "
+                     f"{r['errors']:>6}")
     by = {r["target"]: r for r in rows}
     rq, hp = by.get("rmqfast"), next((r for r in rows if r["target"].startswith("haproxy")), None)
     lines.append("")
     if rq and hp and hp["connects_per_s"]:
         lines.append(f"rmqfast / HAProxy: connection setup rate {rq['connects_per_s'] / hp['connects_per_s']:.3f}")
+        if rq.get("setup_cpu_us_per_conn") and hp.get("setup_cpu_us_per_conn"):
+            lines.append(f"rmqfast / HAProxy: connections set up per proxy core "
+                         f"{hp['setup_cpu_us_per_conn'] / rq['setup_cpu_us_per_conn']:.3f} (CPU per connection "
+                         f"{rq['setup_cpu_us_per_conn']:,.0f} us vs {hp['setup_cpu_us_per_conn']:,.0f} us)")
     if rq:
         mib = rq["rss_peak_kib"] / 1024
         verdict = "meets" if mib <= GOAL_RSS_MIB else "misses"
