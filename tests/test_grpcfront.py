@@ -119,6 +119,7 @@ class ScriptedPool:
         self.stock = stock
         self.calls: list[tuple[str, int]] = []
         self.exts: list[dict[str, str]] = []
+        self.stale: dict[str, int] = {}  # notifications answered hasMsg although a pop finds nothing
         self.arrived = asyncio.Event()
 
     def arrive(self, addr: str, body: bytes) -> None:
@@ -139,6 +140,9 @@ class ScriptedPool:
             return RemotingCommand(code=0, flag=1, body=encode_records(recs), ext_fields={
                 "popTime": "1", "invisibleTime": "30000", "reviveQid": "0"})
         assert code == C.NOTIFICATION
+        if self.stale.get(addr, 0) > 0:
+            self.stale[addr] -= 1
+            return RemotingCommand(code=0, flag=1, ext_fields={"hasMsg": "true"})
         deadline = time.monotonic() + int(ext["pollTime"]) / 1000
         while not self.stock.get(addr):
             left = deadline - time.monotonic()
@@ -306,3 +310,22 @@ def test_grpc_sends_take_the_shared_send_limits(pb: Any, tmp_path: Any) -> None:
     assert [send("T") for _ in range(3)] == [pb.Code.OK, pb.Code.OK, pb.Code.TOO_MANY_REQUESTS]
     assert send("U") == pb.Code.OK
     assert SendPool.sends == 3
+
+
+def test_pop_with_notify_asks_again_after_a_stale_has_msg(pb: Any) -> None:
+    """A broker that says hasMsg while its pop finds nothing (its consume offset lags the acks, or
+    another consumer was faster) is asked again after a short back-off: a message arriving there
+    later is returned when it arrives, not when the long poll ends; the asking does not spin."""
+    async def go() -> None:
+        pool = ScriptedPool({})
+        pool.stale = {"a:1": 3}
+        svc, route = _service(pb, pool, min_poll=0.2)
+        asyncio.get_running_loop().call_later(0.8, pool.arrive, "a:1", b"late-on-a")
+        t0 = time.monotonic()
+        msgs = await svc._pop_with_notify(route, _request(pb, "b"), 30000, time.monotonic() + 5)
+        took = time.monotonic() - t0
+        assert [m.body for m in msgs] == [b"late-on-a"] and 0.75 < took < 2.5, took
+        to_a = [c for a, c in pool.calls if a == "a:1"]
+        assert to_a.count(C.NOTIFICATION) == 4 and to_a.count(C.POP_MESSAGE) == 4  # 3 stale, 1 real
+
+    asyncio.run(go())

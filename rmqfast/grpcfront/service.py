@@ -332,32 +332,41 @@ class MessagingService:
             return msgs
         start = brokers.index(first)
         targets = (brokers[start:] + brokers[:start])[: self.cfg.max_fanout]
-        backoff = self.cfg.min_poll / 4
-        while (remaining := deadline - time.monotonic()) > self.cfg.min_poll:
+        delays = dict.fromkeys(targets, self.cfg.min_poll / 4)
+
+        async def notify(broker: str, delay: float) -> str | None:
+            if delay:
+                await asyncio.sleep(delay)
+            remaining = deadline - time.monotonic()
+            if remaining <= self.cfg.min_poll:
+                return None
             self.stats.notify_rounds += 1
-            poll_ms = int(remaining * 1000)
-            pending = {asyncio.ensure_future(self._notify(r, b, req, poll_ms)) for b in targets}
-            try:
-                while pending:
-                    done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
-                                                       return_when=asyncio.FIRST_COMPLETED)
-                    if not done:
-                        return []  # the long poll is over
-                    for t in done:
-                        broker = t.result()
-                        if broker is None:
-                            continue
+            return await self._notify(r, broker, req, int(remaining * 1000))
+
+        tasks = {asyncio.ensure_future(notify(b, 0.0)): b for b in targets}
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    return []  # the long poll is over
+                for t in done:
+                    broker = tasks.pop(t)
+                    if t.result() is not None:
                         self.stats.notify_hits += 1
                         msgs = await self._pop(r, broker, req, invisible_ms, 0, self.cfg.request_timeout)
                         if msgs:
                             return msgs
-            finally:
-                for t in pending:
-                    t.cancel()
-            # every notification ended early (brokers failing, or a message taken by another consumer):
-            # back off, doubling up to 1 s, so that such a receive does not spin on the brokers
-            await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-            backoff = min(1.0, backoff * 2)
+                    # nothing from this broker although time remains: hasMsg but the pop found nothing
+                    # (another consumer was faster, or the broker's consume offset lags the acks), or
+                    # the notification failed.  Ask this broker again after a back-off that doubles up
+                    # to 1 s, so that a message arriving there is not missed and nothing spins.
+                    if deadline - time.monotonic() > self.cfg.min_poll:
+                        tasks[asyncio.ensure_future(notify(broker, delays[broker]))] = broker
+                        delays[broker] = min(1.0, delays[broker] * 2)
+        finally:
+            for t in tasks:
+                t.cancel()
         return []
 
     async def ReceiveMessage(self, req: Any, ctx: Any) -> AsyncIterator[Any]:
