@@ -16,7 +16,7 @@ worker's sweep reports relayed sends that have waited ``hang_timeout`` with noth
 back from the broker on their connection (:meth:`BrokerHealth.stalled`), which makes the prober
 ask at once; if that probe then goes unanswered for ``hang_timeout / 2`` too (and no answer sits
 unread in its socket: a worker that is itself starved of CPU has not read it yet), the broker is
-down (about ``hang_timeout + hang_timeout / 2`` after it stopped).  A broker that is slow but alive
+down (about ``hang_timeout`` plus a sweep period after it stopped: 0.6 s by default).  A broker that is slow but alive
 answers the probe (it is served by another thread pool of the broker than sends): one witness is
 never enough.
 Sessions add what they see, off the send path, as hints (:meth:`BrokerHealth.suspect`): a failed
