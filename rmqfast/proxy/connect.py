@@ -8,11 +8,13 @@ servers are usually configured by IP address, so numeric hosts are connected dir
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 from gevent import socket
 
 
+@functools.lru_cache(maxsize=1024)  # a worker's upstreams are few: parse each once
 def _family(host: str) -> int | None:
     """AF_INET/AF_INET6 for a numeric host, None for a name to resolve."""
     try:
