@@ -157,6 +157,8 @@ def main() -> int:
     ap.add_argument("--queue-window", type=int, default=1,
                     help="release: [delay] queue_window (sends in flight per broker queue)")
     ap.add_argument("--keep", action="store_true", help="keep the state directory")
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="phase 2 on the state directory a --keep run filled (the capacity phase is skipped)")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: capacity,worker,release")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -165,8 +167,11 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; work dir {work}")
     with NullBroker(tools) as nb:
         addr = f"127.0.0.1:{nb.port}"
-        state = work / "state"
+        state = args.reuse or work / "state"
         wdir = state / "spill" / "worker-0"
+        if args.reuse is not None:
+            skip.add("capacity")
+            args.keep = True
         if "capacity" not in skip:
             print(f"1. capacity: {args.pending:,} pending messages of {args.body} B")
             secs, nbytes, msgs = fill(wdir, args.pending, args.body, int(time.time() * 1000) + 86_400_000,

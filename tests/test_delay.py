@@ -131,6 +131,8 @@ def test_store_orders_by_due_time_caps_cancels_and_survives_a_reopen(tmp_path):
     for b in waits:
         st.wait(b)
     assert st.fsyncs == 1 and st.messages == 6  # one group commit for all six
+    counted = sum(len(k) + len(v) + sum(map(len, Held.decode(v).index_keys(k))) for k, v in st.scan())
+    assert st.bytes == counted > sum(len(k) + len(v) for k, v in st.scan())  # the cancel index counts too
     got = st.read_due(b"d", base + 10_000, 100)
     order = [Held.decode(v).msg_id for _k, v in got]
     assert order == ["M1", "M3", "M4", "M2", "M5", "M0"]  # due order, ties in arrival order
@@ -522,7 +524,9 @@ topics = ["Delayed"]
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["cancelled"] == [victim2]
         time.sleep(1.2)  # a publish period
-        assert metric(p, "rmqfast_delay_pending_messages") == n_conn * per_conn - 2
+        # (a very loaded machine may reach the due times before this: those are released, not pending)
+        assert metric(p, "rmqfast_delay_pending_messages") + metric(p, "rmqfast_delay_released_total") == \
+            n_conn * per_conn - 2
         assert metric(p, "rmqfast_delay_cancelled_total") == 2
         # kill -9 every worker while all of it is pending; the restarted workers release it
         pids = p.worker_pids()

@@ -6,7 +6,8 @@ Keys (beside the spill's ``b"c"`` copy lanes and ``b"m"`` meta keys, one databas
                                                         u16 len + keys, then a CopyRecord
     b"e" + b"u" + msgId + NUL + due_ms + seq        -> b""   (cancel by msgId)
     b"e" + b"k" + key + NUL + due_ms + seq          -> b""   (cancel by key, one per KEYS entry)
-    b"m" + b"delay.stats"                           -> u64 messages, u64 bytes
+    b"m" + b"delay.stats"                           -> u64 messages, u64 bytes (due and index keys
+                                                        and values: what max_pending_bytes caps)
 
 Iterating ``b"d"`` keys is iterating in due-time order (ties in order of arrival), so the
 releaser seeks to its cursor and reads only what is due: it never scans what is pending.
@@ -122,6 +123,10 @@ class DelayStore:
         self._sync.sync = True
         self._nosync = r.WriteOptions()
         self._nosync.sync = False
+        # Held messages are read once, in key order (release, cancel lookups): their blocks would
+        # only push other data out of the block cache and grow the worker's memory.
+        self._scan_once = r.ReadOptions()
+        self._scan_once.fill_cache(False)
         raw = db.get(STATS_KEY)
         self.messages, self.bytes = _STATS.unpack(raw) if raw and len(raw) == _STATS.size else (0, 0)
         if not raw and self._first_due() is not None:  # stats lost (older layout): count once
@@ -140,7 +145,7 @@ class DelayStore:
     # Reading ----------------------------------------------------------------------------------
 
     def _iter(self, start: bytes, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        it = self.db.iter()
+        it = self.db.iter(self._scan_once)
         it.seek(start)
         while it.valid():
             k = it.key()
@@ -165,6 +170,10 @@ class DelayStore:
         for k, v in self._iter(DUE_PREFIX, DUE_PREFIX):
             n += 1
             b += len(k) + len(v)
+            try:
+                b += sum(map(len, Held.decode(v).index_keys(k)))
+            except Exception:  # undecodable: no index entries to count
+                pass
         return n, b
 
     def read_due(self, after: bytes, now_ms: int, limit: int) -> list[tuple[bytes, bytes]]:
@@ -225,12 +234,13 @@ class DelayStore:
             raise WriteFailed("the delay store is closed (the worker is stopping)")
         value = held.encode()
         dkey = due_key(due, self.next_seq())
-        n = len(dkey) + len(value)
+        idx = held.index_keys(dkey)
+        n = len(dkey) + len(value) + sum(map(len, idx))
         if self.would_exceed(n):
             raise StoreFull(f"{self.bytes + self.reserved} of {self.max_pending_bytes} bytes held "
                             "([delay] max_pending_bytes)")
         batch = self._pending
-        batch.puts.append((dkey, value, held.index_keys(dkey)))
+        batch.puts.append((dkey, value, idx))
         batch.sync = True
         self.reserved += n
         self._wake.set()
@@ -276,13 +286,13 @@ class DelayStore:
             for k in idx:
                 wb.put(k, b"")
             messages += 1
-            put_bytes += len(dkey) + len(value)
+            put_bytes += len(dkey) + len(value) + sum(map(len, idx))
         for dkey, vlen, idx in batch.deletes:
             wb.delete(dkey)
             for k in idx:
                 wb.delete(k)
             messages -= 1
-            nbytes -= len(dkey) + vlen
+            nbytes -= len(dkey) + vlen + sum(map(len, idx))
         nbytes += put_bytes
         wb.put(STATS_KEY, _STATS.pack(max(0, messages), max(0, nbytes)))
         if batch.puts:

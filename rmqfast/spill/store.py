@@ -92,6 +92,7 @@ class SpillStore:
         block_cache_bytes: int = 8 << 20,
         disk_cap_bytes: int = 1 << 30,
         access: str = "rw",
+        max_open_files: int = 32,
     ) -> None:
         import rocksdict as r
 
@@ -106,7 +107,12 @@ class SpillStore:
         opts.set_max_background_jobs(1)
         table = r.BlockBasedOptions()
         table.set_block_cache(r.Cache(max(64 << 10, block_cache_bytes)))
+        # Memory bounded whatever the volume held: index blocks live in the block cache, and at
+        # most `max_open_files` table readers stay open (an open reader keeps its index, ~8 MB per
+        # GB of 1 KiB messages, outside any cache).
+        table.set_cache_index_and_filter_blocks(True)
         opts.set_block_based_table_factory(table)
+        opts.set_max_open_files(max_open_files)
         self._secondary_dir: tempfile.TemporaryDirectory[str] | None = None
         try:
             if access == "rw":
