@@ -441,3 +441,45 @@ def test_held_pull_answered_after_the_queue_changed_hands_brings_no_message() ->
     assert r.code == C.PULL_NOT_FOUND and r.body == b"" and r.ext_fields is not None
     assert r.ext_fields["nextBeginOffset"] == "72" and r.ext_fields["maxOffset"] == "91"
     assert f.on_request(normal, pull(3, opaque=42, offset=72)).kind is Kind.REPLY  # type: ignore[union-attr]
+
+
+def test_pull_carries_the_clients_own_subscription() -> None:
+    f, _, _ = make_filter(k=1, queues=4)
+    s = FakeSession()
+    body = json.dumps({"clientID": "127.0.0.1@canary-1", "consumerDataSet": [
+        {"groupName": G, "subscriptionDataSet": [{"topic": T, "subString": "TagA || TagG", "expressionType": "TAG",
+                                                  "subVersion": 5, "tagsSet": ["TagA", "TagG"]}]},
+        {"groupName": "not-gray", "subscriptionDataSet": [{"topic": T, "subString": "X"}]}]}).encode()
+    f.on_request(s, frame_of(RemotingCommand(C.HEART_BEAT, opaque=1, body=body)))
+    # a 5.x heartbeat repeating the last one carries no subscriptions: what was learnt stays
+    again = json.dumps({"clientID": "127.0.0.1@canary-1", "consumerDataSet": [
+        {"groupName": G, "subscriptionDataSet": []}]}).encode()
+    f.on_request(s, frame_of(RemotingCommand(C.HEART_BEAT, opaque=2, body=again)))
+    fr = frame_of(RemotingCommand(C.PULL_MESSAGE, opaque=7, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": "3", "queueOffset": "4", "sysFlag": "5", "commitOffset": "3",
+        "subVersion": "5"}))
+    before = decode_frame(fr.data).ext_fields
+    assert f.on_request(s, fr) is None  # relayed, rewritten in place
+    ext = decode_frame(fr.data).ext_fields
+    assert ext is not None and before is not None
+    assert ext["sysFlag"] == "7" and ext["subscription"] == "TagA || TagG" and ext["expressionType"] == "TAG"
+    assert {k: v for k, v in ext.items() if k not in ("sysFlag", "subscription", "expressionType")} == \
+        {k: v for k, v in before.items() if k != "sysFlag"}
+    fr = frame_of(RemotingCommand(C.PULL_MESSAGE, opaque=8, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": "3", "queueOffset": "4", "sysFlag": "7", "subscription": "Z"}))
+    data = fr.data
+    assert f.on_request(s, fr) is None and fr.data is data  # names its subscription already: untouched
+
+
+def test_failover_moves_keep_the_share() -> None:
+    f, _, cmds = make_filter(k=1, queues=4)
+    moved = decode_frame(send(3, {}).data)  # a normal send the failover service aimed at queue 3 of broker-b
+    out = f.place(moved, "broker-b", 8, "10.0.0.1")
+    assert out.ext_fields is not None and out.ext_fields["e"] == "3"  # 8 queues there: 3 is a normal one
+    out = f.place(decode_frame(send(3, {}).data), "broker-b", 4, "10.0.0.1")
+    assert out.ext_fields is not None and out.ext_fields["e"] == "0"
+    out = f.place(decode_frame(send(1, {}).data), "broker-b", 4, "10.9.0.5")  # a gray client network
+    assert out.ext_fields is not None and out.ext_fields["e"] == "3"
+    cmds.cmds[G] = ("promote", 0.0)  # promoted: unchanged
+    out = f.place(decode_frame(send(3, {}).data), "broker-b", 4, "10.0.0.1")
+    assert out.ext_fields is not None and out.ext_fields["e"] == "3"

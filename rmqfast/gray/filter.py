@@ -53,6 +53,7 @@ from rmqfast.replicate.filter import _quick_topic
 log = logging.getLogger("rmqfast.gray")
 
 QUERY_NOT_FOUND = 22
+FLAG_SUBSCRIPTION = 1 << 1  # PullSysFlag: the pull names its subscription
 SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 PHASE_VALUE = {Phase.ACTIVE: 0, Phase.PROMOTING: 1, Phase.PROMOTED: 2, Phase.ABORTING: 3, Phase.ABORTED: 4}
 _MAX_TRACKED = 10000
@@ -187,9 +188,22 @@ class GrayFilter(Filter):
             data = json.loads(body)
         except ValueError:
             return
-        cid = data.get("clientID") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return
+        cid = data.get("clientID")
         if isinstance(cid, str) and cid:
             session.state["gray_cid"] = cid
+        subs: dict[tuple[str, str], tuple[str, str]] = session.state.setdefault("gray_subs", {})
+        for cd in data.get("consumerDataSet") or ():
+            group = cd.get("groupName") if isinstance(cd, dict) else None
+            if group not in self.groups:
+                continue
+            for sd in cd.get("subscriptionDataSet") or ():  # empty in 5.x heartbeats that repeat the last one
+                if not isinstance(sd, dict) or not isinstance(sd.get("topic"), str):
+                    continue
+                expr, kind = sd.get("subString"), sd.get("expressionType") or "TAG"
+                if isinstance(expr, str) and isinstance(kind, str) and len(subs) < _MAX_TRACKED:
+                    subs[(group, sd["topic"])] = (expr, kind)
 
     def _consumer_list_request(self, session: Session, frame: Frame) -> Verdict | None:
         group = (frame.command().ext_fields or {}).get("consumerGroup")
@@ -228,6 +242,7 @@ class GrayFilter(Filter):
             return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
         if key in parked:  # this client's position for the queue is stale: start it from the committed offset
             return self._offset_fix(session, frame, cmd, key, side)
+        self._own_subscription(session, frame, cmd, g.group, topic)
         if topic in g.topics:
             # the broker may hold this pull (long polling) past a switch: its answer is checked again
             pulls: dict[int, tuple[tuple[Any, ...], str, bool, RemotingCommand]] = session.state.setdefault(
@@ -237,6 +252,21 @@ class GrayFilter(Filter):
             pulls[frame.opaque] = (key, side, gq, cmd)
             frame.want_response = True
         return None
+
+    def _own_subscription(self, session: Session, frame: Frame, cmd: RemotingCommand, group: str, topic: str) -> None:
+        """The pull carries this client's own subscription (``FLAG_SUBSCRIPTION``): the broker keeps one
+        subscription per group, the last heartbeat's, and the two versions may subscribe to different
+        tags; with the flag the broker filters this pull by the expression in it."""
+        sub = session.state.get("gray_subs", {}).get((group, topic))
+        ext = cmd.ext_fields or {}
+        flag = field_int(ext.get("sysFlag"), -1)
+        if sub is None or flag < 0 or flag & FLAG_SUBSCRIPTION or "AccessKey" in ext:  # a signature covers them
+            return
+        new = dict(ext)
+        new["sysFlag"] = str(flag | FLAG_SUBSCRIPTION)
+        new["subscription"], new["expressionType"] = sub
+        frame.data = encode(replace(cmd, ext_fields=new))  # the other filters see (and relay) the new frame
+        frame._cmd = None
 
     def _offset_fix(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
                     side: str) -> Verdict:
@@ -319,6 +349,24 @@ class GrayFilter(Filter):
             self.metrics.moved.labels(group, side).inc()
         return None
 
+    def place(self, cmd: RemotingCommand, broker: str, queues: int, peer_ip: str) -> RemotingCommand:
+        """A send moved to ``broker`` (``queues`` write queues) by the failover service: the queue id of
+        its share there.  The client id of its connection is not known there: the other markers decide."""
+        f = send_fields(cmd.code, cmd.ext_fields)
+        group = self.topics.get(f.get("b", ""))
+        if group is None:
+            return cmd
+        g, marker = self.groups[group]
+        qid = field_int(f.get("e"), -1)
+        props = parse_properties(f.get("i", "")) if marker.prop is not None else {}
+        gray = marker.send_is_gray(f.get("a", ""), props, None, peer_ip)
+        new = send_queue(qid, queues, g.gray_queues, gray, self.phase(group))
+        if new == qid:
+            return cmd
+        ext = dict(cmd.ext_fields or {})
+        ext["queueId" if cmd.code == C.SEND_MESSAGE else "e"] = str(new)
+        return replace(cmd, ext_fields=ext)
+
     # Responses ----------------------------------------------------------------------------------
 
     def on_response(self, session: Session, frame: Frame) -> Verdict | None:
@@ -400,5 +448,5 @@ class GrayFilter(Filter):
                                             ext_fields=out)))
 
     def on_close(self, session: Session) -> None:
-        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls"):
+        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs"):
             session.state.pop(k, None)

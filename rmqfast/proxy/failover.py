@@ -452,11 +452,14 @@ class FailoverService:
         #: the relay's filter chain, so the allowlist's refusal of unsigned sends is made here too (signed
         #: sends are never moved at all)
         self.acl_denies_unsigned = False
+        #: [gray] (set by the worker, and on reload): ``place(cmd, broker_name, write_queues, peer_ip)``, the
+        #: moved send with the queue id of its gray or normal share on that broker (rmqfast.gray.filter)
+        self.place: Callable[[RemotingCommand, str, int, str], RemotingCommand] | None = None
 
     # One send -----------------------------------------------------------------------------------
 
-    def move(self, cmd: RemotingCommand, dead_addr: str) -> tuple[RemotingCommand, str]:
-        """Send ``cmd`` (a send aimed at the dead broker ``dead_addr``) elsewhere.
+    def move(self, cmd: RemotingCommand, dead_addr: str, peer: str = "") -> tuple[RemotingCommand, str]:
+        """Send ``cmd`` (a send aimed at the dead broker ``dead_addr``, from client IP ``peer``) elsewhere.
 
         Returns (the answer to give the client, with its opaque; a label for logs/metrics:
         the broker that stored it, or ``refused:<reason>``).
@@ -492,6 +495,8 @@ class FailoverService:
         for k in range(len(cands)):
             name, addr, nq = cands[(start + k) % len(cands)]
             out = retarget(cmd, info, name, nq)
+            if self.place is not None:
+                out = self.place(out, name, nq, peer)
             try:
                 answer = self._request(addr, out)
             except Exception as exc:  # RemoteError: connect refused, closed, no answer in time
@@ -544,7 +549,10 @@ class FailoverService:
         def handle(cmd: RemotingCommand) -> None:
             try:
                 if cmd.code in SEND_CODES and send_info(cmd) is not None:
-                    answer, to = self.move(cmd, dead_addr)
+                    if self.place is None:
+                        answer, to = self.move(cmd, dead_addr)
+                    else:  # [gray] markers may name client networks
+                        answer, to = self.move(cmd, dead_addr, client_addr.rpartition(":")[0].strip("[]"))
                     log.debug("send moved", extra=ctx(broker=dead_addr, to=to, client=client_addr))
                 else:
                     remark = f"rmqfast: upstream unreachable ({dead_addr}: broker seen dead); retry later"

@@ -183,6 +183,8 @@ class Worker:
         # [gray]: canary releases (rmqfast.gray): consumer lists, pulls, offset commits and the queue
         # ids of sends of split topics; after the limits, before the filters that hold or copy sends
         gray: list[Filter] = [self._gray_filter()] if self.cfg.gray.enabled else []
+        if not gray:
+            self.failover.place = None
         # [failover] resend: copies of the sends in flight, for a resend when their broker dies (last:
         # what it keeps is what the broker was sent)
         keep: list[Filter] = ([KeepSendsInFlight(everything=fo.resend == "all")]
@@ -227,7 +229,9 @@ class Worker:
 
         g = self.cfg.gray
         commands = Commands(state_path(g.state_file, self.cfg.proxy.state_dir))
-        return GrayFilter(g, queues, commands, gray_metrics(), broker_name=broker_name)
+        gray = GrayFilter(g, queues, commands, gray_metrics(), broker_name=broker_name)
+        self.failover.place = gray.place  # sends the failover service moves keep their share
+        return gray
 
     def _setup_delay(self) -> None:
         """[delay]: proxy-held delayed messages, in the worker's spill (the replicator's when there is one)."""
@@ -413,7 +417,7 @@ class Worker:
         live master and answered with its result, the rest SYSTEM_ERROR (rmqfast.proxy.failover)."""
 
         def resend(data: bytes) -> Any:
-            answer, _to = self.failover.move(decode_frame(data), addr)
+            answer, _to = self.failover.move(decode_frame(data), addr, session.client_addr.rpartition(":")[0])
             return answer
 
         answered, sends, resent = answer_in_flight(session, remark, resend,
