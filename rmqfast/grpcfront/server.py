@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -64,6 +65,7 @@ async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limite
     await stop.wait()
     await server.stop(grace=2.0)
     await svc.pool.close()
+    log.info("gRPC front stats: %s", json.dumps(vars(svc.stats), sort_keys=True))
 
 
 def main(argv: list[str] | None = None) -> int:

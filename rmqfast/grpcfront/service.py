@@ -86,10 +86,12 @@ _BROKER_CODES = {C.TOPIC_NOT_EXIST: "TOPIC_NOT_FOUND", C.NO_PERMISSION: "FORBIDD
 
 
 class Stats:
-    """Counters of this process (receives, first-pop hits, notify rounds, empty answers)."""
+    """Counters of this process (receives, first-pop hits, notifications, empty answers), logged when
+    the front stops."""
 
     def __init__(self) -> None:
         self.receives = self.first_pop_hits = self.notify_rounds = self.notify_hits = self.empty = 0
+        self.empty_after_hit = 0  # hasMsg answered, the pop that followed found nothing
 
 
 class MessagingService:
@@ -357,6 +359,7 @@ class MessagingService:
                         msgs = await self._pop(r, broker, req, invisible_ms, 0, self.cfg.request_timeout)
                         if msgs:
                             return msgs
+                        self.stats.empty_after_hit += 1
                     # nothing from this broker although time remains: hasMsg but the pop found nothing
                     # (another consumer was faster, or the broker's consume offset lags the acks), or
                     # the notification failed.  Ask this broker again after a back-off that doubles up
