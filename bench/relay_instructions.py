@@ -21,6 +21,9 @@ Scenarios (``--scenario``, repeatable; default all):
   resend if its broker dies: the sends take the policy path);
 * ``send-kept-policy``: ``send`` with ``resend = "policy"`` (kept only if another filter takes the
   send to Python: here none does).
+* ``send-delay-on``: ``send`` with proxy-held delay on for another topic (``[delay] topics``);
+* ``send-delay-topic``: ``send`` to a ``[delay]`` topic, without a delivery-time property
+  (relayed to the broker as it is).
 
     .venv/bin/python bench/relay_instructions.py [--frames 2000 12000] [--batch 32] [--scenario send]
 
@@ -47,7 +50,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCENARIOS = ("send", "send-limited", "send-busy", "denied", "send-kept", "send-kept-policy")
+SCENARIOS = ("send", "send-limited", "send-busy", "denied", "send-kept", "send-kept-policy", "send-delay-on",
+             "send-delay-topic")
 TOPIC = "BenchTopic"
 UPDATE_BROKER_CONFIG = 25
 
@@ -90,6 +94,15 @@ def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
             filters.append(SendLimitFilter(limits))
         except ImportError:  # older trees: the session took them
             kwargs["limits"] = limits
+    if scenario.startswith("send-delay"):
+        from rmqfast.delay.service import DelayService
+        from rmqfast.delay.settings import parse_delay
+        from rmqfast.spill.store import SpillStore
+
+        topics = [TOPIC] if scenario == "send-delay-topic" else ["Delayed", "Later-*"]
+        spill = SpillStore(runtime / "spill")
+        delay = DelayService(parse_delay({"topics": topics}), spill.db, 0, path=str(spill.path), publish=False)
+        filters.insert(0, delay.filter)  # first, as in the worker's broker chain
     if scenario.startswith("send-kept"):  # last, as in the worker's broker chain
         from rmqfast.proxy.failover import KeepSendsInFlight
 

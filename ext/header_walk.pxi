@@ -763,6 +763,40 @@ cdef Py_ssize_t find_tag(const uint8_t* p, Py_ssize_t n, Py_ssize_t* tlen) noexc
     return found
 
 
+cdef bint is_delay_name(const uint8_t* k, Py_ssize_t n) noexcept nogil:
+    """DELAY, TIMER_DELAY_SEC, TIMER_DELAY_MS, TIMER_DELIVER_MS or __STARTDELIVERTIME."""
+    if n == 5:
+        return memcmp(k, b"DELAY", 5) == 0
+    if n == 14:
+        return memcmp(k, b"TIMER_DELAY_MS", 14) == 0
+    if n == 15:
+        return memcmp(k, b"TIMER_DELAY_SEC", 15) == 0
+    if n == 16:
+        return memcmp(k, b"TIMER_DELIVER_MS", 16) == 0
+    if n == 18:
+        return memcmp(k, b"__STARTDELIVERTIME", 18) == 0
+    return False
+
+
+cdef bint find_delay(const uint8_t* p, Py_ssize_t n) noexcept nogil:
+    """True when decoded properties hold a delivery-time property as the broker reads them (the
+    entries find_tag reads: at least 3 bytes, a non-empty name before the first \\x01 and a
+    non-empty value)."""
+    cdef Py_ssize_t index = 0, nxt, kv
+    cdef const uint8_t* q
+    while index < n:
+        q = <const uint8_t*>memchr(p + index, 2, n - index)
+        nxt = q - p if q != NULL else n
+        if nxt - index >= 3:
+            q = <const uint8_t*>memchr(p + index, 1, nxt - index)
+            if q != NULL:
+                kv = q - p
+                if kv > index and kv < nxt - 1 and is_delay_name(p + index, kv - index):
+                    return True
+        index = nxt + 1
+    return False
+
+
 cdef uint8_t* _props_buf = NULL     # decoded escaped properties (one scanner runs at a time per process)
 cdef Py_ssize_t _props_cap = 0
 
@@ -784,3 +818,22 @@ cdef const uint8_t* props_tag(const uint8_t* props, Py_ssize_t plen, bint esc, P
         p = _props_buf
     s = find_tag(p, n, glen)
     return p + s if s >= 0 else NULL
+
+
+cdef bint props_delay(const uint8_t* props, Py_ssize_t plen, bint esc) noexcept:
+    """True when a send's properties (JSON-escaped when ``esc``) ask for a delivery time; True
+    too when escaped properties cannot be decoded here (out of memory: the policy decides)."""
+    global _props_buf, _props_cap
+    cdef const uint8_t* p = props
+    cdef Py_ssize_t n = plen
+    cdef uint8_t* grown
+    if esc:
+        if plen > _props_cap:
+            grown = <uint8_t*>realloc(_props_buf, plen)
+            if grown == NULL:
+                return True
+            _props_buf = grown
+            _props_cap = plen
+        n = json_unescape(props, plen, _props_buf)
+        p = _props_buf
+    return find_delay(p, n)

@@ -1,6 +1,22 @@
 # Included by _speedups.pyx. FrameScanner: walks the frames of a receive buffer (twin:
 # rmqfast/codec/_scan_py.FrameScanner).
 
+cdef bint delay_topic(list patterns, const uint8_t* t, Py_ssize_t n) except -1:
+    """``t`` is one of ``patterns``: a name, or a prefix ending in '*' ('*' alone: every topic)."""
+    cdef bytes pat
+    cdef Py_ssize_t m
+    cdef const uint8_t* q
+    for pat in patterns:
+        m = len(pat)
+        q = <const uint8_t*><const char*>pat
+        if m > 0 and q[m - 1] == 42:
+            if n >= m - 1 and memcmp(t, q, m - 1) == 0:
+                return True
+        elif m == n and memcmp(t, q, n) == 0:
+            return True
+    return False
+
+
 cdef class FrameScanner:
     """Walks Remoting frames in receive buffers; see ``rmqfast/codec/_scan_py.py``."""
 
@@ -21,6 +37,7 @@ cdef class FrameScanner:
     cdef public Limiter limiter
     cdef public int limited      # rule index when the last EV_POLICY was a send over its limit, else -1
     cdef public int conn_id      # the relay's connection id, carried into sampled records
+    cdef public list delay_topics  # [delay] topics (bytes; b"*" ends a prefix): their delayed sends go to policy
 
     def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
                  Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
@@ -141,6 +158,12 @@ cdef class FrameScanner:
                 if ts >= 0 and tesc:
                     return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == 1
+                if not policy and ts >= 0 and self.delay_topics and \
+                        (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
+                    # proxy-held delay: only a delay topic's sends that ask for a delivery time
+                    # (a batch: its messages' properties are in the body) leave the fast path
+                    policy = delay_topic(self.delay_topics, p + pos + 8 + ts, tl) and (
+                        info.code == SEND_BATCH or (ps >= 0 and props_delay(p + pos + 8 + ps, pl, pesc)))
                 if self.limiter is not None and self.limiter.active and ts >= 0 and \
                         (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
                     # a limited send is decided whole (a rejected one is never relayed)

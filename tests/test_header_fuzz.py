@@ -55,6 +55,21 @@ def test_fuzzer_catches_a_scanner_that_keeps_the_last_duplicate(monkeypatch):
     assert "broker reads 25" in header_fuzz.check(LastWins(), frame)
 
 
+def test_fuzzer_catches_a_delay_scanner_that_ignores_the_properties():
+    """A [delay] topic's send without a delivery time stays on the fast path; holding it is caught."""
+    header = (b'{"code":310,"extFields":{"b":"TopicA","i":"TAGS\\u0001TagY\\u0002DELAY\\u0001\\u0002"},'
+              b'"flag":0,"opaque":1}')
+    frame = header_fuzz.frame_of(header)
+    assert header_fuzz.check(header_fuzz.Twins(), frame) is None
+
+    class Eager(header_fuzz.Twins):
+        def scan(self, frame: bytes) -> list[header_fuzz.Verdict]:
+            return [header_fuzz.Verdict(codec.EV_POLICY, 0, len(frame), "", 310, 0, 1, (b"TopicA",), 0,
+                                        codec.EV_POLICY)]
+
+    assert "[delay] scanner" in header_fuzz.check(Eager(), frame)
+
+
 def scan(impl, header: bytes, stype: int = 0) -> tuple[int, str]:
     scanner_cls, stats_cls = impl
     frame = header_fuzz.frame_of(header, stype)

@@ -353,3 +353,27 @@ def test_json_headers_mutated():
             b[i] = rng.choice(b'{}[]":,\\ 0123456789abcx-')
         py, c = _both(bytes(b), rng.choice([None, 3, 17]))
         assert py == c
+
+
+@pytest.mark.parametrize("topic,props,code,stype,held", [
+    ("Later", "TAGS\x01a\x02TIMER_DELAY_SEC\x015\x02", 310, 0, True),       # JSON: \u0001 escapes decoded
+    ("Later", "TIMER_DELIVER_MS\x011\x02", 310, 1, True),                   # binary header
+    ("Later-x", "__STARTDELIVERTIME\x019", 10, 0, True),                    # prefix; SEND_MESSAGE (v1)
+    ("Later", "DELAY\x013\x02KEYS\x01k", 310, 0, True),                     # a level: the policy decides
+    ("Later", "TAGS\x01a\x02UNIQ_KEY\x01U", 310, 0, False),                 # no delivery time: fast path
+    ("Later", "KEYS\x01TIMER_DELAY_MS\x02", 310, 1, False),                 # a value, not a name
+    ("Later", "TIMER_DELAY_MS\x01\x02TAGS\x01a", 310, 0, False),            # empty value: the broker skips it
+    ("Later", "TIMER_DELAY_MSX\x015", 310, 0, False),
+    ("Other", "TIMER_DELAY_SEC\x015", 310, 0, False),                       # not a [delay] topic
+    ("Later", "", 320, 0, True),                                            # a batch: its body decides
+])
+def test_delay_topics_hand_only_delayed_sends_to_policy(impl, topic, props, code, stype, held):
+    scanner_cls, stats_cls = impl
+    ext = {"b": topic, "i": props} if code != 10 else {"topic": topic, "properties": props}
+    frame = (binary_frame(code, 0, 5, ext) if stype else
+             json_frame({"code": code, "extFields": ext, "flag": 0, "opaque": 5}))
+    sc = scanner_cls(stats_cls())
+    sc.delay_topics = [b"Later", b"Later-*"]
+    assert sc.scan(frame, 0, len(frame))[0] == (codec.EV_POLICY if held else codec.EV_FORWARD)
+    sc.delay_topics = None  # off: every send is relayed
+    assert sc.scan(frame, 0, len(frame))[0] == codec.EV_FORWARD

@@ -515,3 +515,22 @@ def find_tag(props: bytes) -> bytes | None:
 def props_tag(props: bytes, esc: bool) -> bytes | None:
     """The TAGS value of a send's properties (JSON-escaped when ``esc``)."""
     return find_tag(json_unescape(props) if esc else props)
+
+
+_DELAY_NAMES = frozenset((b"DELAY", b"TIMER_DELAY_SEC", b"TIMER_DELAY_MS", b"TIMER_DELIVER_MS", b"__STARTDELIVERTIME"))
+
+
+def find_delay(props: bytes) -> bool:
+    """True when decoded message properties hold a delivery-time property as the broker reads
+    them (the entries :func:`find_tag` reads)."""
+    for entry in props.split(b"\x02"):
+        if len(entry) >= 3:
+            kv = entry.find(b"\x01")
+            if 0 < kv < len(entry) - 1 and entry[:kv] in _DELAY_NAMES:
+                return True
+    return False
+
+
+def props_delay(props: bytes, esc: bool) -> bool:
+    """True when a send's properties (JSON-escaped when ``esc``) ask for a delivery time."""
+    return find_delay(json_unescape(props) if esc else props)

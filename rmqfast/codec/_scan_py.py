@@ -43,6 +43,7 @@ from rmqfast.codec._header_py import (
     HeaderInfo,
     parse_binary_header,
     parse_json_header,
+    props_delay,
 )
 
 EV_FORWARD = 0
@@ -325,6 +326,19 @@ class InFlight:
         return n
 
 
+def delay_topic(patterns: list[bytes], topic: bytes) -> bool:
+    """``topic`` is one of ``patterns``: a name, or a prefix ending in '*' ('*' alone: every topic)."""
+    for pat in patterns:
+        if not isinstance(pat, bytes):
+            raise TypeError(f"Expected bytes, got {type(pat).__name__}")
+        if pat[-1:] == b"*":
+            if topic.startswith(pat[:-1]):
+                return True
+        elif topic == pat:
+            return True
+    return False
+
+
 class FrameScanner:
     """Walks Remoting frames in receive buffers; see the module docstring."""
 
@@ -375,6 +389,7 @@ class FrameScanner:
         self.limited = -1
         #: the relay's connection id, carried into sampled records
         self.conn_id = 0
+        self._delay_topics: list[bytes] | None = None
         #: Non-oneway requests seen (for in-flight accounting by the peer direction).
         self.requests = 0
         #: Responses seen.
@@ -385,6 +400,18 @@ class FrameScanner:
         self.code = 0
         self.flag = 0
         self.opaque = 0
+
+    @property
+    def delay_topics(self) -> list[bytes] | None:
+        """``[delay]`` topics (bytes; a trailing ``*`` makes a prefix): their sends that ask for a
+        delivery time go to the policy (EV_POLICY), the other sends stay on the fast path."""
+        return self._delay_topics
+
+    @delay_topics.setter
+    def delay_topics(self, value: list[bytes] | None) -> None:
+        if value is not None and type(value) is not list:
+            raise TypeError(f"Expected list, got {type(value).__name__}")
+        self._delay_topics = value
 
     def set_actions(self, actions: bytes) -> None:
         if len(actions) != CODE_SLOTS:
@@ -474,6 +501,13 @@ class FrameScanner:
                 if tspan is not None and tspan[2]:
                     return self._fail(pos, f"invalid {kind} header: {ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == ACTION_POLICY
+                if not policy and tspan is not None and self._delay_topics and \
+                        code in (_SEND_V2, _SEND_BATCH, _SEND_V1):
+                    # proxy-held delay: only a delay topic's sends that ask for a delivery time
+                    # (a batch: its messages' properties are in the body) leave the fast path
+                    policy = delay_topic(self._delay_topics, header[tspan[0] : tspan[0] + tspan[1]]) and (
+                        code == _SEND_BATCH or (pspan is not None and props_delay(
+                            header[pspan[0] : pspan[0] + pspan[1]], pspan[2])))
                 limiter = self.limiter
                 if limiter is not None and limiter.active and tspan is not None and code in (
                         _SEND_V2, _SEND_BATCH, _SEND_V1):

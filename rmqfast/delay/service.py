@@ -39,7 +39,7 @@ from rmqfast.delay.settings import DelaySection
 from rmqfast.delay.store import DUE_PREFIX, DelayStore, Held, StoreFull, WriteFailed, split_due_key
 from rmqfast.deliver.sender import STORED_CODES, send_until_stored
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, slots_of
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply
 from rmqfast.spill.record import CopyRecord
 
 log = logging.getLogger("rmqfast.delay")
@@ -47,6 +47,10 @@ log = logging.getLogger("rmqfast.delay")
 SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 MESSAGE_ILLEGAL = 13
 HELD_QUEUE_OFFSET = -1
+#: A release the broker answers TOPIC_NOT_EXIST this many times in a row (back-off between
+#: attempts: [replicate] retry_initial .. retry_max) is kept as a dead letter instead.
+MISSING_TOPIC_ATTEMPTS = 20
+DEAD_LETTER = "dead_letter"
 #: What a broker refuses for good (MESSAGE_ILLEGAL) whatever the retry: a body over its default
 #: ``maxMessageSize`` (4 MiB) or properties longer than a short (the commit-log record's field).
 #: Held messages are acknowledged before the broker sees them, so these are refused up front.
@@ -73,6 +77,9 @@ class DelayMetrics:
         self.released = Counter("rmqfast_delay_released_total",
                                 "Held messages the broker stored at their due time, by topic", ["topic"])
         self.cancelled = Counter("rmqfast_delay_cancelled_total", "Held messages cancelled before release")
+        self.dead_letters = Counter("rmqfast_delay_dead_letters_total",
+                                    "Held messages kept in the dead-letter range: the broker kept answering that "
+                                    "their topic does not exist", ["topic"])
         self.dropped = Counter("rmqfast_delay_dropped_total",
                                "Held messages given up (the broker refused them for good, undecodable)", ["reason"])
         self.duplicates_avoided = Counter(
@@ -123,10 +130,14 @@ class DelayFilter(Filter):
 
     def __init__(self, service: DelayService) -> None:
         self.service = service
-        self._slots = slots_of(SEND_CODES)
 
     def request_slots(self) -> set[int]:
-        return self._slots
+        # the scanner hands over the sends of the delay topics that ask for a delivery time
+        # (scanner_topics); every other send stays on the fast path
+        return set()
+
+    def scanner_topics(self) -> list[bytes] | None:
+        return self.service.topic_patterns
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         if frame.code not in SEND_CODES:
@@ -152,6 +163,8 @@ class DelayService:
                  retry_initial: float = 0.1, retry_max: float = 5.0) -> None:
         self.cfg = cfg
         self.levels = cfg.level_ms()
+        #: [delay] topics as the scanners match them (changed in place: live sessions follow)
+        self.topic_patterns: list[bytes] = [t.encode() for t in cfg.topics]
         self.index = index
         self.state_dir = state_dir
         self.m = DelayMetrics() if publish else None
@@ -172,6 +185,7 @@ class DelayService:
         """Topics, levels, bounds change at once; held messages stay."""
         self.cfg = cfg
         self.levels = cfg.level_ms()
+        self.topic_patterns[:] = [t.encode() for t in cfg.topics]
         self.store.max_pending_bytes = cfg.max_pending_bytes
 
     # Holding ----------------------------------------------------------------------------------
@@ -378,6 +392,7 @@ class Releaser:
         self.closed = False
         self.released = 0
         self.dropped = 0
+        self.dead_letters = 0
         self.recheck_found = 0
         self.lateness_ms: deque[int] = deque(maxlen=200_000)  # recent lateness samples (tests, bench)
         self._greenlet: Any = None
@@ -505,13 +520,26 @@ class Releaser:
                         ch = self.channels.get(held.addr)
                         if ch is not None:
                             ch.forget(w)
-            outcome: bool | None = True if ok else self._send(k, held)
+            outcome: bool | str | None = True if ok else self._send(k, held)
             if outcome is None:
                 return  # stopping: it stays stored for the next run
             q.popleft()
             self.queued -= 1
             self.space.set()
-            self._done(k, v, held, None if outcome else "refused")
+            if outcome == DEAD_LETTER:
+                self._dead_letter(k, v, held)
+            else:
+                self._done(k, v, held, None if outcome else "refused")
+
+    def _dead_letter(self, k: bytes, v: bytes, held: Held) -> None:
+        b = self.store.dead_letter(k, v, held)
+        b.done.rawlink(lambda _e: self.dispatched.discard(k))
+        self.dead_letters += 1
+        if self.svc.m is not None:
+            self.svc.m.dead_letters.labels(held.record.topic).inc()
+        log.error("delayed message kept as a dead letter: the broker has no such topic",
+                  extra=ctx(worker=self.svc.index, msg_id=held.msg_id, topic=held.record.topic, broker=held.addr,
+                            due_key=k.hex()))
 
     def _done(self, k: bytes, v: bytes, held: Held | None, dropped: str | None) -> None:
         b = self.store.delete(k, v, held)
@@ -541,7 +569,7 @@ class Releaser:
                         extra=ctx(msg_id=held.msg_id, error=str(exc)))
             return False
 
-    def _send(self, k: bytes, held: Held) -> bool | None:
+    def _send(self, k: bytes, held: Held) -> bool | str | None:
         """Send until the broker stores it (True) or refuses it for good (False); None: stopping."""
         rec = held.record
         if self.recheck_upto and k <= self.recheck_upto:
@@ -550,9 +578,12 @@ class Releaser:
                 if self.svc.m is not None:
                     self.svc.m.duplicates_avoided.inc()
                 return True
-        return send_until_stored(self.pool, held.addr, rec, what="delayed", logger=log, stopping=lambda: self.closed,
-                                 retry_initial=self.retry_initial, retry_max=self.retry_max,
-                                 timeout=self.request_timeout, worker=self.svc.index, msg_id=held.msg_id)
+        why: list[str] = []
+        ok = send_until_stored(self.pool, held.addr, rec, what="delayed", logger=log, stopping=lambda: self.closed,
+                               retry_initial=self.retry_initial, retry_max=self.retry_max,
+                               timeout=self.request_timeout, worker=self.svc.index, msg_id=held.msg_id,
+                               drop=why.append, missing_topic_attempts=MISSING_TOPIC_ATTEMPTS)
+        return DEAD_LETTER if why == ["topic_not_exist"] else ok
 
     def close(self) -> None:
         self.closed = True

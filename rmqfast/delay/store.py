@@ -6,6 +6,8 @@ Keys (beside the spill's ``b"c"`` copy lanes and ``b"m"`` meta keys, one databas
                                                         u16 len + keys, then a CopyRecord
     b"e" + b"u" + msgId + NUL + due_ms + seq        -> b""   (cancel by msgId)
     b"e" + b"k" + key + NUL + due_ms + seq          -> b""   (cancel by key, one per KEYS entry)
+    b"x" + due_ms (u64 BE) + seq (u64 BE)            -> the value of a "d" key: a dead letter (the broker
+                                                        kept answering that its topic does not exist)
     b"m" + b"delay.stats"                           -> u64 messages, u64 bytes (due and index keys
                                                         and values: what max_pending_bytes caps)
 
@@ -37,6 +39,7 @@ _U16 = struct.Struct(">H")
 _STATS = struct.Struct(">QQ")
 DUE_PREFIX = b"d"
 INDEX_PREFIX = b"e"
+DEAD_PREFIX = b"x"
 STATS_KEY = b"m" + b"delay.stats"
 #: Largest due time a key can hold (year 9999): keeps the big-endian order meaningful.
 MAX_DUE_MS = 253402300799999
@@ -95,11 +98,12 @@ class Held:
 
 
 class _Batch:
-    __slots__ = ("puts", "deletes", "done", "error", "sync")
+    __slots__ = ("puts", "deletes", "dead", "done", "error", "sync")
 
     def __init__(self) -> None:
         self.puts: list[tuple[bytes, bytes, list[bytes]]] = []  # (due key, value, index keys)
         self.deletes: list[tuple[bytes, int, list[bytes]]] = []  # (due key, value length, index keys)
+        self.dead: list[tuple[bytes, bytes, list[bytes]]] = []  # (due key, value, index keys): to the x range
         self.done = Event()
         self.error: BaseException | None = None
         self.sync = False
@@ -262,19 +266,36 @@ class DelayStore:
         self._wake.set()
         return batch
 
+    def dead_letter(self, dkey: bytes, value: bytes, held: Held) -> _Batch:
+        """Queue the move of a message the broker cannot take (no such topic) to the dead-letter
+        range: no longer pending or released, still on disk (and counted in the bytes held)."""
+        batch = self._pending
+        batch.dead.append((dkey, value, held.index_keys(dkey)))
+        self._wake.set()
+        return batch
+
+    def dead_letters(self, limit: int = 100) -> list[tuple[bytes, bytes]]:
+        """The first ``limit`` dead letters: (their due key, value)."""
+        out = []
+        for k, v in self._iter(DEAD_PREFIX, DEAD_PREFIX):
+            out.append((DUE_PREFIX + k[1:], v))
+            if len(out) >= limit:
+                break
+        return out
+
     def _run(self) -> None:
         pool = gevent.get_hub().threadpool
         while True:
             self._wake.wait()
             self._wake.clear()
             batch = self._pending
-            if not batch.puts and not batch.deletes:
+            if not batch.puts and not batch.deletes and not batch.dead:
                 if self._closed:
                     return
                 continue
             self._pending = _Batch()
             self._write(batch, pool)
-            if self._closed and not self._pending.puts and not self._pending.deletes:
+            if self._closed and not self._pending.puts and not self._pending.deletes and not self._pending.dead:
                 return
 
     def _write(self, batch: _Batch, pool: Any = None) -> None:
@@ -293,6 +314,13 @@ class DelayStore:
                 wb.delete(k)
             messages -= 1
             nbytes -= len(dkey) + vlen + sum(map(len, idx))
+        for dkey, value, idx in batch.dead:
+            wb.delete(dkey)
+            for k in idx:
+                wb.delete(k)
+            wb.put(DEAD_PREFIX + dkey[1:], value)
+            messages -= 1
+            nbytes -= sum(map(len, idx))
         nbytes += put_bytes
         wb.put(STATS_KEY, _STATS.pack(max(0, messages), max(0, nbytes)))
         if batch.puts:
@@ -319,7 +347,7 @@ class DelayStore:
     def flush(self) -> None:
         """Wait until everything queued so far is written."""
         batch = self._pending
-        if batch.puts or batch.deletes:
+        if batch.puts or batch.deletes or batch.dead:
             self._wake.set()
             batch.done.wait()
 
@@ -331,6 +359,6 @@ class DelayStore:
         self._wake.set()
         self._greenlet.join(timeout=10)
         batch = self._pending
-        if batch.puts or batch.deletes:
+        if batch.puts or batch.deletes or batch.dead:
             self._pending = _Batch()
             self._write(batch)

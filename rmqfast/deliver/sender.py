@@ -50,6 +50,7 @@ SEND_MESSAGE_V2 = 310
 SEND_BATCH_MESSAGE = 320
 STORED_CODES = frozenset({0, 10, 11, 12})
 PERMANENT_CODES = frozenset({13})
+TOPIC_NOT_EXIST = 17
 
 
 def with_origin(properties: str, origin: str) -> str:
@@ -93,12 +94,16 @@ def build_request(rec: CopyRecord, broker_name: str, queue_id: int,
 
 def send_until_stored(pool: ConnectionPool, addr: str, rec: CopyRecord, *, what: str, logger: logging.Logger,
                       stopping: Callable[[], bool], retry_initial: float, retry_max: float, timeout: float,
-                      drop: Callable[[str], None] | None = None, **fields: Any) -> bool | None:
+                      drop: Callable[[str], None] | None = None, missing_topic_attempts: int = 0,
+                      **fields: Any) -> bool | None:
     """Send a message the proxy held (``what``: "shaped", "delayed") to the local broker ``addr``
     with the producer's header fields and queue, retrying with backoff: True once stored, False
-    when refused for good (``drop(reason)`` is told why), None when ``stopping()``."""
+    when refused for good (``drop(reason)`` is told why), None when ``stopping()``.
+    ``missing_topic_attempts`` > 0: after that many TOPIC_NOT_EXIST (17) answers in a row the
+    message is refused for good too (reason ``topic_not_exist``)."""
     delay = retry_initial
     attempts = 0
+    missing = 0
     while not stopping():
         try:
             code, ext, body = build_request(rec, rec.broker_name, rec.queue_id, None)
@@ -112,6 +117,13 @@ def send_until_stored(pool: ConnectionPool, addr: str, rec: CopyRecord, *, what:
                              extra=ctx(**fields, broker=addr, topic=rec.topic, code=resp.code, remark=resp.remark))
                 if drop is not None:
                     drop(f"code_{resp.code}")
+                return False
+            missing = missing + 1 if resp.code == TOPIC_NOT_EXIST else 0
+            if missing_topic_attempts and missing >= missing_topic_attempts:
+                logger.error(f"the broker has no topic for a {what} message after {missing} attempts; giving it up",
+                             extra=ctx(**fields, broker=addr, topic=rec.topic, remark=resp.remark))
+                if drop is not None:
+                    drop("topic_not_exist")
                 return False
             err = f"{addr} answered code {resp.code}: {resp.remark}"
         except RemoteError as exc:

@@ -162,6 +162,12 @@ class Filter:
         """The send limiter the scanners of this chain run (compiled or pure twin), or None."""
         return None
 
+    def scanner_topics(self) -> list[bytes] | None:
+        """Topics (bytes; a trailing ``*`` makes a prefix) whose sends that ask for a delivery time
+        the scanner hands to this filter (its ``delay_topics``: the list itself, so that changing
+        it in place reaches live sessions); other sends stay on the fast path.  None: none."""
+        return None
+
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         return None
 
@@ -188,12 +194,17 @@ class FilterChain:
         table = bytearray(CODE_SLOTS)
         by_slot: list[list[Filter]] = [[] for _ in range(CODE_SLOTS)]
         limited = slots_of(LIMITED_CODES)
+        #: the scanner's ``delay_topics`` (:meth:`Filter.scanner_topics` of the first filter with some)
+        self.delay_topics: list[bytes] | None = None
         for f in filters:
             slots = f.request_slots()
             for s in slots:
                 table[s] = ACTION_POLICY
+            topics = f.scanner_topics()
+            if topics is not None and self.delay_topics is None:
+                self.delay_topics = topics
             for s in range(CODE_SLOTS):
-                if s in slots or (f.sees_limited and s in limited):
+                if s in slots or ((f.sees_limited or topics is not None) and s in limited):
                     by_slot[s].append(f)
         for f in filters:
             for s in f.passive_slots() - f.request_slots():

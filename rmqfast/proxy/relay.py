@@ -302,6 +302,7 @@ class Session(SessionCore):
             limiter=self.chain.limiter(compiled),
         )
         self.c2u.conn_id = self.conn_id
+        self.c2u.delay_topics = self.chain.delay_topics  # [delay]: delayed sends of those topics go to policy
         # Requests from the broker to the client (39, 40, 307, 309...) are always relayed.
         self.u2c = FrameScanner(
             self.stats,

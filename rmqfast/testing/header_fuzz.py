@@ -28,6 +28,9 @@ from rmqfast.codec import _scan_py
 # of them observable (which rule rejected the send).
 TOPICS = ("TopicA", "TopicB", "TopicC")
 TAGS = ("TagX", "TagY")
+#: [delay] topics of the second scanner pair: a send of these that asks for a delivery time goes to policy
+DELAY_TOPICS = [b"TopicA", b"TopicC*"]
+DELAY_NAMES = ("DELAY", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", "TIMER_DELIVER_MS", "__STARTDELIVERTIME")
 RULES = [  # (topic, tag, rate, burst, bytes rate, bytes burst, mode, slot); mode 1 = reject
     (b"TopicA", None, 0.0, 0.0, 0.0, 0.0, 1, 1),
     (b"TopicB", b"TagX", 0.0, 0.0, 0.0, 0.0, 1, 2),
@@ -45,6 +48,7 @@ class Reading:
     opaque: int
     topic: str | None
     tag: str | None
+    delay: bool = False  # a delivery-time property (DELAY, TIMER_*, __STARTDELIVERTIME) is read
 
 
 class Unreadable(Exception):
@@ -99,7 +103,8 @@ def _request_reading(code: int, flag: int, opaque: int, ext: dict[str, str | Non
         topic, props = ext.get("topic"), ext.get("properties")
     else:
         topic, props = ext.get("topic"), None
-    return Reading(code, flag, opaque, topic, _message_properties(props).get("TAGS"))
+    read = _message_properties(props)
+    return Reading(code, flag, opaque, topic, read.get("TAGS"), any(k in read for k in DELAY_NAMES))
 
 
 def _json_reading(header: bytes) -> Reading:
@@ -201,6 +206,8 @@ class Verdict:
     opaque: int
     topics: tuple[bytes, ...]
     limited: int
+    #: the event of a scanner with no policy codes and [delay] topics DELAY_TOPICS (0: EV_FORWARD)
+    delayed: int = 0
 
 
 def _limiter(compiled: bool) -> Any:
@@ -227,8 +234,11 @@ class Twins:
             stats = stats_cls()
             sc = scanner_cls(stats, actions=self.actions, response_policy=True, limiter=lim)
             ev, a, b = sc.scan(frame, 0, len(frame), 1)
+            ds = scanner_cls(stats_cls())
+            ds.delay_topics = list(DELAY_TOPICS)
             out.append(Verdict(ev, a, b, sc.error, sc.code, sc.flag, sc.opaque,
-                               tuple(sorted(t[0] for t in stats.topics())), sc.limited))
+                               tuple(sorted(t[0] for t in stats.topics())), sc.limited,
+                               ds.scan(frame, 0, len(frame), 1)[0]))
         return out
 
 
@@ -265,6 +275,10 @@ def check(twins: Twins, frame: bytes) -> str | None:
             return f"counted topics {v.topics}, broker reads topic {r.topic!r}"
     if v.limited != expected_limit(r):
         return f"limit rule {v.limited}, broker's reading (topic {r.topic!r}, tag {r.tag!r}) gives {expected_limit(r)}"
+    held = (not r.flag & 1 and r.code in (10, 310, 320) and r.topic is not None
+            and (r.topic == "TopicA" or r.topic.startswith("TopicC")) and (r.code == 320 or r.delay))
+    if v.delayed != (codec.EV_POLICY if held else codec.EV_FORWARD):
+        return f"[delay] scanner event {v.delayed}, broker's reading (topic {r.topic!r}, delay {r.delay}) holds: {held}"
     return None
 
 
@@ -279,7 +293,8 @@ def frame_of(header: bytes, stype: int = 0, body: bytes = b"") -> bytes:
 def _props(rng: random.Random) -> str:
     parts = []
     for _ in range(rng.randint(0, 4)):
-        k = rng.choice(["TAGS", "KEYS", "UNIQ_KEY", "WAIT", "TAGSX", "gray", ""])
+        k = rng.choice(["TAGS", "KEYS", "UNIQ_KEY", "WAIT", "TAGSX", "gray", "", *DELAY_NAMES, "TIMER_DELAY_SECS",
+                        "DELA"])
         v = rng.choice([*TAGS, "", "v", "TagX\x01x", "\u4e2d", "a<b&c>"])
         parts.append(f"{k}\x01{v}")
     return "\x02".join(parts) + rng.choice(["", "\x02"])
