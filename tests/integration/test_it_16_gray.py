@@ -216,14 +216,14 @@ def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
     sent(15)
     consumed_all()
     command("reset")  # 3. a canary again, then promote mid-traffic
-    sent(15)
+    sent(40)
     command("promote")
     sent(15)
     wait_until(lambda: time.time() > marks[-1][2] + SETTLE + 1, BOUND, "promote settled")
     sent(15)
     consumed_all()
     command("reset")  # 4. a canary again; then both gray consumers die
-    sent(15)
+    sent(40)
     consumed_all()
     with urllib.request.urlopen(f"{proxy.admin_url}/gray", timeout=BOUND) as resp:
         status = json.loads(resp.read())
