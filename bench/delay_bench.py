@@ -39,6 +39,28 @@ from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.spill.record import CopyRecord
 from rmqfast.testing.ports import reserve
 
+#: (figure, measured, goal) rows printed side by side at the end
+SUMMARY: list[tuple[str, str, str]] = []
+GOAL_PENDING = 10_000_000
+GOAL_RSS_MB = 64
+GOAL_RATE = 10_000
+GOAL_P99_MS = 50
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def print_summary() -> None:
+    if not SUMMARY:
+        return
+    w0 = max(len(r[0]) for r in SUMMARY)
+    w1 = max(len(r[1]) for r in SUMMARY)
+    print(f"\nsummary (load average {os.getloadavg()[0]:.1f} at the end):")
+    print(f"  {'figure':<{w0}}  {'measured':<{w1}}  goal")
+    for what, got, goal in SUMMARY:
+        print(f"  {what:<{w0}}  {got:<{w1}}  {goal}")
+
 
 def rss_mb(pid: int | str = "self") -> float:
     with open(f"/proc/{pid}/status") as f:
@@ -180,6 +202,10 @@ def main() -> int:
             print(f"   filled at {msgs / secs:,.0f} msg/s ({secs:.0f} s); store counts {nbytes / 2**20:,.0f} MiB; "
                   f"disk {disk / 2**20:,.0f} MiB ({disk / max(1, msgs):,.0f} B per message)")
             print(f"   bench process RSS after the fill: {rss_mb():.0f} MB")
+            SUMMARY.append(("pending 1 KiB messages", f"{msgs:,}",
+                            f"{GOAL_PENDING:,} ({verdict(msgs >= GOAL_PENDING)})"))
+            SUMMARY.append(("disk used", f"{disk / 2**20:,.0f} MiB ({disk / max(1, msgs):,.0f} B/msg)",
+                            "disk, not memory"))
         if "worker" not in skip:
             lease = reserve(list(range(16)))
             ns, admin, ep, lo = lease.base, lease.base + 1, lease.base + 4, lease.base + 5  # ep - 2: its VIP channel
@@ -222,13 +248,21 @@ level = "warning"
                 ready = time.monotonic() - t0
                 worker = children(proc.pid)[0]
                 time.sleep(2)
-                print(f"2. worker with the store: ready in {ready:.1f} s; worker RSS {rss_mb(worker):.0f} MB")
+                rss0 = rss_mb(worker)
+                print(f"2. worker with the store: ready in {ready:.1f} s; worker RSS {rss0:.0f} MB")
+                rates: dict[bool, list[float]] = {False: [], True: []}
                 for r in range(args.rounds):
                     for delayed in ((False, True) if r % 2 == 0 else (True, False)):
                         rate = accept_rate(ep, delayed, args.accept_seconds, args.conns, args.inflight, args.body)
+                        rates[delayed].append(rate)
                         print(f"   round {r + 1}: {'delayed' if delayed else 'plain  '} sends {rate:,.0f}/s "
                               f"({args.conns} conns x {args.inflight} in flight)", flush=True)
-                print(f"   worker RSS after the sends: {rss_mb(worker):.0f} MB")
+                rss1 = rss_mb(worker)
+                print(f"   worker RSS after the sends: {rss1:.0f} MB")
+                SUMMARY.append(("worker RSS, ready / after sends", f"{rss0:.0f} / {rss1:.0f} MB",
+                                f"< {GOAL_RSS_MB} MB ({verdict(max(rss0, rss1) < GOAL_RSS_MB)})"))
+                SUMMARY.append(("accept rate plain / delayed", f"{max(rates[False]):,.0f} / {max(rates[True]):,.0f}/s",
+                                "reported (same run)"))
             finally:
                 proc.terminate()
                 proc.wait(30)
@@ -240,6 +274,7 @@ level = "warning"
             release(args, addr, work)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+    print_summary()
     return 0
 
 
@@ -263,9 +298,11 @@ def release(args: argparse.Namespace, addr: str, work: Path) -> None:
                        path=str(d), publish=False)
     svc.start()
     t0 = time.monotonic()
+    t0_wall = time.time() * 1000
     c0 = time.process_time()
     while svc.releaser.released + svc.releaser.dropped < n:
-        gevent.sleep(0.2)
+        gevent.sleep(0.05)
+    end_ms = int(time.time() * 1000)
     took = time.monotonic() - t0
     cpu = time.process_time() - c0
     late = sorted(svc.releaser.lateness_ms)
@@ -275,6 +312,14 @@ def release(args: argparse.Namespace, addr: str, work: Path) -> None:
           f"process RSS {rss_mb():.0f} MB")
     print(f"   CPU of the releasing process: {cpu * 1e6 / max(1, n):.0f} us per release "
           f"(one core: {n / max(cpu, 1e-9):,.0f} releases/s); load average {os.getloadavg()[0]:.1f}")
+    # from the first due time to the last release (at least the span the due times cover)
+    reached = n / max(args.release_seconds, (end_ms - max(start, int(t0_wall))) / 1000)
+    p99 = late[int(k * 0.99)]
+    SUMMARY.append((f"release rate (due at {args.release_rate:,}/s, window {args.queue_window})",
+                    f"{reached:,.0f}/s", f"{GOAL_RATE:,}/s ({verdict(reached >= GOAL_RATE * 0.99)})"))
+    SUMMARY.append(("lateness p50 / p99 / max", f"{late[k // 2]} / {p99} / {late[-1]} ms",
+                    f"p99 < {GOAL_P99_MS} ms at {GOAL_RATE:,}/s "
+                    f"({verdict(p99 < GOAL_P99_MS and args.release_rate >= GOAL_RATE)})"))
     svc.close()
     spill.close()
 
