@@ -117,11 +117,12 @@ def main() -> None:
         a, b = two_masters(ensure_jars(), stack)
         addrs = {a.broker_name: a.broker_addr, b.broker_name: b.broker_addr}
         fronts = {}
+        proxies: dict[str, ProxyProcess] = {}
         for mode, notify in (("notify", "true"), ("single", "false")):
             lease = reserve([0])
             stack.callback(lease.release)
             extra = f'\n[grpc]\nenabled = true\nnotify = {notify}\nlisten = "127.0.0.1:{lease.base}"\n'
-            stack.enter_context(ProxyProcess([a.namesrv_addr], workers=1, extra_config=extra))
+            proxies[mode] = stack.enter_context(ProxyProcess([a.namesrv_addr], workers=1, extra_config=extra))
             ch = grpc.insecure_channel(f"127.0.0.1:{lease.base}")
             grpc.channel_ready_future(ch).result(timeout=60)
             ch.close()
@@ -150,6 +151,11 @@ def main() -> None:
                       "false_empty": c.false_empty, "latency_ms_p50": round(pct(lat, 50), 1),
                       "latency_ms_p99": round(pct(lat, 99), 1), "latency_ms_max": round(max(lat, default=0), 1)}
             print(f"{m:7s} {json.dumps(out[m])}", flush=True)
+        for m, p in proxies.items():  # the fronts' counters, logged when they stop
+            p.stop()
+            for line in p.log_path.read_text(errors="replace").splitlines():
+                if "gRPC front stats" in line:
+                    print(f"{m:7s} {line.strip()[:400]}", flush=True)
 
 
 if __name__ == "__main__":
