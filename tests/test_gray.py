@@ -483,3 +483,50 @@ def test_failover_moves_keep_the_share() -> None:
     cmds.cmds[G] = ("promote", 0.0)  # promoted: unchanged
     out = f.place(decode_frame(send(3, {}).data), "broker-b", 4, "10.0.0.1")
     assert out.ext_fields is not None and out.ext_fields["e"] == "3"
+
+
+def test_backlog_of_the_gray_queues_asked_of_the_brokers() -> None:
+    """A stand-in name server and broker: route (2 brokers, 4 queues), max offsets, committed offsets."""
+    import socketserver
+    import threading
+
+    from rmqfast.codec.command import make_response
+    from rmqfast.gray.backlog import gray_backlog
+    from rmqfast.testing.wire import read_frame
+
+    ports: dict[str, int] = {}
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            while (data := read_frame(self.request)) is not None:
+                cmd = decode_frame(data)
+                ext = cmd.ext_fields or {}
+                if cmd.code == C.GET_ROUTEINFO_BY_TOPIC:
+                    body = json.dumps({"brokerDatas": [
+                        {"brokerName": n, "cluster": "c", "brokerAddrs": {"0": f"127.0.0.1:{ports['b']}"}}
+                        for n in ("broker-a", "broker-b")], "queueDatas": [
+                        {"brokerName": n, "readQueueNums": 4, "writeQueueNums": 4, "perm": 6} for n in
+                        ("broker-a", "broker-b")]}).encode()
+                    resp = make_response(cmd, C.SUCCESS, body=body)
+                elif cmd.code == C.GET_MAX_OFFSET:
+                    resp = make_response(cmd, C.SUCCESS, ext_fields={"offset": str(100 + int(ext["queueId"]))})
+                elif cmd.code == C.QUERY_CONSUMER_OFFSET and ext.get("consumerGroup") == G:
+                    resp = make_response(cmd, C.SUCCESS, ext_fields={"offset": "90"})
+                else:
+                    resp = make_response(cmd, 22, remark="not found")
+                self.request.sendall(encode(resp))
+
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    ports["b"] = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        b = gray_backlog(group(gray_queues=1), [f"127.0.0.1:{ports['b']}"])
+        assert b["total"] == 26 and [(r["broker"], r["queue"], r["backlog"]) for r in b["queues"]] == [
+            ("broker-a", 3, 13), ("broker-b", 3, 13)]
+        b = gray_backlog(group(group="other-cg", gray_queues=2), [f"127.0.0.1:{ports['b']}"])
+        assert b["total"] == 2 * (102 + 103)  # never committed: from 0
+        assert "error" in gray_backlog(group(), ["127.0.0.1:1"], timeout=0.5)
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -42,8 +42,9 @@ def _counters(metrics_text: bytes) -> dict[str, dict[str, float]]:
     return out
 
 
-def view(cfg: Any, metrics_text: bytes | None = None, now: float | None = None) -> dict[str, Any]:
-    """The state of every configured group."""
+def view(cfg: Any, metrics_text: bytes | None = None, now: float | None = None,
+         backlog: bool = False) -> dict[str, Any]:
+    """The state of every configured group (``backlog``: with its gray queues' backlog, asked of the brokers)."""
     g: GraySection = cfg.gray
     now = time.time() if now is None else now
     cmds = read_commands(state_path(g.state_file, cfg.proxy.state_dir))
@@ -57,6 +58,10 @@ def view(cfg: Any, metrics_text: bytes | None = None, now: float | None = None) 
                                "phase": ph.value, "action": action, "since": at or None,
                                "settle_left": max(0.0, round(at + g.settle - now, 1)) if action else 0.0,
                                "counters": counters.get(grp.group, {})}
+        if backlog:
+            from rmqfast.gray.backlog import gray_backlog
+
+            row["backlog"] = gray_backlog(grp, [str(u) for u in cfg.namesrv.upstreams])
         groups.append(row)
     return {"settle": g.settle, "grace": g.grace, "groups": groups}
 
@@ -71,7 +76,7 @@ def admin_gray(handler: Any, method: str, path: str, query: str) -> tuple[int, d
             text = handler.backend.metrics_text()
         except Exception:  # the state is still worth showing
             text = None
-        return 200, view(cfg, text)
+        return 200, view(cfg, text, backlog=urllib.parse.parse_qs(query).get("backlog", [""])[0] in ("1", "true"))
     action = path.removeprefix("/gray/")
     if action not in ACTIONS:
         return 404, {"error": f"POST {path}: unknown path; use POST /gray/promote|abort|reset?group=GROUP"}
@@ -96,6 +101,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--token", default=os.environ.get("RMQFAST_ADMIN_TOKEN", ""),
                    help="admin.token, when the proxy has one (default $RMQFAST_ADMIN_TOKEN)")
     p.add_argument("--json", action="store_true", help="print the JSON answer")
+    p.add_argument("--backlog", action="store_true",
+                   help="status: also each gray queue's backlog (max offset - the group's committed offset)")
     p.add_argument("action", choices=("status", "promote", "abort", "reset"),
                    help="status; promote (gray consumers become the group); abort (normal consumers take the "
                         "gray queues); reset (back to a running canary)")
@@ -112,13 +119,22 @@ def render(v: dict[str, Any], only: str = "") -> str:
                      f"last {g['gray_queues']} queue(s) per broker gray)")
         for k, val in sorted(g["counters"].items()):
             lines.append(f"  {k} {val:g}")
+        b = g.get("backlog")
+        if b is not None:
+            if "error" in b:
+                lines.append(f"  backlog: not known ({b['error']})")
+            else:
+                lines.append(f"  backlog of the gray queues: {b['total']}")
+            for r in b["queues"]:
+                lines.append(f"    {r['topic']} {r['broker']} queue {r['queue']}: {r['backlog']} "
+                             f"(max {r['max']}, committed {r['committed']})")
     return "\n".join(lines) if lines else "no gray group configured" + (f" named {only!r}" if only else "")
 
 
 def run(args: argparse.Namespace) -> int:
     base = args.admin.rstrip("/")
     if args.action == "status":
-        req = urllib.request.Request(f"{base}/gray")
+        req = urllib.request.Request(f"{base}/gray" + ("?backlog=1" if args.backlog else ""))
     else:
         if not args.group:
             print(f"rmqfast gray {args.action}: name the consumer group", file=sys.stderr)

@@ -221,7 +221,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/gray":  # gray (canary) releases (rmqfast.gray.admin)
             from rmqfast.gray.admin import admin_gray
 
-            self._json(*admin_gray(self, "GET", path, ""))
+            self._json(*admin_gray(self, "GET", path, self.path.partition("?")[2]))
         else:
             self._json(404, {"error": f"GET {path}: unknown path; try {', '.join(GET_PATHS)}"})
 

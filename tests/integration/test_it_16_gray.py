@@ -225,8 +225,10 @@ def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
     command("reset")  # 4. a canary again; then both gray consumers die
     sent(40)
     consumed_all()
-    with urllib.request.urlopen(f"{proxy.admin_url}/gray", timeout=BOUND) as resp:
-        status = json.loads(resp.read())
+    with urllib.request.urlopen(f"{proxy.admin_url}/gray?backlog=1", timeout=BOUND) as resp:
+        status: dict[str, Any] = json.loads(resp.read())  # what `rmqfast gray status --backlog` shows
+    backlog = next(g["backlog"] for g in status["groups"] if g["group"] == group)
+    assert "error" not in backlog and len(backlog["queues"]) == 2, backlog  # queue 3 of each broker
     before = time.time()
     for c in consumers:
         if c.gray:
