@@ -42,8 +42,8 @@ from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.failover import (
-    FailoverService,
     RESEND_DEADLINE,
+    FailoverService,
     KeepSendsInFlight,
     RouteBook,
     answer_in_flight,
