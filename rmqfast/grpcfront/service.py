@@ -197,6 +197,8 @@ class MessagingService:
             backoff.exponential_backoff.initial.CopyFrom(pb.Duration(nanos=10_000_000))
             backoff.exponential_backoff.max.CopyFrom(pb.Duration(seconds=1))
             backoff.exponential_backoff.multiplier = 2.0
+        out.metric.Clear()
+        out.metric.on = False  # no metric collector behind this proxy (the Java proxy's default, OFF)
         if s.HasField("publishing"):
             out.publishing.max_body_size = self.cfg.max_body_size
             out.publishing.validate_message_type = False
@@ -373,6 +375,15 @@ class MessagingService:
         return []
 
     async def ReceiveMessage(self, req: Any, ctx: Any) -> AsyncIterator[Any]:
+        """Server streaming as the Java proxy writes it: a status, the messages (if any), and last the
+        proxy's clock as ``delivery_timestamp`` (the clients measure delivery latency from it)."""
+        for answer in await self._receive(req, ctx):
+            yield answer
+        now = time.time_ns()
+        yield self.pb.ReceiveMessageResponse(delivery_timestamp=self.pb.Timestamp(seconds=now // 1_000_000_000,
+                                                                                  nanos=now % 1_000_000_000))
+
+    async def _receive(self, req: Any, ctx: Any) -> list[Any]:
         pb = self.pb
         self.stats.receives += 1
         long_poll = req.long_polling_timeout.seconds + req.long_polling_timeout.nanos / 1e9
@@ -386,19 +397,15 @@ class MessagingService:
             r = await self.route(req.message_queue.topic.name)
             msgs = await self._pop_with_notify(r, req, invisible_ms, time.monotonic() + long_poll)
         except (Fail, BadRequest) as f:
-            yield pb.ReceiveMessageResponse(status=self.status(f.code, str(f)))
-            return
+            return [pb.ReceiveMessageResponse(status=self.status(f.code, str(f)))]
         except Exception as exc:
             log.exception("receive failed")
-            yield pb.ReceiveMessageResponse(status=self.status("INTERNAL_SERVER_ERROR", str(exc)))
-            return
+            return [pb.ReceiveMessageResponse(status=self.status("INTERNAL_SERVER_ERROR", str(exc)))]
         if not msgs:
             self.stats.empty += 1
-            yield pb.ReceiveMessageResponse(status=self.status("MESSAGE_NOT_FOUND", "no new message"))
-            return
-        yield pb.ReceiveMessageResponse(status=self.status("OK"))
-        for m in msgs:
-            yield pb.ReceiveMessageResponse(message=m)
+            return [pb.ReceiveMessageResponse(status=self.status("MESSAGE_NOT_FOUND", "no new message"))]
+        return [pb.ReceiveMessageResponse(status=self.status("OK"))] + [pb.ReceiveMessageResponse(message=m)
+                                                                          for m in msgs]
 
     async def _handle_call(self, topic: str, group: str, handle: ReceiptHandle, code: int,
                            extra: dict[str, str]) -> Any:

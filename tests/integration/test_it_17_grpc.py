@@ -163,6 +163,7 @@ def _receive(pb: Any, addr: str, group: str, first_broker: str, long_poll: int) 
         t0 = time.monotonic()
         answers = list(call(req, timeout=long_poll + 5))
         took = time.monotonic() - t0
+        assert answers[-1].HasField("delivery_timestamp"), answers[-1]  # the stream ends with the proxy's clock
         return [a.message for a in answers if a.HasField("message")], answers[0].status, took
     finally:
         channel.close()
@@ -359,3 +360,39 @@ def test_forward_to_dead_letter_queue(front: str, two_brokers: tuple[RocketMQClu
     assert resp.status.code == pb.Code.OK, resp
     r = remoting_request(b.broker_addr, C.GET_MAX_OFFSET, {"topic": f"%DLQ%{group}", "queueId": 0})
     assert r.code == 0 and int(r.ext_fields["offset"]) == 1, (r.code, r.remark, r.ext_fields)
+
+
+def test_python_push_consumer_redelivers_after_failure(front: str) -> None:
+    """The Python 5.x PushConsumer through rmqfast: a listener that fails a message's first delivery
+    gets it again (the client changes its invisible duration by its back-off policy, from the
+    settings the front answered) and acks the second."""
+    from rocketmq import ConsumeResult, FilterExpression, Message, MessageListener, Producer, PushConsumer
+
+    run = uuid.uuid4().hex[:8]
+    body = f"push-{run}".encode()
+    attempts: list[int] = []
+    acked = threading.Event()
+
+    class Listener(MessageListener):
+        def consume(self, message: Any) -> ConsumeResult:
+            if message.body != body:
+                return ConsumeResult.SUCCESS
+            attempts.append(message.delivery_attempt)
+            if len(attempts) == 1:
+                return ConsumeResult.FAILURE
+            acked.set()
+            return ConsumeResult.SUCCESS
+
+    consumer = PushConsumer(_client_config(front), f"grpc_push_{run}", Listener(), {TOPIC: FilterExpression("push")})
+    consumer.startup()
+    producer = Producer(_client_config(front), (TOPIC,))
+    producer.startup()
+    try:
+        m = Message()
+        m.topic, m.body, m.tag = TOPIC, body, "push"
+        producer.send(m)
+        assert acked.wait(BOUND), attempts
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+    assert attempts[:2] == [1, 2], attempts
