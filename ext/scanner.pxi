@@ -38,6 +38,7 @@ cdef class FrameScanner:
     cdef public int limited      # rule index when the last EV_POLICY was a send over its limit, else -1
     cdef public int conn_id      # the relay's connection id, carried into sampled records
     cdef public list delay_topics  # [delay] topics (bytes; b"*" ends a prefix): their delayed sends go to policy
+    cdef public list policy_topics  # topics (bytes; b"*" ends a prefix) whose every send goes to policy
 
     def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
                  Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
@@ -158,6 +159,10 @@ cdef class FrameScanner:
                 if ts >= 0 and tesc:
                     return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == 1
+                if not policy and ts >= 0 and self.policy_topics and \
+                        (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
+                    # every send of these topics leaves the fast path (gray releases: split topics)
+                    policy = delay_topic(self.policy_topics, p + pos + 8 + ts, tl)
                 if not policy and ts >= 0 and self.delay_topics and \
                         (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
                     # proxy-held delay: only a delay topic's sends that ask for a delivery time

@@ -147,6 +147,8 @@ class FrameScanner:
     limiter: Limiter | None
     limited: int
     conn_id: int
+    delay_topics: list[bytes] | None
+    policy_topics: list[bytes] | None
     @property
     def stats(self) -> ScanStats: ...
     @property

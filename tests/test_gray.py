@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from rmqfast import codec
 from rmqfast import config as config_mod
+from rmqfast.codec import ACTION_POLICY, EV_FORWARD, EV_POLICY, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import FLAG_ONEWAY, FLAG_RESPONSE, RemotingCommand, decode_frame, encode
 from rmqfast.codec.properties import format_properties
@@ -33,7 +36,8 @@ from rmqfast.gray.rules import (
     send_queue,
 )
 from rmqfast.gray.state import Commands, read_commands, write_command
-from rmqfast.proxy.policy import Frame, Kind
+from rmqfast.proxy.failover import KeepSendsInFlight
+from rmqfast.proxy.policy import FilterChain, Frame, Kind
 
 G = "orders-cg"
 T = "orders"
@@ -530,3 +534,84 @@ def test_backlog_of_the_gray_queues_asked_of_the_brokers() -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+# the scanner hands over the sends of split topics only -------------------------------------------------
+
+SCANNERS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py")]
+if codec.FrameScannerC is not None:
+    SCANNERS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c"))
+
+
+def other_send(topic: str = "unsplit") -> Frame:
+    ext = {"a": "pg-canary", "b": topic, "c": "TBW102", "d": "4", "e": "3", "f": "0", "g": "1", "h": "0",
+           "i": format_properties({"gray": "true"}), "j": "0", "k": "false", "m": "false", "n": "broker-a"}
+    return frame_of(RemotingCommand(C.SEND_MESSAGE_V2, opaque=32, ext_fields=ext, body=b"hello"))
+
+
+@pytest.mark.parametrize("scanner", SCANNERS)
+def test_only_sends_of_split_topics_leave_the_fast_path(scanner: tuple[Any, Any]) -> None:
+    scanner_cls, stats_cls = scanner
+    f, _, _ = make_filter(k=1, queues=4)
+    keep = KeepSendsInFlight()  # sees the sends other filters hand to Python (passive)
+    chain = FilterChain([f, keep])
+    assert f.send_topics() == [T.encode()] and chain.policy_topics == [T.encode()]
+    for code in (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE):
+        assert chain.request_actions[code_slot(code)] != ACTION_POLICY  # not every send
+        assert chain._by_slot[code_slot(code)] == (f, keep)  # those handed over: as before, in chain order
+    for code in GrayFilter.CODES:
+        assert chain.request_actions[code_slot(code)] == ACTION_POLICY
+    sc = scanner_cls(stats_cls(), actions=chain.request_actions)  # as the relay sets up its scanner
+    sc.policy_topics = chain.policy_topics
+    for fr in (other_send(), other_send(T + "-x"), send(3, {"KEYS": "k1"}, v2=True)):
+        held = decode_frame(fr.data).ext_fields["b"] == T  # type: ignore[index]
+        assert sc.scan(fr.data, 0, len(fr.data))[0] == (EV_POLICY if held else EV_FORWARD)
+    fr = send(3, {"KEYS": "k1"}, v2=False)
+    assert sc.scan(fr.data, 0, len(fr.data)) == (EV_POLICY, 0, len(fr.data))
+    s = FakeSession()
+    handed = Frame(fr.data, sc.code, sc.flag, sc.opaque, sc.limited)
+    assert chain.on_request(s, handed).kind is Kind.PASS
+    assert decode_frame(handed.data).ext_fields["queueId"] == "0"  # type: ignore[index]  # moved to a normal queue
+    assert s.state["kept"][31] == handed.data  # the filters after gray see the send it rewrote
+    # a send of an unsplit topic that reaches Python anyway (another filter asked for sends): passed unchanged
+    fr = other_send()
+    data = fr.data
+    s = FakeSession()
+    assert chain.on_request(s, fr).kind is Kind.PASS and fr.data is data and s.state["kept"][32] == data
+
+
+def test_a_reload_reaches_the_scanners_of_live_sessions(tmp_path: Path) -> None:
+    from rmqfast.server.worker import Worker
+
+    def cfg(gray: dict[str, Any] | None) -> Any:
+        raw: dict[str, Any] = {"namesrv": {"listen": "127.0.0.1:1", "upstreams": ["127.0.0.1:2"]},
+                               "proxy": {"state_dir": str(tmp_path)}}
+        if gray is not None:
+            raw["gray"] = gray
+        return config_mod.from_dict(raw)
+
+    def gray(*topics: str) -> dict[str, Any]:
+        return {"group": [{"group": G, "topics": list(topics), "gray_queues": 1, "producer_groups": ["pg"]}]}
+
+    first = cfg(gray("a"))
+    w = Worker(first, 0, lambda status: None)
+    w.listeners[first.namesrv.listen] = SimpleNamespace(server=None)  # reload binds nothing
+    chain = w.chains["broker"]
+    assert chain.policy_topics == [b"a"] and chain.request_actions[code_slot(C.SEND_MESSAGE_V2)] != ACTION_POLICY
+
+    class LiveSession:
+        role = "broker"
+
+    s = LiveSession()
+    s.c2u = codec.FrameScanner(codec.ScanStats(), actions=chain.request_actions)  # type: ignore[attr-defined]
+    s.c2u.policy_topics = chain.policy_topics  # type: ignore[attr-defined]
+    s.chain = chain  # type: ignore[attr-defined]
+    w.sessions.add(s)  # type: ignore[arg-type]
+    fr = other_send("b")
+    assert s.c2u.scan(fr.data, 0, len(fr.data))[0] == EV_FORWARD  # type: ignore[attr-defined]
+    w.reload(cfg(gray("b", "c")))
+    assert s.c2u.policy_topics == [b"b", b"c"] and s.chain is w.chains["broker"]  # type: ignore[attr-defined]
+    assert s.c2u.scan(fr.data, 0, len(fr.data))[0] == EV_POLICY  # type: ignore[attr-defined]
+    w.reload(cfg(None))  # [gray] off
+    assert s.c2u.policy_topics is None  # type: ignore[attr-defined]
+    assert s.c2u.scan(fr.data, 0, len(fr.data))[0] == EV_FORWARD  # type: ignore[attr-defined]

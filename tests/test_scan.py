@@ -273,11 +273,13 @@ def test_code_slots_round_trip():
 needs_c = pytest.mark.skipif(codec.FrameScannerC is None, reason="extension not built")
 
 
-def _both(data: bytes, chunk: int | None, actions: bytes | None = None, response_policy: bool = False):
+def _both(data: bytes, chunk: int | None, actions: bytes | None = None, response_policy: bool = False,
+          policy_topics: list[bytes] | None = None):
     results = []
     for Scanner, Stats in ((codec.FrameScannerPy, codec.ScanStatsPy), (codec.FrameScannerC, codec.ScanStatsC)):
         stats = Stats()
         sc = Scanner(stats, actions=actions, response_policy=response_policy, max_frame_size=1 << 20)
+        sc.policy_topics = policy_topics
         out = run(sc, data, chunk)
         out.append(
             (
@@ -332,6 +334,19 @@ def test_compiled_and_python_agree(frames, chunk, actions, response_policy):
 
 
 @needs_c
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(frame_strategy, max_size=6),
+    st.one_of(st.none(), st.integers(1, 50)),
+    st.lists(st.sampled_from([b"a", b"ab", b"a*", b"b*", b"*", b"", b"abcXYZ", b"B"]), max_size=3),
+)
+def test_compiled_and_python_agree_on_policy_topics(frames, chunk, policy_topics):
+    data = b"".join(frames)
+    py, c = _both(data, chunk, None, False, policy_topics)
+    assert py == c
+
+
+@needs_c
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200), st.integers(1, 30))
 def test_fuzz_only_frames_or_protocol_errors(data, chunk):
@@ -377,3 +392,48 @@ def test_delay_topics_hand_only_delayed_sends_to_policy(impl, topic, props, code
     assert sc.scan(frame, 0, len(frame))[0] == (codec.EV_POLICY if held else codec.EV_FORWARD)
     sc.delay_topics = None  # off: every send is relayed
     assert sc.scan(frame, 0, len(frame))[0] == codec.EV_FORWARD
+
+
+@pytest.mark.parametrize("topic,code,stype,held", [
+    ("Split", 310, 0, True),                                   # SEND_MESSAGE_V2, JSON header
+    ("Split", 310, 1, True),                                   # binary header
+    ("Split", 10, 0, True),                                    # SEND_MESSAGE (v1): the "topic" field
+    ("Split", 320, 1, True),                                   # a batch
+    ("Split-x", 310, 0, True),                                 # prefix
+    ("Split-", 10, 1, True),                                   # the prefix itself
+    ("Splitx", 310, 0, False),                                 # not the name, not the prefix
+    ("Spli", 310, 0, False),
+    ("Other", 320, 0, False),                                  # not a listed topic: fast path
+    ("Split", 11, 0, False),                                   # a pull of the topic: not a send
+    ("Split", 361, 0, False),                                  # LITE_PULL
+])
+def test_policy_topics_hand_every_send_of_those_topics_to_policy(impl, topic, code, stype, held):
+    scanner_cls, stats_cls = impl
+    ext = {"b": topic, "i": "TAGS\x01a"} if code in (310, 320) else {"topic": topic, "properties": "TAGS\x01a"}
+    frame = (binary_frame(code, 0, 5, ext) if stype else
+             json_frame({"code": code, "extFields": ext, "flag": 0, "opaque": 5}))
+    sc = scanner_cls(stats_cls())
+    sc.policy_topics = [b"Split", b"Split-*"]
+    ev, start, end = sc.scan(frame, 0, len(frame))
+    assert ev == (codec.EV_POLICY if held else codec.EV_FORWARD)
+    if held:
+        assert (start, end, sc.code, sc.opaque, sc.limited) == (0, len(frame), code, 5, -1)
+    sc.policy_topics = None  # off: every send is relayed
+    assert sc.scan(frame, 0, len(frame))[0] == codec.EV_FORWARD
+    sc.policy_topics = [b"*"]  # every topic
+    assert sc.scan(frame, 0, len(frame))[0] == (codec.EV_POLICY if code in (10, 310, 320) else codec.EV_FORWARD)
+
+
+def test_policy_topics_sends_come_whole_and_escaped_topics_fail(impl):
+    scanner_cls, stats_cls = impl
+    frame = send_v2("Split", opaque=9, body=b"z" * 500)
+    sc = scanner_cls(stats_cls())
+    sc.policy_topics = [b"Split"]
+    assert sc.scan(frame, 0, 400) == (codec.EV_FORWARD, 0, len(frame))  # waits for the whole frame
+    assert sc.scan(frame, 0, len(frame)) == (codec.EV_POLICY, 0, len(frame))
+    hb = b'{"code":310,"extFields":{"b":"Spl\\u0069t"},"flag":0,"opaque":1}'
+    escaped = struct.pack(">ii", 4 + len(hb), len(hb)) + hb
+    sc2 = scanner_cls(stats_cls())
+    sc2.policy_topics = [b"Split"]
+    assert sc2.scan(escaped, 0, len(escaped))[0] == codec.EV_ERROR
+    assert "escape" in sc2.error

@@ -233,6 +233,11 @@ CASES += [
     ("FrameScanner(direction=2)", lambda m, L: m.FrameScanner(m.ScanStats(), direction=2), ValueError),
     ("FrameScanner.scan(end beyond the buffer)", lambda m, L: m.FrameScanner(m.ScanStats()).scan(b"abc", 0, 4),
      ValueError),
+    ("FrameScanner.policy_topics = (b'T',)", lambda m, L: setattr(m.FrameScanner(m.ScanStats()), "policy_topics",
+                                                                  (b"T",)), TypeError),
+    ("FrameScanner.policy_topics = [b'T']", lambda m, L: setattr(m.FrameScanner(m.ScanStats()), "policy_topics",
+                                                                 [b"T"]), None),
+    ("FrameScanner.policy_topics = ['T'], a send scanned", lambda m, L: _scan_with_topics(m, ["T"]), TypeError),
     ("InFlight.abandon(None)", lambda m, L: m.InFlight().abandon(None), TypeError),
     ("Limiter(read-only bytes)", lambda m, L: L(bytes(_limiter_py.SHM_BYTES)), BufferError),
     ("Limiter(no header)", lambda m, L: L(bytearray(_limiter_py.SHM_BYTES)), ValueError),
@@ -254,6 +259,14 @@ CASES += [
     ("Limiter.admit(str topic)", lambda m, L: _lim(L).admit("T"), TypeError),
     ("Limiter.admit(str tag)", lambda m, L: _lim(L).admit(b"T", "x"), TypeError),
 ]
+
+
+def _scan_with_topics(m: Any, topics: Any) -> Any:
+    sc = m.FrameScanner(m.ScanStats())
+    sc.policy_topics = topics
+    hb = b'{"code":310,"extFields":{"b":"T"},"flag":0,"opaque":1}'
+    frame = (4 + len(hb)).to_bytes(4, "big") + len(hb).to_bytes(4, "big") + hb
+    return sc.scan(frame, 0, len(frame))
 
 
 def _outcome(fn: Any, m: Any, L: Any) -> type[BaseException] | None:

@@ -390,6 +390,7 @@ class FrameScanner:
         #: the relay's connection id, carried into sampled records
         self.conn_id = 0
         self._delay_topics: list[bytes] | None = None
+        self._policy_topics: list[bytes] | None = None
         #: Non-oneway requests seen (for in-flight accounting by the peer direction).
         self.requests = 0
         #: Responses seen.
@@ -412,6 +413,18 @@ class FrameScanner:
         if value is not None and type(value) is not list:
             raise TypeError(f"Expected list, got {type(value).__name__}")
         self._delay_topics = value
+
+    @property
+    def policy_topics(self) -> list[bytes] | None:
+        """Topics (bytes; a trailing ``*`` makes a prefix) whose every send goes to the policy
+        (EV_POLICY), whatever the action table says of the send codes."""
+        return self._policy_topics
+
+    @policy_topics.setter
+    def policy_topics(self, value: list[bytes] | None) -> None:
+        if value is not None and type(value) is not list:
+            raise TypeError(f"Expected list, got {type(value).__name__}")
+        self._policy_topics = value
 
     def set_actions(self, actions: bytes) -> None:
         if len(actions) != CODE_SLOTS:
@@ -501,6 +514,10 @@ class FrameScanner:
                 if tspan is not None and tspan[2]:
                     return self._fail(pos, f"invalid {kind} header: {ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == ACTION_POLICY
+                if not policy and tspan is not None and self._policy_topics and \
+                        code in (_SEND_V2, _SEND_BATCH, _SEND_V1):
+                    # every send of these topics leaves the fast path (gray releases: split topics)
+                    policy = delay_topic(self._policy_topics, header[tspan[0] : tspan[0] + tspan[1]])
                 if not policy and tspan is not None and self._delay_topics and \
                         code in (_SEND_V2, _SEND_BATCH, _SEND_V1):
                     # proxy-held delay: only a delay topic's sends that ask for a delivery time

@@ -14,7 +14,9 @@ It reads, per broker connection:
 * ``UPDATE_CONSUMER_OFFSET`` (15): commits of a client for a queue it does not own (or owned stale)
   are dropped.
 * sends (10, 310, 320) of split topics: the queue id is rewritten (gray sends to gray queues,
-  normal sends to normal ones); the frame is re-encoded by the project's header codec.
+  normal sends to normal ones); the frame is re-encoded by the project's header codec.  Only the
+  sends of split topics leave the compiled fast path (the scanner's ``policy_topics``, from
+  :meth:`GrayFilter.send_topics`); the sends of other topics need nothing here.
 
 Only the groups and topics of ``[gray]`` are touched; everything else passes.
 """
@@ -104,7 +106,8 @@ def _peer_ip(addr: str) -> str:
 class GrayFilter(Filter):
     name = "gray"
     wants_marked_responses = True
-    CODES = (C.HEART_BEAT, C.GET_CONSUMER_LIST_BY_GROUP, C.PULL_MESSAGE, C.UPDATE_CONSUMER_OFFSET, *SEND_CODES)
+    # the sends are not in the action table: only those of split topics reach Python (send_topics)
+    CODES = (C.HEART_BEAT, C.GET_CONSUMER_LIST_BY_GROUP, C.PULL_MESSAGE, C.UPDATE_CONSUMER_OFFSET)
 
     def __init__(self, cfg: GraySection, queues: Callable[[str, str], int | None], commands: Commands,
                  metrics: GrayMetrics | None = None, *, broker_name: Callable[[str, str], str | None] | None = None,
@@ -126,6 +129,9 @@ class GrayFilter(Filter):
 
     def request_slots(self) -> set[int]:
         return slots_of(self.CODES)
+
+    def send_topics(self) -> list[bytes] | None:
+        return sorted(t.encode() for t in self.topics)
 
     # State of a group -------------------------------------------------------------------------
 

@@ -168,6 +168,12 @@ class Filter:
         it in place reaches live sessions); other sends stay on the fast path.  None: none."""
         return None
 
+    def send_topics(self) -> list[bytes] | None:
+        """Topics (bytes; a trailing ``*`` makes a prefix) whose every send (10, 310, 320) the scanner
+        hands to this filter (its ``policy_topics``) without the send codes in the action table; the
+        sends of other topics stay on the fast path.  None: none."""
+        return None
+
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         return None
 
@@ -196,6 +202,8 @@ class FilterChain:
         limited = slots_of(LIMITED_CODES)
         #: the scanner's ``delay_topics`` (:meth:`Filter.scanner_topics` of the first filter with some)
         self.delay_topics: list[bytes] | None = None
+        #: the scanner's ``policy_topics`` (:meth:`Filter.send_topics` of the filters with some)
+        self.policy_topics: list[bytes] | None = None
         for f in filters:
             slots = f.request_slots()
             for s in slots:
@@ -203,12 +211,17 @@ class FilterChain:
             topics = f.scanner_topics()
             if topics is not None and self.delay_topics is None:
                 self.delay_topics = topics
+            sends = f.send_topics()
+            if sends is not None:
+                self.policy_topics = sends if self.policy_topics is None else [*self.policy_topics, *sends]
             for s in range(CODE_SLOTS):
-                if s in slots or ((f.sees_limited or topics is not None) and s in limited):
+                if s in slots or ((f.sees_limited or topics is not None or sends is not None) and s in limited):
                     by_slot[s].append(f)
         for f in filters:
             for s in f.passive_slots() - f.request_slots():
-                if table[s] == ACTION_POLICY:
+                # the sends of policy_topics reach Python whatever the table says: the passive
+                # filters see them as they would if the send codes were in the table
+                if table[s] == ACTION_POLICY or (self.policy_topics and s in limited):
                     by_slot[s].append(f)
         self.request_actions = bytes(table)
         self.response_policy = any(f.wants_responses for f in filters)

@@ -303,6 +303,7 @@ class Session(SessionCore):
         )
         self.c2u.conn_id = self.conn_id
         self.c2u.delay_topics = self.chain.delay_topics  # [delay]: delayed sends of those topics go to policy
+        self.c2u.policy_topics = self.chain.policy_topics  # every send of those topics goes to policy ([gray])
         # Requests from the broker to the client (39, 40, 307, 309...) are always relayed.
         self.u2c = FrameScanner(
             self.stats,

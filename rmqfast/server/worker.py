@@ -590,6 +590,7 @@ class Worker:
             if s.c2u is not None:
                 s.c2u.set_actions(self.chains[s.role].request_actions)
                 s.c2u.delay_topics = self.chains[s.role].delay_topics
+                s.c2u.policy_topics = self.chains[s.role].policy_topics
             s.chain = self.chains[s.role]
         wanted = {cfg.namesrv.listen} | {ep.listen for ep in self.registry.endpoints()}
         for hp in list(self.listeners):

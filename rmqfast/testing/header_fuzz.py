@@ -30,6 +30,8 @@ TOPICS = ("TopicA", "TopicB", "TopicC")
 TAGS = ("TagX", "TagY")
 #: [delay] topics of the second scanner pair: a send of these that asks for a delivery time goes to policy
 DELAY_TOPICS = [b"TopicA", b"TopicC*"]
+#: ``policy_topics`` of the same pair: every send of these goes to policy (gray releases' split topics)
+SEND_TOPICS = [b"TopicB", b"TopicA*"]
 DELAY_NAMES = ("DELAY", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", "TIMER_DELIVER_MS", "__STARTDELIVERTIME")
 RULES = [  # (topic, tag, rate, burst, bytes rate, bytes burst, mode, slot); mode 1 = reject
     (b"TopicA", None, 0.0, 0.0, 0.0, 0.0, 1, 1),
@@ -208,6 +210,8 @@ class Verdict:
     limited: int
     #: the event of a scanner with no policy codes and [delay] topics DELAY_TOPICS (0: EV_FORWARD)
     delayed: int = 0
+    #: the event of that scanner for this frame with ``policy_topics`` SEND_TOPICS as well
+    sent: int = 0
 
 
 def _limiter(compiled: bool) -> Any:
@@ -236,8 +240,12 @@ class Twins:
             ev, a, b = sc.scan(frame, 0, len(frame), 1)
             ds = scanner_cls(stats_cls())
             ds.delay_topics = list(DELAY_TOPICS)
+            delayed = ds.scan(frame, 0, len(frame), 1)[0]
+            ds = scanner_cls(stats_cls())
+            ds.delay_topics = list(DELAY_TOPICS)
+            ds.policy_topics = list(SEND_TOPICS)
             out.append(Verdict(ev, a, b, sc.error, sc.code, sc.flag, sc.opaque,
-                               tuple(sorted(t[0] for t in stats.topics())), sc.limited,
+                               tuple(sorted(t[0] for t in stats.topics())), sc.limited, delayed,
                                ds.scan(frame, 0, len(frame), 1)[0]))
         return out
 
@@ -279,6 +287,10 @@ def check(twins: Twins, frame: bytes) -> str | None:
             and (r.topic == "TopicA" or r.topic.startswith("TopicC")) and (r.code == 320 or r.delay))
     if v.delayed != (codec.EV_POLICY if held else codec.EV_FORWARD):
         return f"[delay] scanner event {v.delayed}, broker's reading (topic {r.topic!r}, delay {r.delay}) holds: {held}"
+    sent = held or (not r.flag & 1 and r.code in SEND_CODES and r.topic is not None
+                    and (r.topic == "TopicB" or r.topic.startswith("TopicA")))
+    if v.sent != (codec.EV_POLICY if sent else codec.EV_FORWARD):
+        return f"policy_topics scanner event {v.sent}, broker's reading (topic {r.topic!r}) sends it to policy: {sent}"
     return None
 
 
