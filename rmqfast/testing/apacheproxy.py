@@ -29,6 +29,15 @@ Two properties of 5.3.3 matter when benchmarking it:
   and the other ``remoting*ThreadPoolNums`` settings have no effect (fixed upstream after 5.3.3,
   apache/rocketmq#8233).  Sends are forwarded asynchronously, so 4 threads are not a send limit;
   no configuration changes it;
+* ``AbstractRemotingActivity.writeResponse`` drops a response, silently, when the client's channel
+  is not writable, i.e. when more than Netty's default high water mark (64 KiB) is waiting to be
+  written to it.  A push consumer pulling 8 queues in batches of 32 x 1 KiB gets several ~36 KB
+  responses at once: with the default marks most are dropped and the consumer waits for its 30 s
+  pull timeout (101 msg/s consumed, the proxy idle).  The harness raises the marks
+  (``write_buffer_water_mark``, 4 MiB / 2 MiB by default, ``-Dcom.rocketmq.remoting.write.buffer.
+  {high,low}.water.mark``, read by ``NettySystemConfig`` for every Remoting server and client of
+  the JVM) so that the Remoting channel to a client behaves as it does for the broker's own
+  consumers; ``None`` keeps Netty's defaults;
 * a fresh proxy runs its send path interpreted or C1-compiled; measured from cold on a loaded
   machine it gave 650 msg/s and then 1,900 and 2,800 msg/s in the following runs (16 threads of
   sync sends): benchmarks warm it up first (``rmqfast bench --real`` does).
@@ -116,6 +125,7 @@ class ApacheProxy:
 
     ``fast_start`` runs the JVM with C1 only (faster startup, lower peak throughput): keep it for
     tests, pass ``False`` for benchmarks.  ``config`` entries are added to ``rmq-proxy.json``.
+    ``write_buffer_water_mark`` is (high, low) in bytes for its Netty channels (see the module text).
     """
 
     bind_attempts = 5
@@ -129,6 +139,7 @@ class ApacheProxy:
         fast_start: bool = True,
         start_timeout: float = 120.0,
         config: dict[str, object] | None = None,
+        write_buffer_water_mark: tuple[int, int] | None = (4 << 20, 2 << 20),
         jvm_opts: Sequence[str] = (),
         java_dir: Path | None = None,
     ) -> None:
@@ -138,6 +149,7 @@ class ApacheProxy:
         self.fast_start = fast_start
         self.start_timeout = start_timeout
         self.extra_config = dict(config or {})
+        self.write_buffer_water_mark = write_buffer_water_mark
         self.jvm_opts = list(jvm_opts)
         self.java_dir = java_dir
         self.workdir: Path | None = None
@@ -274,6 +286,10 @@ class ApacheProxy:
         ]
         if self.fast_start:
             cmd.append("-XX:TieredStopAtLevel=1")
+        if self.write_buffer_water_mark is not None:
+            high, low = self.write_buffer_water_mark
+            cmd += [f"-Dcom.rocketmq.remoting.write.buffer.high.water.mark={high}",
+                    f"-Dcom.rocketmq.remoting.write.buffer.low.water.mark={low}"]
         cmd += self.jvm_opts
         cmd += ["-cp", f"{wd / 'classpath'}{os.pathsep}{lib}/*", MAIN_CLASS,
                 "-pc", str(wd / "home" / "conf" / "rmq-proxy.json"), "-pm", "cluster", "-n", self.namesrv_addr]
