@@ -3,7 +3,7 @@
 * 5.3.3 broker, clients 5.3.3 and 4.9.4: messages asking for a delivery time a few seconds out
   (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS, __STARTDELIVERTIME) are answered by the
   proxy (queueOffset -1), stored by the broker at their due time, neither early nor later than
-  the bound, in due-time order, without delay properties and without the broker's timer having
+  the bound, in due-time order within each queue, without delay properties and without the broker's timer having
   touched them (no TIMER_OUT_MS), and the consumer's msgId is the producer's.
 * 4.9.4 broker (no timer messages at all) and a delay level beyond its 18 (mapped by [delay] levels).
 * kill -9 of both workers while 1000 are pending: every acknowledged message arrives exactly once.
@@ -59,11 +59,17 @@ def check_deliveries(got: list[dict], sent: list[dict], label: str, *, order: bo
     assert {d["msg_id"] for d in got} == {s["msg_id"] for s in sent}
     if not order:
         return late
-    # due-time order as the broker stored them (messages due 150 ms apart)
-    by_store = sorted(got, key=lambda d: (d["store_timestamp"], d["queue_offset"]))
-    dues = [int(d["props"]["due_ms"]) for d in by_store]
-    inversions = [(a, b) for a, b in zip(dues, dues[1:], strict=False) if b < a - 20]
-    assert not inversions, (label, inversions[:5])
+    # due-time order as the broker stored them, in each queue: the proxy releases each queue's
+    # messages in due order (one lane per queue); across queues the lanes run side by side, so two
+    # messages of different queues due 150 ms apart may be stored the other way round on a
+    # loaded machine, which no ordering contract of RocketMQ covers
+    queues: dict[tuple[str, int], list[dict]] = {}
+    for d in got:
+        queues.setdefault((d.get("broker_name", ""), int(d["queue_id"])), []).append(d)
+    for q, ds in queues.items():
+        dues = [int(d["props"]["due_ms"]) for d in sorted(ds, key=lambda d: int(d["queue_offset"]))]
+        assert dues == sorted(dues), (label, q, "stored out of due order", dues)
+    assert len(queues) > 1 or len(got) < 2, (label, "every message on one queue: the order check would be weak")
     return late
 
 
