@@ -5,10 +5,11 @@ Starts the null broker, a stand-in name server that answers every route request 
 null broker, ``policy.message_addresses = "off"``):
 
 * ``off``: no ``[gray]``;
-* ``other``: ``[gray]`` splits another topic: every send leaves the compiled path for the gray
-  filter (header decode, topic lookup) and is relayed unchanged;
+* ``other``: ``[gray]`` splits another topic: the sends of ``BenchTopic`` stay on the compiled
+  path (the scanner hands only the sends of split topics to the gray filter);
 * ``split``: ``[gray]`` splits ``BenchTopic`` and names the load generator's producer group gray:
-  every send is decoded, its queue id rewritten to a gray queue and the header encoded again.
+  every send leaves the compiled path, is decoded, its queue id rewritten to a gray queue and the
+  header encoded again.
 
 Each round runs 1 KiB SEND_MESSAGE_V2, 16 connections x 32 in flight, against every proxy in
 rotating order.  Printed per run: answers/s, p99, the workers' CPU per send; then the medians and
