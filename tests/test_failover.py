@@ -789,3 +789,18 @@ def test_keeper_is_bounded_and_forgets_answered_sends() -> None:
     assert session.state["kept"] == {} and keeper.held == 0
     keeper.on_close(session)
     assert keeper.held == 0
+
+
+def test_resend_policy_leaves_the_fast_path_as_it_is() -> None:
+    """``resend = "policy"``: the scanner's action table is the one without the keeper (sends stay
+    on the compiled path); ``"all"`` hands sends to Python."""
+    from rmqfast.codec import code_slot
+    from rmqfast.proxy.failover import KeepSendsInFlight
+    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+
+    base = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
+    policy = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES), KeepSendsInFlight(everything=False)])
+    everything = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES), KeepSendsInFlight(everything=True)])
+    assert policy.request_actions == base.request_actions
+    slot = code_slot(C.SEND_MESSAGE_V2)
+    assert everything.request_actions[slot] != base.request_actions[slot]
