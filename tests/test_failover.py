@@ -419,6 +419,43 @@ def test_inflight_waiting_is_the_same_in_both_twins() -> None:
         assert t.waiting(0) == [(-7, 4), (5, 3), (2**31 - 1, 1)] and t.waiting(1) == [(9, 2)]
 
 
+def test_answering_in_flight_requests_of_a_client_that_went_raises_nothing() -> None:
+    """The broker and then the client went: the answers cannot be written (broken pipe), and the
+    close that follows must not see an error (it was logged as a failed hook before)."""
+    from rmqfast import codec
+
+    class Out:
+        queue = ()
+
+        def at_boundary(self) -> bool:
+            return True
+
+    class Stats:
+        def __init__(self) -> None:
+            self.results: list[tuple[int, int]] = []
+
+        def count_result(self, slot: int, idx: int) -> None:
+            self.results.append((slot, idx))
+
+    class GoneClient:
+        def __init__(self) -> None:
+            self.inflight = codec.InFlightPy(8)
+            self.to_client = Out()
+            self.stats = Stats()
+            self.state: dict[str, Any] = {}
+            self.writes = 0
+
+        def answer(self, out: Any, data: bytes, at_boundary: bool) -> None:
+            self.writes += 1
+            raise BrokenPipeError(32, "Broken pipe")
+
+    s = GoneClient()
+    for opaque in (1, 2, 3):
+        s.inflight.track(0, opaque, 3, 100)
+    answered, sends, resent = answer_in_flight(s, "gone")
+    assert (answered, resent) == (0, 0) and s.writes == 1  # stopped at the first failed write
+
+
 def test_relay_answers_requests_in_flight_when_the_broker_connection_dies(proxy: Any) -> None:  # noqa: F811
     """The broker reads two sends and closes its connection without answering (a kill -9): the
     client gets SYSTEM_ERROR for both, with their opaques, before its connection closes."""

@@ -337,7 +337,10 @@ def answer_in_flight(session: Any, remark: str,
         if data is not None:
             moving.append((opaque, slot, gevent.spawn(_resend_one, resend, data)))
             continue
-        _answer_error(session, out, opaque, slot, remark)
+        try:
+            _answer_error(session, out, opaque, slot, remark)
+        except OSError:  # the client went too (a reset or broken pipe): nobody is left to answer
+            break
         answered += 1
     if not moving:
         return answered, sends, 0
@@ -356,14 +359,20 @@ def answer_in_flight(session: Any, remark: str,
             log.warning("a send in flight was resent but its client connection went meanwhile",
                         extra=ctx(client=getattr(session, "client_addr", ""), resent=got is not None))
             continue  # nothing can be told
-        if got is None:
-            log.warning("a send in flight was not resent in time; answered SYSTEM_ERROR (the producer retries it)",
-                        extra=ctx(client=getattr(session, "client_addr", ""), deadline=resend_timeout))
-            _answer_error(session, out, opaque, slot, remark)
-        else:
-            session.stats.count_result(slot, result_index(got.code))
-            session.answer(out, encode(replace(got, opaque=opaque)), True)
-            resent += 1
+        try:
+            if got is None:
+                log.warning("a send in flight was not resent in time; answered SYSTEM_ERROR (the producer "
+                            "retries it)", extra=ctx(client=getattr(session, "client_addr", ""),
+                                                     deadline=resend_timeout))
+                _answer_error(session, out, opaque, slot, remark)
+            else:
+                session.stats.count_result(slot, result_index(got.code))
+                session.answer(out, encode(replace(got, opaque=opaque)), True)
+                resent += 1
+        except OSError:  # the client went meanwhile (a reset or broken pipe)
+            log.warning("a send in flight was resent but its client connection went meanwhile",
+                        extra=ctx(client=getattr(session, "client_addr", ""), resent=got is not None))
+            break
         answered += 1
     return answered, sends, resent
 
