@@ -74,6 +74,8 @@ cdef enum:
     SEND_V1 = 10
     SEND_V2 = 310
     SEND_BATCH = 320
+    SEND_REPLY_V1 = 324
+    SEND_REPLY_V2 = 325
     PULL = 11
     LITE_PULL = 361
 

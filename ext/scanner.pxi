@@ -148,10 +148,10 @@ cdef class FrameScanner:
                     and self.inflight.wants_c(self.direction ^ 1, info.opaque))
             else:
                 # The topic and properties the broker reads for this request code.
-                if info.code == SEND_V2 or info.code == SEND_BATCH:
+                if info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_REPLY_V2:
                     ts, tl, tesc = info.b_start, info.b_len, info.b_esc
                     ps, pl, pesc = info.i_start, info.i_len, info.i_esc
-                elif info.code == SEND_V1:
+                elif info.code == SEND_V1 or info.code == SEND_REPLY_V1:
                     ts, tl, tesc = info.t_start, info.t_len, info.t_esc
                     ps, pl, pesc = info.pr_start, info.pr_len, info.pr_esc
                 elif info.code == PULL or info.code == LITE_PULL:
@@ -159,9 +159,9 @@ cdef class FrameScanner:
                 if ts >= 0 and tesc:
                     return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == 1
-                if not policy and ts >= 0 and self.policy_topics and \
-                        (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
-                    # every send of these topics leaves the fast path (gray releases: split topics)
+                if not policy and ts >= 0 and self.policy_topics and info.code != PULL and info.code != LITE_PULL:
+                    # every send of these topics leaves the fast path (gray releases: split topics),
+                    # reply messages too (the broker stores them in the header's topic and queue)
                     policy = delay_topic(self.policy_topics, p + pos + 8 + ts, tl)
                 if not policy and ts >= 0 and self.delay_topics and \
                         (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):

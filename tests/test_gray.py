@@ -17,6 +17,7 @@ from rmqfast.codec import ACTION_POLICY, EV_FORWARD, EV_POLICY, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import FLAG_ONEWAY, FLAG_RESPONSE, RemotingCommand, decode_frame, encode
 from rmqfast.codec.properties import format_properties
+from rmqfast.codec.sendheader import send_fields
 from rmqfast.errors import ConfigError
 from rmqfast.gray.config import GrayGroup, GraySection, parse_gray
 from rmqfast.gray.filter import GrayFilter
@@ -615,3 +616,40 @@ def test_a_reload_reaches_the_scanners_of_live_sessions(tmp_path: Path) -> None:
     w.reload(cfg(None))  # [gray] off
     assert s.c2u.policy_topics is None  # type: ignore[attr-defined]
     assert s.c2u.scan(fr.data, 0, len(fr.data))[0] == EV_FORWARD  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_reply_messages_of_split_topics_are_rewritten_like_sends(v2: bool) -> None:
+    """SEND_REPLY_MESSAGE(_V2) carries a send header and the broker stores the message in the header's
+    topic and queue: a reply to a split topic's gray queue is moved like a send."""
+    f, _, _ = make_filter(k=1, queues=4)
+    fr = send(3, {"KEYS": "k1"}, v2=v2)
+    cmd = decode_frame(fr.data)
+    cmd = RemotingCommand(C.SEND_REPLY_MESSAGE_V2 if v2 else C.SEND_REPLY_MESSAGE, opaque=33,
+                          ext_fields=cmd.ext_fields, body=cmd.body)
+    fr = frame_of(cmd)
+    assert f.on_request(FakeSession(), fr) is None
+    assert decode_frame(fr.data).ext_fields["e" if v2 else "queueId"] == "0"  # type: ignore[index]
+
+
+def _raw_send(header: bytes) -> Frame:
+    body = b"hello"
+    data = (4 + len(header) + len(body)).to_bytes(4, "big") + len(header).to_bytes(4, "big") + header + body
+    return Frame(data, C.SEND_MESSAGE_V2, 0, 30)
+
+
+@pytest.mark.parametrize("header", [
+    # the topic written with spaces (fastjson and the scanner read it), a plain decoy in a nested
+    # object of a top-level field the broker ignores
+    b'{"code":310,"flag":0,"opaque":30,"x":{"b":"decoy"},"extFields":{"a":"pg","b" : "orders","e":"3","n":"broker-a"}}',
+    b'{"code":310,"flag":0,"opaque":30,"b":"decoy","extFields":{"a":"pg","b" :"orders","e":"3","n":"broker-a"}}',
+])
+def test_send_topic_decoys_do_not_skip_the_rewrite(header: bytes) -> None:
+    """The split topic the broker reads is the one the filter decides on, whatever a quick byte search
+    of the header finds."""
+    f, _, _ = make_filter(k=1, queues=4)
+    fr = _raw_send(header)
+    cmd = decode_frame(fr.data)
+    assert send_fields(cmd.code, cmd.ext_fields)["b"] == T  # the codec reads what the broker reads
+    assert f.on_request(FakeSession(), fr) is None
+    assert decode_frame(fr.data).ext_fields["e"] == "0"  # type: ignore[index]

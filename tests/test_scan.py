@@ -406,10 +406,15 @@ def test_delay_topics_hand_only_delayed_sends_to_policy(impl, topic, props, code
     ("Other", 320, 0, False),                                  # not a listed topic: fast path
     ("Split", 11, 0, False),                                   # a pull of the topic: not a send
     ("Split", 361, 0, False),                                  # LITE_PULL
+    # reply messages: the broker stores them in the header's topic and queue (storeReplyMessageEnable)
+    ("Split", 325, 0, True),                                   # SEND_REPLY_MESSAGE_V2: b / i
+    ("Split", 325, 1, True),
+    ("Split", 324, 0, True),                                   # SEND_REPLY_MESSAGE: topic / properties
+    ("Other", 325, 0, False),
 ])
 def test_policy_topics_hand_every_send_of_those_topics_to_policy(impl, topic, code, stype, held):
     scanner_cls, stats_cls = impl
-    ext = {"b": topic, "i": "TAGS\x01a"} if code in (310, 320) else {"topic": topic, "properties": "TAGS\x01a"}
+    ext = {"b": topic, "i": "TAGS\x01a"} if code in (310, 320, 325) else {"topic": topic, "properties": "TAGS\x01a"}
     frame = (binary_frame(code, 0, 5, ext) if stype else
              json_frame({"code": code, "extFields": ext, "flag": 0, "opaque": 5}))
     sc = scanner_cls(stats_cls())
@@ -421,7 +426,7 @@ def test_policy_topics_hand_every_send_of_those_topics_to_policy(impl, topic, co
     sc.policy_topics = None  # off: every send is relayed
     assert sc.scan(frame, 0, len(frame))[0] == codec.EV_FORWARD
     sc.policy_topics = [b"*"]  # every topic
-    assert sc.scan(frame, 0, len(frame))[0] == (codec.EV_POLICY if code in (10, 310, 320) else codec.EV_FORWARD)
+    assert sc.scan(frame, 0, len(frame))[0] == (codec.EV_POLICY if code not in (11, 361) else codec.EV_FORWARD)
 
 
 def test_policy_topics_sends_come_whole_and_escaped_topics_fail(impl):

@@ -70,6 +70,8 @@ DEFAULT_MAX_HEADER = 1024 * 1024
 _SEND_V1 = 10
 _SEND_V2 = 310
 _SEND_BATCH = 320
+_SEND_REPLY_V1 = 324
+_SEND_REPLY_V2 = 325
 _PULL = 11
 _LITE_PULL = 361
 
@@ -505,18 +507,18 @@ class FrameScanner:
                 )
             else:
                 # The topic and properties the broker reads for this request code.
-                if code == _SEND_V2 or code == _SEND_BATCH:
+                if code == _SEND_V2 or code == _SEND_BATCH or code == _SEND_REPLY_V2:
                     tspan, pspan = info.b, info.i
-                elif code == _SEND_V1:
+                elif code == _SEND_V1 or code == _SEND_REPLY_V1:
                     tspan, pspan = info.topic, info.props
                 elif code == _PULL or code == _LITE_PULL:
                     tspan = info.topic
                 if tspan is not None and tspan[2]:
                     return self._fail(pos, f"invalid {kind} header: {ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == ACTION_POLICY
-                if not policy and tspan is not None and self._policy_topics and \
-                        code in (_SEND_V2, _SEND_BATCH, _SEND_V1):
-                    # every send of these topics leaves the fast path (gray releases: split topics)
+                if not policy and tspan is not None and self._policy_topics and code != _PULL and code != _LITE_PULL:
+                    # every send of these topics leaves the fast path (gray releases: split topics),
+                    # reply messages too (the broker stores them in the header's topic and queue)
                     policy = delay_topic(self._policy_topics, header[tspan[0] : tspan[0] + tspan[1]])
                 if not policy and tspan is not None and self._delay_topics and \
                         code in (_SEND_V2, _SEND_BATCH, _SEND_V1):

@@ -18,10 +18,14 @@ V1_FIELDS = {
 TRANSACTION_PREPARED = 1 << 2
 
 
+#: codes whose header is SendMessageRequestHeader (long field names); the others use the V2 short names
+V1_CODES = (C.SEND_MESSAGE, C.SEND_REPLY_MESSAGE)
+
+
 def send_fields(code: int, ext: dict[str, str] | None) -> dict[str, str]:
     """The send's ext fields by short name (``b`` the topic, ``i`` the properties...)."""
     ext = ext or {}
-    if code == C.SEND_MESSAGE:
+    if code in V1_CODES:
         return {k: ext[v] for k, v in V1_FIELDS.items() if ext.get(v) is not None}
     return ext
 

@@ -33,7 +33,7 @@ from typing import Any
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import parse_properties
-from rmqfast.codec.sendheader import field_int, send_fields
+from rmqfast.codec.sendheader import V1_CODES, field_int, send_fields
 from rmqfast.gray.config import GrayGroup, GraySection
 from rmqfast.gray.rules import (
     GRAY,
@@ -50,13 +50,13 @@ from rmqfast.gray.rules import (
 from rmqfast.gray.state import Commands
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, rewrite, slots_of
-from rmqfast.replicate.filter import _quick_topic
 
 log = logging.getLogger("rmqfast.gray")
 
 QUERY_NOT_FOUND = 22
 FLAG_SUBSCRIPTION = 1 << 1  # PullSysFlag: the pull names its subscription
-SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+# reply messages carry a send header, and the broker stores them in its topic and queue
+SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
 PHASE_VALUE = {Phase.ACTIVE: 0, Phase.PROMOTING: 1, Phase.PROMOTED: 2, Phase.ABORTING: 3, Phase.ABORTED: 4}
 _MAX_TRACKED = 10000
 
@@ -315,9 +315,8 @@ class GrayFilter(Filter):
         return reply(encode(make_response(cmd, C.SUCCESS)))
 
     def _send(self, session: Session, frame: Frame) -> Verdict | None:
-        quick = _quick_topic(frame)  # sends of topics that are not split: no header decode
-        if quick is not None and quick not in self.topics:
-            return None
+        # The header is decoded whole: a byte search for the topic can find a decoy (a nested object,
+        # a top-level field the broker ignores) while the broker reads the key written otherwise.
         cmd = frame.command()
         f = send_fields(cmd.code, cmd.ext_fields)
         group = self.topics.get(f.get("b", ""))
@@ -348,7 +347,7 @@ class GrayFilter(Filter):
         if "AccessKey" in ext:  # the signature covers the queue id: it cannot be rewritten
             remark = f"rmqfast gray: signed send to {topic} queue {qid} cannot be moved to queue {new}"
             return reply(encode(make_response(cmd, C.NO_PERMISSION, remark)))
-        ext["queueId" if cmd.code == C.SEND_MESSAGE else "e"] = str(new)
+        ext["queueId" if cmd.code in V1_CODES else "e"] = str(new)
         frame.data = encode(replace(cmd, ext_fields=ext))  # the other filters see (and relay) the new frame
         frame._cmd = None
         if self.metrics is not None:
@@ -370,7 +369,7 @@ class GrayFilter(Filter):
         if new == qid:
             return cmd
         ext = dict(cmd.ext_fields or {})
-        ext["queueId" if cmd.code == C.SEND_MESSAGE else "e"] = str(new)
+        ext["queueId" if cmd.code in V1_CODES else "e"] = str(new)
         return replace(cmd, ext_fields=ext)
 
     # Responses ----------------------------------------------------------------------------------

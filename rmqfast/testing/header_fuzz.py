@@ -38,6 +38,8 @@ RULES = [  # (topic, tag, rate, burst, bytes rate, bytes burst, mode, slot); mod
     (b"TopicB", b"TagX", 0.0, 0.0, 0.0, 0.0, 1, 2),
 ]
 SEND_CODES = (10, 310, 320)
+#: codes whose message the broker stores in the header's topic: sends and reply messages (324, 325)
+STORED_CODES = (10, 310, 320, 324, 325)
 _FIELDS = ("code", "flag", "opaque", "extfields", "language", "version", "remark")
 
 
@@ -99,9 +101,9 @@ def _message_properties(s: str | None) -> dict[str, str]:
 
 
 def _request_reading(code: int, flag: int, opaque: int, ext: dict[str, str | None]) -> Reading:
-    if code in (310, 320):
+    if code in (310, 320, 325):
         topic, props = ext.get("b"), ext.get("i")
-    elif code == 10:
+    elif code in (10, 324):
         topic, props = ext.get("topic"), ext.get("properties")
     else:
         topic, props = ext.get("topic"), None
@@ -287,7 +289,7 @@ def check(twins: Twins, frame: bytes) -> str | None:
             and (r.topic == "TopicA" or r.topic.startswith("TopicC")) and (r.code == 320 or r.delay))
     if v.delayed != (codec.EV_POLICY if held else codec.EV_FORWARD):
         return f"[delay] scanner event {v.delayed}, broker's reading (topic {r.topic!r}, delay {r.delay}) holds: {held}"
-    sent = held or (not r.flag & 1 and r.code in SEND_CODES and r.topic is not None
+    sent = held or (not r.flag & 1 and r.code in STORED_CODES and r.topic is not None
                     and (r.topic == "TopicB" or r.topic.startswith("TopicA")))
     if v.sent != (codec.EV_POLICY if sent else codec.EV_FORWARD):
         return f"policy_topics scanner event {v.sent}, broker's reading (topic {r.topic!r}) sends it to policy: {sent}"
@@ -313,9 +315,9 @@ def _props(rng: random.Random) -> str:
 
 
 def _base_pairs(rng: random.Random) -> list[tuple[str, Any]]:
-    code = rng.choice([10, 310, 320, 11, 361, 25, 26, 34, 105, 318, 0])
-    topic_key = "b" if code in (310, 320) else "topic"
-    props_key = "i" if code in (310, 320) else "properties"
+    code = rng.choice([10, 310, 320, 324, 325, 11, 361, 25, 26, 34, 105, 318, 0])
+    topic_key = "b" if code in (310, 320, 325) else "topic"
+    props_key = "i" if code in (310, 320, 325) else "properties"
     ext: list[tuple[str, Any]] = [("a", "PG"), (topic_key, rng.choice(TOPICS)), (props_key, _props(rng))]
     rng.shuffle(ext)
     pairs = [("code", code), ("extFields", ext), ("flag", rng.choice([0, 0, 2, 1])),
