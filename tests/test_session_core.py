@@ -248,3 +248,24 @@ def test_scanner_limiter_to_session_core_without_sockets(tmp_path: Path, twin: s
         ("client", C.SYSTEM_BUSY, 2)]
     assert h.log[2] == ("upstream", send(3, topic="Free"))
     assert h.core.local_answers == 1 and h.core.in_flight == 2  # two sends relayed, unanswered yet
+
+
+def test_answers_held_for_a_client_that_never_reads_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stops reading keeps the stream to it mid-frame; its requests answered by the proxy
+    queue for the next boundary.  Past the bound the connection closes instead of growing without end."""
+    import rmqfast.proxy.core as core_mod
+
+    monkeypatch.setattr(core_mod, "MAX_HELD_ANSWERS", 2000)
+    h = Harness([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
+    pump = h.client.pump = PumpState()
+    pump.at_boundary = False
+    kept = 0
+    while h.request(admin(kept + 1)):
+        kept += 1
+        assert kept < 1000, "never closed"
+    size = len(h.client.queue[0][0])  # type: ignore[index]
+    assert len(h.client.queue) == kept and h.client.held == kept * size and h.client.held <= 2000 < h.client.held + size
+    assert h.log == []  # nothing was written mid-frame
+    pump.at_boundary = True
+    h.core.flush_answers(h.client)  # what was held still goes out whole and in order
+    assert [op for _, _, op in h.codes()] == list(range(1, kept + 1))

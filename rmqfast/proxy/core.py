@@ -30,6 +30,11 @@ from rmqfast.proxy.policy import PASS, FilterChain, Frame, Kind, Verdict
 
 log = logging.getLogger("rmqfast.relay")
 
+#: Bytes of answers the proxy made itself that one stream may hold back for its next frame boundary
+#: (a client that stops reading keeps the stream to it mid-frame while its requests go on being
+#: answered locally); past it the connection closes.
+MAX_HELD_ANSWERS = 4 << 20
+
 
 class PumpState:
     """What a pump shows the writer of its destination (the C Pump has the same attributes;
@@ -49,10 +54,11 @@ class Writer:
     ``queue`` for a frame boundary of that forwarded stream.  :meth:`write` writes whole; the
     relay's socket writer blocks the calling greenlet until it is written."""
 
-    __slots__ = ("pump", "queue")
+    __slots__ = ("pump", "queue", "held")
 
     def __init__(self) -> None:
         self.pump: Any = None  # a C Pump or a PumpState, once the pump runs
+        self.held = 0  # bytes in ``queue`` (bounded by MAX_HELD_ANSWERS)
         # (frame, answers a client request?); no answer waiting is one shared empty tuple, not a
         # deque per writer (~760 bytes each, two per connection): a deque is made for the first answer
         self.queue: deque[tuple[bytes, bool]] | tuple[()] = ()
@@ -85,6 +91,7 @@ class SessionCore:
         self.to_client: Writer | None = None
         self.to_upstream: Writer | None = None
         self.local_answers = 0  # client requests answered (or dropped) by the proxy, answers written
+        self.answers_overflow = False  # more answers waited for a frame boundary than MAX_HELD_ANSWERS
 
     # Frames the scanner handed over ---------------------------------------------------------
 
@@ -112,6 +119,8 @@ class SessionCore:
             out.write(frame.data if kind is Kind.PASS else verdict.data)
         elif kind is Kind.REPLY:
             self._reply(verdict.data, frame, request, from_client)
+            if self.answers_overflow:
+                return False
         elif kind is Kind.CLOSE:
             log.warning(
                 "policy closed connection", extra=ctx(role=self.role, client=self.client_addr, reason=verdict.reason)
@@ -154,6 +163,16 @@ class SessionCore:
             if request:
                 self.local_answers += 1
             return
+        held = out.held + len(data)
+        if held > MAX_HELD_ANSWERS:  # the stream stays mid-frame (a peer that stops reading): close
+            if not self.answers_overflow:
+                log.warning(
+                    "answers held for a frame boundary exceed the bound; closing connection",
+                    extra=ctx(role=self.role, client=self.client_addr, held_bytes=out.held, bound=MAX_HELD_ANSWERS),
+                )
+            self.answers_overflow = True
+            return
+        out.held = held
         q = out.queue if isinstance(out.queue, deque) else deque()
         out.queue = q
         q.append((data, request))
@@ -166,6 +185,7 @@ class SessionCore:
         while q:
             assert isinstance(q, deque)
             data, request = q.popleft()
+            out.held -= len(data)
             out.write(data)
             if request:
                 self.local_answers += 1
