@@ -653,3 +653,23 @@ def test_send_topic_decoys_do_not_skip_the_rewrite(header: bytes) -> None:
     assert send_fields(cmd.code, cmd.ext_fields)["b"] == T  # the codec reads what the broker reads
     assert f.on_request(FakeSession(), fr) is None
     assert decode_frame(fr.data).ext_fields["e"] == "0"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("scanner", SCANNERS)
+@pytest.mark.parametrize("v2", [True, False])
+def test_reply_messages_of_split_topics_reach_the_filter_through_the_chain(scanner: tuple[Any, Any],
+                                                                          v2: bool) -> None:
+    """The scanner hands a split topic's reply message to policy and the chain gives it to the gray
+    filter (not only the send codes): it leaves the gray queue like a send."""
+    scanner_cls, stats_cls = scanner
+    f, _, _ = make_filter(k=1, queues=4)
+    chain = FilterChain([f, KeepSendsInFlight()])
+    cmd = decode_frame(send(3, {"KEYS": "k1"}, v2=v2).data)
+    code = C.SEND_REPLY_MESSAGE_V2 if v2 else C.SEND_REPLY_MESSAGE
+    fr = frame_of(RemotingCommand(code, opaque=34, ext_fields=cmd.ext_fields, body=cmd.body))
+    sc = scanner_cls(stats_cls(), actions=chain.request_actions)
+    sc.policy_topics = chain.policy_topics
+    assert sc.scan(fr.data, 0, len(fr.data)) == (EV_POLICY, 0, len(fr.data))
+    handed = Frame(fr.data, sc.code, sc.flag, sc.opaque, sc.limited)
+    assert chain.on_request(FakeSession(), handed).kind is Kind.PASS
+    assert decode_frame(handed.data).ext_fields["e" if v2 else "queueId"] == "0"  # type: ignore[index]

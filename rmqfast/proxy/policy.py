@@ -190,6 +190,9 @@ def slots_of(codes: Iterable[int]) -> set[int]:
 
 #: The request codes a send limiter decides (the scanner checks no others).
 LIMITED_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+#: Reply messages: a send header, stored by the broker in its topic and queue; the scanner hands
+#: those of ``policy_topics`` to policy too.
+REPLY_SEND_CODES = (C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
 
 
 class FilterChain:
@@ -200,6 +203,7 @@ class FilterChain:
         table = bytearray(CODE_SLOTS)
         by_slot: list[list[Filter]] = [[] for _ in range(CODE_SLOTS)]
         limited = slots_of(LIMITED_CODES)
+        replies = slots_of(REPLY_SEND_CODES)
         #: the scanner's ``delay_topics`` (:meth:`Filter.scanner_topics` of the first filter with some)
         self.delay_topics: list[bytes] | None = None
         #: the scanner's ``policy_topics`` (:meth:`Filter.send_topics` of the filters with some)
@@ -215,7 +219,8 @@ class FilterChain:
             if sends is not None:
                 self.policy_topics = sends if self.policy_topics is None else [*self.policy_topics, *sends]
             for s in range(CODE_SLOTS):
-                if s in slots or ((f.sees_limited or topics is not None or sends is not None) and s in limited):
+                if s in slots or ((f.sees_limited or topics is not None or sends is not None) and s in limited) \
+                        or (sends is not None and s in replies):
                     by_slot[s].append(f)
         for f in filters:
             for s in f.passive_slots() - f.request_slots():
