@@ -263,7 +263,7 @@ def test_disk_cap_policy(tmp: Path, policy: str) -> None:
     try:
         sess = FakeSession()
         verdicts = [flt.on_request(sess, send_frame(i, idx=i)) for i in range(10)]
-        gevent.sleep(0.1)  # the queued group commit
+        wait_for(lambda: rep.store.messages >= rep.copied, timeout=30)  # the queued group commit is done
         stored = rep.store.messages
         assert 0 < stored < 10
         if policy == "reject":
