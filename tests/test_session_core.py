@@ -269,3 +269,26 @@ def test_answers_held_for_a_client_that_never_reads_are_bounded(monkeypatch: pyt
     pump.at_boundary = True
     h.core.flush_answers(h.client)  # what was held still goes out whole and in order
     assert [op for _, _, op in h.codes()] == list(range(1, kept + 1))
+
+
+def test_a_filter_that_fails_on_a_frame_closes_only_that_connection_with_a_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A frame a filter cannot handle (here a JSON heartbeat body nested deeper than Python's parser
+    goes) ends its connection with a logged reason; no exception reaches the pump's greenlet."""
+    class Fails(Filter):
+        def request_slots(self) -> set[int]:
+            return {code_slot(C.HEART_BEAT)}
+
+        def on_request(self, session: object, frame: Frame) -> Verdict | None:
+            import json
+
+            json.loads(frame.body)
+            return None
+
+    h = Harness([Fails()])
+    deep = b"[" * 200000 + b"]" * 200000
+    data = encode(RemotingCommand(code=C.HEART_BEAT, opaque=5, body=deep))
+    with caplog.at_level("WARNING", logger="rmqfast.relay"):
+        assert h.request(data) is False
+    assert h.log == [] and "filter failed" in caplog.text
+    h2 = Harness([Fails()])
+    assert h2.response(answer(7))  # responses are not seen by that filter

@@ -100,12 +100,23 @@ class SessionCore:
         is at a frame boundary; False when the connection must be closed."""
         if out.queue:
             self.flush_answers(out)  # at a boundary: answers queued earlier go first
-        if frame.flag & C.FLAG_RESPONSE:
-            verdict = self.chain.on_response(self, frame)
-        elif from_client:
-            verdict = self.chain.on_request(self, frame)
-        else:  # requests from the broker to the client (39, 40, 307, 309...) are always relayed
-            verdict = PASS
+        try:
+            if frame.flag & C.FLAG_RESPONSE:
+                verdict = self.chain.on_response(self, frame)
+            elif from_client:
+                verdict = self.chain.on_request(self, frame)
+            else:  # requests from the broker to the client (39, 40, 307, 309...) are always relayed
+                verdict = PASS
+        except OSError:
+            raise  # the relay's own end of a connection
+        except Exception as exc:  # a frame a filter cannot handle: only this connection ends, logged once
+            log.warning(
+                "filter failed on a frame; closing connection",
+                extra=ctx(role=self.role, client=self.client_addr, code=frame.code, flag=frame.flag,
+                          error=f"{type(exc).__name__}: {exc}"[:300]),
+                exc_info=not isinstance(exc, RecursionError),
+            )
+            return False
         return self.apply(verdict, frame, out, from_client)
 
     def apply(self, verdict: Verdict, frame: Frame, out: Writer, from_client: bool) -> bool:
