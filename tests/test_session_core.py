@@ -271,7 +271,7 @@ def test_answers_held_for_a_client_that_never_reads_are_bounded(monkeypatch: pyt
     assert [op for _, _, op in h.codes()] == list(range(1, kept + 1))
 
 
-def test_a_filter_that_fails_on_a_frame_closes_only_that_connection_with_a_log(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_filter_failing_on_a_frame_closes_only_that_connection_with_a_log(caplog: pytest.LogCaptureFixture) -> None:
     """A frame a filter cannot handle (here a JSON heartbeat body nested deeper than Python's parser
     goes) ends its connection with a logged reason; no exception reaches the pump's greenlet."""
     class Fails(Filter):
