@@ -329,3 +329,43 @@ def test_pop_with_notify_asks_again_after_a_stale_has_msg(pb: Any) -> None:
         assert to_a.count(C.NOTIFICATION) == 4 and to_a.count(C.POP_MESSAGE) == 4  # 3 stale, 1 real
 
     asyncio.run(go())
+
+
+def test_keeper_goes_on_when_the_front_cannot_be_started(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart that fails (no file descriptors, no memory) is logged and tried again later: the
+    keeper's watch does not end, and the worker that runs it is untouched."""
+    import os
+
+    import gevent
+
+    from rmqfast.grpcfront import keeper as keeper_mod
+
+    class Proc:
+        def __init__(self, code: int | None) -> None:
+            self.returncode = code
+            self.pid = 0
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+    outcomes: list[Any] = [Proc(1), OSError(24, "Too many open files"), Proc(None)]
+
+    def spawn(runtime: Any) -> tuple[Any, int]:
+        got = outcomes.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got, os.open(os.devnull, os.O_RDONLY)
+
+    monkeypatch.setattr(keeper_mod, "spawn", spawn)
+    k = keeper_mod.FrontKeeper(tmp_path, interval=0.01)
+    k.start()
+    try:
+        deadline = time.monotonic() + 30
+        while outcomes or k.proc is None or k.proc.poll() is not None:
+            assert time.monotonic() < deadline, "the keeper stopped trying"
+            assert k._greenlet is not None and not k._greenlet.dead, "the keeper's watch ended"
+            gevent.sleep(0.01)
+        assert k.restarts == 1 and k.proc.poll() is None
+    finally:
+        k._stopped = True
+        k._close_lifeline()

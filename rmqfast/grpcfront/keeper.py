@@ -57,7 +57,11 @@ class FrontKeeper:
             gevent.sleep(backoff)
             backoff = min(30.0, backoff * 2)
             if not self._stopped:
-                self._spawn()
+                try:
+                    self._spawn()
+                except OSError as exc:  # no descriptors, no memory...: the old (exited) process stays; again later
+                    log.error("gRPC front could not be started: %s", exc)
+                    continue
                 self.restarts += 1
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -92,9 +92,14 @@ def spawn(runtime: str | Path) -> tuple[subprocess.Popen[bytes], int]:
     """Start the gRPC front process of the calling worker; returns it and the lifeline's write end
     (keep it open; closing it, or this process dying, stops the front)."""
     r, w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast.grpcfront.server", "--runtime", str(runtime),
-                             "--lifeline", str(r)], pass_fds=(r,), start_new_session=False)
-    os.close(r)
+    try:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast.grpcfront.server", "--runtime", str(runtime),
+                                 "--lifeline", str(r)], pass_fds=(r,), start_new_session=False)
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
     return proc, w
 
 
