@@ -354,3 +354,19 @@ def test_a_restarted_worker_starts_from_the_last_online_answers(tmp: Path) -> No
         assert svc2.filter.targets("T1", None) == ["cloud-b"]
     finally:
         svc2.close()
+
+
+@pytest.mark.parametrize("header", [
+    # the topic written with spaces (fastjson and the scanner read it), a decoy in a nested object
+    b'{"code":310,"flag":0,"opaque":1,"x":{"b":"decoy"},"extFields":{"a":"PG","b" : "T9","e":"0"}}',
+    # a decoy in a top-level field the broker ignores
+    b'{"code":310,"flag":0,"opaque":1,"b":"decoy","extFields":{"a":"PG","b":"T9","e":"0"}}',
+    # the real key escaped, the decoy plain
+    b'{"code":310,"flag":0,"opaque":1,"x":{"b":"decoy"},"extFields":{"a":"PG","\\u0062":"T9","e":"0"}}',
+    b'{"code":310,"flag":0,"opaque":1,"x":{"b":"decoy"},"extFields":{"a":"PG","\\x62":"T9","e":"0"}}',
+])
+def test_quick_topic_is_unsure_when_a_decoy_could_hide_the_topic(header: bytes) -> None:
+    from rmqfast.replicate.filter import _quick_topic
+
+    data = (4 + len(header)).to_bytes(4, "big") + len(header).to_bytes(4, "big") + header
+    assert _quick_topic(Frame(data, C.SEND_MESSAGE_V2, 0, 1)) is None  # decoded the slow way

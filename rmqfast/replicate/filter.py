@@ -198,6 +198,15 @@ def _quick_topic(frame: Frame) -> str | None:
     if data[4] != 0:  # ROCKETMQ binary header
         return None
     end = 8 + frame.header_length
+    header = data[8:end]
+    # Unsure when the broker may read the topic under a key spelled otherwise (an escape in a key)
+    # while a plain decoy sits where it reads nothing (a nested object, an ignored top-level field):
+    # the quoted key name appears once, and the only escapes are the properties' separators.
+    if b"\\x" in header or b"\\U" in header or \
+            header.count(b"\\u") != header.count(b"\\u0001") + header.count(b"\\u0002"):
+        return None
+    if header.count(b'"topic"' if frame.code == C.SEND_MESSAGE else b'"b"') != 1:
+        return None
     key = b'"topic":"' if frame.code == C.SEND_MESSAGE else b'"b":"'
     i = data.find(key, 8, end)
     if i < 0 or data.find(key, i + 1, end) >= 0:
