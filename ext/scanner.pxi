@@ -170,7 +170,7 @@ cdef class FrameScanner:
                     policy = delay_topic(self.delay_topics, p + pos + 8 + ts, tl) and (
                         info.code == SEND_BATCH or (ps >= 0 and props_delay(p + pos + 8 + ps, pl, pesc)))
                 if self.limiter is not None and self.limiter.active and ts >= 0 and \
-                        (info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_V1):
+                        info.code != PULL and info.code != LITE_PULL:  # sends and reply messages
                     # a limited send is decided whole (a rejected one is never relayed)
                     limit_check = self.limiter.applies(p + pos + 8 + ts, <int>tl)
             if (policy or info.code == SEND_BATCH or limit_check) and avail < total:

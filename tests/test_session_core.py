@@ -292,3 +292,25 @@ def test_a_filter_failing_on_a_frame_closes_only_that_connection_with_a_log(capl
     assert h.log == [] and "filter failed" in caplog.text
     h2 = Harness([Fails()])
     assert h2.response(answer(7))  # responses are not seen by that filter
+
+
+@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("code", [C.SEND_REPLY_MESSAGE_V2, C.SEND_REPLY_MESSAGE])
+def test_reply_messages_take_the_send_limits(tmp_path: Path, twin: str, code: int) -> None:
+    """A reply message is stored by the broker in its header's topic like a send: a topic over its
+    limit cannot be written through SEND_REPLY_MESSAGE(_V2) instead."""
+    compiled = twin == "compiled"
+    limits = WorkerLimits(create_shared(tmp_path, twin), parse_limits({"rule": [{"topic": "Busy", "mode": "reject"}]}))
+    h = Harness([SendLimitFilter(limits)])
+    h.stats = h.core.stats = codec.ScanStatsC() if compiled else codec.ScanStatsPy()
+    scanner_cls = codec.FrameScannerC if compiled else codec.FrameScannerPy
+    scanner = scanner_cls(h.stats, actions=h.core.chain.request_actions, limiter=h.core.chain.limiter(compiled))
+    props = "TAGS\u0001A\u0002"
+    ext = ({"a": "PG", "b": "Busy", "e": "0", "i": props} if code == C.SEND_REPLY_MESSAGE_V2 else
+           {"producerGroup": "PG", "topic": "Busy", "queueId": "0", "properties": props})
+    data = encode(RemotingCommand(code=code, opaque=6, ext_fields=ext, body=b"m" * 32))
+    assert scanner.scan(data, 0, len(data)) == (codec.EV_POLICY, 0, len(data))
+    assert scanner.limited == 0
+    assert h.core.policy(h.upstream, Frame(data, scanner.code, scanner.flag, scanner.opaque, scanner.limited),
+                         from_client=True)
+    assert h.codes() == [("client", C.SYSTEM_BUSY, 6)]  # answered, never relayed

@@ -528,8 +528,8 @@ class FrameScanner:
                         code == _SEND_BATCH or (pspan is not None and props_delay(
                             header[pspan[0] : pspan[0] + pspan[1]], pspan[2])))
                 limiter = self.limiter
-                if limiter is not None and limiter.active and tspan is not None and code in (
-                        _SEND_V2, _SEND_BATCH, _SEND_V1):
+                if limiter is not None and limiter.active and tspan is not None and \
+                        code != _PULL and code != _LITE_PULL:  # sends and reply messages
                     topic = header[tspan[0] : tspan[0] + tspan[1]]
                     # a limited send is decided whole (a rejected one is never relayed)
                     limit_check = limiter.applies(topic)

@@ -191,7 +191,7 @@ def slots_of(codes: Iterable[int]) -> set[int]:
 #: The request codes a send limiter decides (the scanner checks no others).
 LIMITED_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 #: Reply messages: a send header, stored by the broker in its topic and queue; the scanner hands
-#: those of ``policy_topics`` to policy too.
+#: those of ``policy_topics`` and those over a send limit to policy too.
 REPLY_SEND_CODES = (C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
 
 
@@ -220,7 +220,7 @@ class FilterChain:
                 self.policy_topics = sends if self.policy_topics is None else [*self.policy_topics, *sends]
             for s in range(CODE_SLOTS):
                 if s in slots or ((f.sees_limited or topics is not None or sends is not None) and s in limited) \
-                        or (sends is not None and s in replies):
+                        or ((f.sees_limited or sends is not None) and s in replies):
                     by_slot[s].append(f)
         for f in filters:
             for s in f.passive_slots() - f.request_slots():

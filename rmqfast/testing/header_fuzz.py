@@ -254,7 +254,7 @@ class Twins:
 
 def expected_limit(r: Reading) -> int:
     """The rule of RULES the broker's reading makes the limiter pick (-1: none)."""
-    if r.code not in SEND_CODES or r.flag & 1 or r.topic is None:
+    if r.code not in STORED_CODES or r.flag & 1 or r.topic is None:
         return -1
     if r.topic == "TopicB" and r.tag == "TagX":
         return 1
