@@ -12,10 +12,10 @@
 #     in strings, invalid or overlong UTF-8, nesting deeper than MAX_JSON_DEPTH);
 #   - a top-level key with an escape, or spelled like code/flag/opaque/extFields in another case or
 #     with '_' / '-' (or an "is" prefix), or any of those four twice;
-#   - an extFields key with an escape, or b/topic/i/properties twice, or one of them not a string;
+#   - an extFields key with an escape, or b/topic/i/properties/m/batch twice, or one of them not a string;
 #   - an escaped topic in a send or pull (RocketMQ topics are [%|a-zA-Z0-9_-]; no encoder escapes them);
 #   - a binary header whose lengths do not add up exactly, with a key length Java reads as negative,
-#     or with b/topic/i/properties twice.
+#     or with b/topic/i/properties/m/batch twice.
 # No RocketMQ client (Java, Go, C++) produces any of these.
 
 
@@ -93,10 +93,10 @@ _ERRORS = (
     "key spelled like code/flag/opaque/extFields in another case or with '_'/'-' (fastjson would match it)",
     "duplicate code/flag/opaque/extFields key (fastjson keeps the first)",
     "escaped extFields key",
-    "duplicate extFields key b/topic/i/properties",
-    "extFields b/topic/i/properties is not a string",
+    "duplicate extFields key b/topic/i/properties/m/batch",
+    "extFields b/topic/i/properties/m/batch is not a string",
     "binary header has bytes after extFields",
-    "duplicate binary extFields key b/topic/i/properties",
+    "duplicate binary extFields key b/topic/i/properties/m/batch",
     "escaped topic in a send or pull",
 )
 
@@ -110,6 +110,8 @@ cdef enum:
     X_TOPIC = 2
     X_I = 4
     X_PROPS = 8
+    X_M = 16             # SendMessageRequestHeaderV2.m (310, 320): batch
+    X_BATCH = 32         # SendMessageRequestHeader.batch (10)
     S_ESC = 1            # the string had an escape
 
 
@@ -129,6 +131,8 @@ cdef struct HeaderInfo:
     Py_ssize_t pr_start      # extFields.properties (V1 sends); -1: absent
     Py_ssize_t pr_len
     bint pr_esc
+    bint m_true              # extFields.m reads true (Boolean.parseBoolean: "true" in any case)
+    bint batch_true          # extFields.batch reads true
 
 
 cdef inline void header_info_clear(HeaderInfo* info) noexcept nogil:
@@ -138,6 +142,7 @@ cdef inline void header_info_clear(HeaderInfo* info) noexcept nogil:
     info.b_start = info.t_start = info.i_start = info.pr_start = -1
     info.b_len = info.t_len = info.i_len = info.pr_len = 0
     info.b_esc = info.t_esc = info.i_esc = info.pr_esc = False
+    info.m_true = info.batch_true = False
 
 
 cdef inline bint is_ws(uint8_t c) noexcept nogil:
@@ -495,16 +500,39 @@ cdef inline int ext_key(const uint8_t* k, Py_ssize_t n) noexcept nogil:
             return X_B
         if k[0] == 105:
             return X_I
+        if k[0] == 109:
+            return X_M
         return 0
-    if n == 5 and memcmp(k, b"topic", 5) == 0:
-        return X_TOPIC
+    if n == 5:
+        if memcmp(k, b"topic", 5) == 0:
+            return X_TOPIC
+        if memcmp(k, b"batch", 5) == 0:
+            return X_BATCH
+        return 0
     if n == 10 and memcmp(k, b"properties", 10) == 0:
         return X_PROPS
     return 0
 
 
-cdef inline void ext_record(HeaderInfo* info, int k, Py_ssize_t start, Py_ssize_t length, bint esc) noexcept nogil:
-    if k == X_B:
+cdef bint reads_true(const uint8_t* s, Py_ssize_t n, bint esc) noexcept nogil:
+    """Whether a header value reads true as Boolean.parseBoolean reads it: "true" ignoring case
+    (no character outside ASCII folds to one of its letters), after JSON escapes are decoded."""
+    cdef uint8_t buf[24]
+    if esc:
+        if n > 24:           # every character of "true" takes at most 6 escaped bytes
+            return False
+        n = json_unescape(s, n, buf)
+        s = buf
+    return n == 4 and (s[0] | 32) == 116 and (s[1] | 32) == 114 and (s[2] | 32) == 117 and (s[3] | 32) == 101
+
+
+cdef inline void ext_record(const uint8_t* h, HeaderInfo* info, int k, Py_ssize_t start, Py_ssize_t length,
+                            bint esc) noexcept nogil:
+    if k == X_M:
+        info.m_true = reads_true(h + start, length, esc)
+    elif k == X_BATCH:
+        info.batch_true = reads_true(h + start, length, esc)
+    elif k == X_B:
         info.b_start, info.b_len, info.b_esc = start, length, esc
     elif k == X_TOPIC:
         info.t_start, info.t_len, info.t_esc = start, length, esc
@@ -545,7 +573,7 @@ cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, He
             i = scan_string(h, i, n, &f)
             if i < 0:
                 return i
-            ext_record(info, k, vs, i - 1 - vs, f & S_ESC)
+            ext_record(h, info, k, vs, i - 1 - vs, f & S_ESC)
         elif i < n and h[i] == 34:     # most values are strings: skip_value's loop is not needed
             i = scan_string(h, i, n, &f)
             if i < 0:
@@ -662,7 +690,7 @@ cdef int parse_binary_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) n
         if k and vlen > 0:       # Java reads an empty value as null: absent
             if not utf8_valid(h + i, vlen):   # Java would read U+FFFD where the walk sees bytes
                 return E_BAD_UTF8
-            ext_record(info, k, i, vlen, False)
+            ext_record(h, info, k, i, vlen, False)
         i += vlen
     return E_OK
 

@@ -93,7 +93,7 @@ cdef class FrameScanner:
         cdef int32_t length, mark
         cdef int stype, err, slot
         cdef Py_ssize_t hlen
-        cdef bint policy, is_response, limit_check
+        cdef bint policy, is_response, limit_check, batch
         cdef int limited, topic_idx = -1
         cdef Py_ssize_t ts = -1, tl = 0, ps = -1, pl = 0
         cdef bint tesc = False, pesc = False
@@ -140,6 +140,7 @@ cdef class FrameScanner:
             slot = code_slot(info.code)
             is_response = info.flag & 1
             limit_check = False
+            batch = False
             ts = -1
             ps = -1
             if is_response:
@@ -148,12 +149,16 @@ cdef class FrameScanner:
                     and self.inflight.wants_c(self.direction ^ 1, info.opaque))
             else:
                 # The topic and properties the broker reads for this request code.
+                # A send is a batch when its header's batch flag reads true, whatever its code
+                # (SendMessageProcessor: requestHeader.isBatch()); reply messages never are.
                 if info.code == SEND_V2 or info.code == SEND_BATCH or info.code == SEND_REPLY_V2:
                     ts, tl, tesc = info.b_start, info.b_len, info.b_esc
                     ps, pl, pesc = info.i_start, info.i_len, info.i_esc
+                    batch = info.m_true and info.code != SEND_REPLY_V2
                 elif info.code == SEND_V1 or info.code == SEND_REPLY_V1:
                     ts, tl, tesc = info.t_start, info.t_len, info.t_esc
                     ps, pl, pesc = info.pr_start, info.pr_len, info.pr_esc
+                    batch = info.batch_true and info.code == SEND_V1
                 elif info.code == PULL or info.code == LITE_PULL:
                     ts, tl, tesc = info.t_start, info.t_len, info.t_esc
                 if ts >= 0 and tesc:
@@ -168,12 +173,12 @@ cdef class FrameScanner:
                     # proxy-held delay: only a delay topic's sends that ask for a delivery time
                     # (a batch: its messages' properties are in the body) leave the fast path
                     policy = delay_topic(self.delay_topics, p + pos + 8 + ts, tl) and (
-                        info.code == SEND_BATCH or (ps >= 0 and props_delay(p + pos + 8 + ps, pl, pesc)))
+                        batch or (ps >= 0 and props_delay(p + pos + 8 + ps, pl, pesc)))
                 if self.limiter is not None and self.limiter.active and ts >= 0 and \
                         info.code != PULL and info.code != LITE_PULL:  # sends and reply messages
                     # a limited send is decided whole (a rejected one is never relayed)
                     limit_check = self.limiter.applies(p + pos + 8 + ts, <int>tl)
-            if (policy or info.code == SEND_BATCH or limit_check) and avail < total:
+            if (policy or batch or limit_check) and avail < total:
                 return (0, pos, total)
             stats.frames += 1
             stats.bytes += total
@@ -185,7 +190,7 @@ cdef class FrameScanner:
                 stats._req_bytes[slot] += total
                 if not info.flag & 2:
                     self.requests += 1
-                topic_idx = self._count_topic(p + pos, hlen, total, info.code, ts, tl)
+                topic_idx = self._count_topic(p + pos, hlen, total, info.code, ts, tl, batch)
             limited = -1
             if limit_check:
                 if now < 0:
@@ -193,7 +198,7 @@ cdef class FrameScanner:
                 limited = self.limiter.decide(
                     p + pos + 8 + ts, <int>tl,
                     p + pos + 8 + ps if ps >= 0 else NULL, pl, pesc,
-                    <int64_t>count_batch(p + pos + 8 + hlen, total - 8 - hlen) if info.code == SEND_BATCH else 1,
+                    <int64_t>count_batch(p + pos + 8 + hlen, total - 8 - hlen) if batch else 1,
                     total, now)
                 if limited >= 0:
                     policy = True
@@ -229,7 +234,7 @@ cdef class FrameScanner:
             self.stats.untracked += 1
 
     cdef int _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, int code, Py_ssize_t s,
-                          Py_ssize_t n) noexcept:
+                          Py_ssize_t n, bint batch) noexcept:
         """Count a send or pull under its topic (at ``s``, -1: none); the topic's index in the table (-1: none)."""
         cdef TopicEntry* e
         if s < 0 or not (code == SEND_V2 or code == SEND_BATCH or code == SEND_V1 or code == PULL or code == LITE_PULL):
@@ -240,7 +245,7 @@ cdef class FrameScanner:
             e.pulls += 1
         else:
             e.sends += 1
-            if code == SEND_BATCH:
+            if batch:
                 e.messages += count_batch(f + 8 + hlen, total - 8 - hlen)
             else:
                 e.messages += 1

@@ -171,7 +171,7 @@ def test_scanner_stops_sends_over_the_limit_and_forwards_the_rest(impl):
     frames = [send_json("T", None, 1), send_json("U", None, 2), send_json("T", "slow", 3),
               send_json("T", "slow", 4), send_json("T", None, 5, code=10),
               binary_frame(310, 0, 6, {"b": "T", "i": "TAGS\x01other\x02"}),
-              json_frame({"code": 320, "flag": 0, "opaque": 7, "extFields": {"b": "T"}}, batch_body(3))]
+              json_frame({"code": 320, "flag": 0, "opaque": 7, "extFields": {"b": "T", "m": "true"}}, batch_body(3))]
     data = b"".join(frames)
     events, pos = [], 0
     while True:

@@ -385,6 +385,8 @@ def test_json_headers_mutated():
 def test_delay_topics_hand_only_delayed_sends_to_policy(impl, topic, props, code, stype, held):
     scanner_cls, stats_cls = impl
     ext = {"b": topic, "i": props} if code != 10 else {"topic": topic, "properties": props}
+    if code == 320:
+        ext["m"] = "true"  # as every client sends a batch
     frame = (binary_frame(code, 0, 5, ext) if stype else
              json_frame({"code": code, "extFields": ext, "flag": 0, "opaque": 5}))
     sc = scanner_cls(stats_cls())

@@ -60,10 +60,10 @@ ERRORS = (
     "key spelled like code/flag/opaque/extFields in another case or with '_'/'-' (fastjson would match it)",
     "duplicate code/flag/opaque/extFields key (fastjson keeps the first)",
     "escaped extFields key",
-    "duplicate extFields key b/topic/i/properties",
-    "extFields b/topic/i/properties is not a string",
+    "duplicate extFields key b/topic/i/properties/m/batch",
+    "extFields b/topic/i/properties/m/batch is not a string",
     "binary header has bytes after extFields",
-    "duplicate binary extFields key b/topic/i/properties",
+    "duplicate binary extFields key b/topic/i/properties/m/batch",
     "escaped topic in a send or pull",
 )
 (E_OK, E_UNTERMINATED_STRING, E_VALUE_EXPECTED, E_UNTERMINATED_NESTED, E_UNEXPECTED_CHAR, E_INT_RANGE,
@@ -75,7 +75,8 @@ ERRORS = (
 _K_CODE, _K_FLAG, _K_OPAQUE, _K_EXT = 1, 2, 4, 8
 _HEADER_KEYS = {b"code": _K_CODE, b"flag": _K_FLAG, b"opaque": _K_OPAQUE, b"extFields": _K_EXT}
 _FIELD_NAMES = (b"code", b"flag", b"opaque", b"extfields")
-_EXT_KEYS = {b"b": "b", b"topic": "topic", b"i": "i", b"properties": "props"}
+_EXT_KEYS = {b"b": "b", b"topic": "topic", b"i": "i", b"properties": "props", b"m": "m_true", b"batch": "batch_true"}
+_BOOL_FIELDS = ("m_true", "batch_true")
 _SIMPLE_ESCAPES = b'"\\/bfnrt'
 _WS = b" \t\r\n"
 _I32 = struct.Struct(">i")
@@ -92,10 +93,11 @@ class HeaderError(Exception):
 
 
 class HeaderInfo:
-    """What the walk read: code, flag, opaque and the spans (start, length, escaped) of the
-    extFields values b, topic, i and properties (``None``: absent)."""
+    """What the walk read: code, flag, opaque, the spans (start, length, escaped) of the
+    extFields values b, topic, i and properties (``None``: absent) and whether extFields m
+    (SendMessageRequestHeaderV2) and batch (SendMessageRequestHeader) read true."""
 
-    __slots__ = ("code", "flag", "opaque", "b", "topic", "i", "props")
+    __slots__ = ("code", "flag", "opaque", "b", "topic", "i", "props", "m_true", "batch_true")
 
     def __init__(self) -> None:
         self.code = 0
@@ -105,6 +107,18 @@ class HeaderInfo:
         self.topic: tuple[int, int, bool] | None = None
         self.i: tuple[int, int, bool] | None = None
         self.props: tuple[int, int, bool] | None = None
+        self.m_true = False
+        self.batch_true = False
+
+
+def reads_true(s: bytes, esc: bool) -> bool:
+    """Whether a header value reads true as Boolean.parseBoolean reads it: "true" ignoring case
+    (no character outside ASCII folds to one of its letters), after JSON escapes are decoded."""
+    if esc:
+        if len(s) > 24:  # every character of "true" takes at most 6 escaped bytes
+            return False
+        s = json_unescape(s)
+    return len(s) == 4 and bytes(c | 32 for c in s) == b"true"
 
 
 def _skip_ws(h: bytes, i: int, n: int) -> int:
@@ -360,7 +374,10 @@ def _walk_ext_fields(h: bytes, i: int, n: int, info: HeaderInfo) -> int:
                 raise HeaderError(E_EXT_NOT_STRING)
             vs = i + 1
             i, esc = scan_string(h, i, n)
-            setattr(info, field, (vs, i - 1 - vs, esc))
+            if field in _BOOL_FIELDS:
+                setattr(info, field, reads_true(h[vs : i - 1], esc))
+            else:
+                setattr(info, field, (vs, i - 1 - vs, esc))
         else:
             i = skip_value(h, i, n, 2)
         i = _skip_ws(h, i, n)
@@ -466,7 +483,10 @@ def parse_binary_header(h: bytes, info: HeaderInfo) -> None:
             if vlen > 0:  # Java reads an empty value as null: absent
                 if not utf8_valid(h[i : i + vlen]):  # Java would read U+FFFD where the walk sees bytes
                     raise HeaderError(E_BAD_UTF8)
-                setattr(info, field, (i, vlen, False))
+                if field in _BOOL_FIELDS:
+                    setattr(info, field, reads_true(h[i : i + vlen], False))
+                else:
+                    setattr(info, field, (i, vlen, False))
         i += vlen
 
 

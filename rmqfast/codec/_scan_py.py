@@ -497,6 +497,7 @@ class FrameScanner:
             slot = code_slot(code)
             is_response = info.flag & 1
             limit_check = False
+            batch = False
             topic = b""
             topic_name = b""
             tspan = pspan = None
@@ -507,10 +508,14 @@ class FrameScanner:
                 )
             else:
                 # The topic and properties the broker reads for this request code.
+                # A send is a batch when its header's batch flag reads true, whatever its code
+                # (SendMessageProcessor: requestHeader.isBatch()); reply messages never are.
                 if code == _SEND_V2 or code == _SEND_BATCH or code == _SEND_REPLY_V2:
                     tspan, pspan = info.b, info.i
+                    batch = info.m_true and code != _SEND_REPLY_V2
                 elif code == _SEND_V1 or code == _SEND_REPLY_V1:
                     tspan, pspan = info.topic, info.props
+                    batch = info.batch_true and code == _SEND_V1
                 elif code == _PULL or code == _LITE_PULL:
                     tspan = info.topic
                 if tspan is not None and tspan[2]:
@@ -525,7 +530,7 @@ class FrameScanner:
                     # proxy-held delay: only a delay topic's sends that ask for a delivery time
                     # (a batch: its messages' properties are in the body) leave the fast path
                     policy = delay_topic(self._delay_topics, header[tspan[0] : tspan[0] + tspan[1]]) and (
-                        code == _SEND_BATCH or (pspan is not None and props_delay(
+                        batch or (pspan is not None and props_delay(
                             header[pspan[0] : pspan[0] + pspan[1]], pspan[2])))
                 limiter = self.limiter
                 if limiter is not None and limiter.active and tspan is not None and \
@@ -535,7 +540,7 @@ class FrameScanner:
                     limit_check = limiter.applies(topic)
             # Policy frames, batches (whose inner messages are counted) and limited sends are
             # only handled whole; everything else is forwarded as soon as its header is seen.
-            if (policy or code == _SEND_BATCH or limit_check) and avail < total:
+            if (policy or batch or limit_check) and avail < total:
                 return EV_FORWARD, pos, total
             # Count the frame (exactly once: we only get here when it is complete or passed).
             stats.frames += 1
@@ -548,13 +553,13 @@ class FrameScanner:
                 stats.request_bytes[slot] += total
                 if not info.flag & 2:
                     self.requests += 1
-                topic_name = self._count_topic(mv, pos, hlen, total, code, tspan)
+                topic_name = self._count_topic(mv, pos, hlen, total, code, tspan, batch)
             limited = -1
             if limit_check:
                 if now_ns < 0:
                     now_ns = time.monotonic_ns()
                 props = header[pspan[0] : pspan[0] + pspan[1]] if pspan is not None else None
-                msgs = _count_batch(bytes(mv[pos + 8 + hlen : pos + total])) if code == _SEND_BATCH else 1
+                msgs = _count_batch(bytes(mv[pos + 8 + hlen : pos + total])) if batch else 1
                 limited = self.limiter.decide(topic, props, pspan is not None and pspan[2], msgs, total, now_ns)
                 if limited >= 0:
                     policy = True
@@ -590,7 +595,8 @@ class FrameScanner:
             self.stats.untracked += 1
 
     def _count_topic(
-        self, mv: memoryview, pos: int, hlen: int, total: int, code: int, span: tuple[int, int, bool] | None
+        self, mv: memoryview, pos: int, hlen: int, total: int, code: int, span: tuple[int, int, bool] | None,
+        batch: bool,
     ) -> bytes:
         """Count a send or pull under its topic (``span``); the name it is counted under (b"": none)."""
         if span is None or code not in (_SEND_V2, _SEND_BATCH, _SEND_V1, _PULL, _LITE_PULL):
@@ -602,7 +608,7 @@ class FrameScanner:
             entry[2] += 1
         else:
             entry[0] += 1
-            if code == _SEND_BATCH:
+            if batch:
                 entry[1] += _count_batch(bytes(mv[pos + 8 + hlen : pos + total]))
             else:
                 entry[1] += 1

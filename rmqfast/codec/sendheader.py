@@ -30,6 +30,20 @@ def send_fields(code: int, ext: dict[str, str] | None) -> dict[str, str]:
     return ext
 
 
+def is_batch(code: int, ext: dict[str, str] | None) -> bool:
+    """Whether the broker takes this send as a batch (its messages in the body): the header's batch
+    flag (``m``; ``batch`` in SEND_MESSAGE's long names) reads true as Boolean.parseBoolean reads
+    it, "true" in any case, whatever the request code; reply messages are never batches."""
+    ext = ext or {}
+    if code == C.SEND_MESSAGE:
+        v = ext.get("batch")
+    elif code in (C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE):
+        v = ext.get("m")
+    else:
+        return False
+    return v is not None and len(v) == 4 and v.lower() == "true"
+
+
 def field_int(v: str | None, default: int = 0) -> int:
     """An integer header field; ``default`` when absent or not a number."""
     try:

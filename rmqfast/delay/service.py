@@ -32,7 +32,7 @@ from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch, encode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import KEYS, UNIQ_KEY, parse_properties
-from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.delay.channel import ReleaseChannel
 from rmqfast.delay.semantics import DelayInvalid, due_ms, has_delay_property, strip_delay
 from rmqfast.delay.settings import DelaySection
@@ -238,7 +238,7 @@ class DelayService:
             self.signed_passed += 1
             return None
         props_text = ext.get("i") or ""
-        batch = frame.code == C.SEND_BATCH_MESSAGE
+        batch = is_batch(frame.code, cmd.ext_fields)
         now = now_ms()
         try:
             due, props, entries = self._due(props_text, cmd.body if batch else b"", now)

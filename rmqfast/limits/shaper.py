@@ -46,7 +46,7 @@ from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import TAGS, UNIQ_KEY, parse_properties
-from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.config import Config
 from rmqfast.deliver.sender import send_until_stored
 from rmqfast.limits.filter import RESPONSE_EXT, busy_answer
@@ -288,7 +288,7 @@ class Shaper:
             return self._refuse(cmd, frame, rule, why)
         topic = ext["b"]
         props = ext.get("i") or ""
-        batch = frame.code == C.SEND_BATCH_MESSAGE
+        batch = is_batch(frame.code, cmd.ext_fields)
         msgs = 1
         if batch:
             try:

@@ -34,7 +34,7 @@ from typing import Any
 from rmqfast.clouds.detector import OnlineDetector
 from rmqfast.codec import codes as C
 from rmqfast.codec.properties import TAGS, parse_properties
-from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.config import Config, TopicRule
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import (
@@ -120,7 +120,7 @@ class ReplicateFilter(Filter):
         if field_int(ext.get("f")) & TRANSACTION_PREPARED:
             return None
         tag = parse_properties(props_text).get(TAGS) if props_text else None
-        batch = frame.code == C.SEND_BATCH_MESSAGE
+        batch = is_batch(frame.code, cmd.ext_fields)
         if batch and tag is None and cmd.body:
             tag = _first_batch_tag(cmd.body)
             if _ORIGIN_MARK.encode() in cmd.body:

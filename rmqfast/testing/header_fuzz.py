@@ -5,7 +5,7 @@ opaque, counted topic, limit decision), and whenever they accept a frame, what t
 what a RocketMQ broker reads (:func:`broker_reading`, an independent model of fastjson's and
 RocketMQSerializable's rules).  Inputs are Java-, Go- and C++-shaped headers with the smuggling
 tricks applied (duplicate, escaped and case-variant keys, single quotes, ``\\x`` escapes, lying
-binary lengths, hidden tags...) and random byte mutations of them.
+binary lengths, hidden tags, batch flags of every spelling...) and random byte mutations of them.
 
 ``python -m rmqfast.testing.header_fuzz --seconds 600`` runs it for longer than CI does.
 """
@@ -53,6 +53,7 @@ class Reading:
     topic: str | None
     tag: str | None
     delay: bool = False  # a delivery-time property (DELAY, TIMER_*, __STARTDELIVERTIME) is read
+    batch: bool = False  # the send is a batch (SendMessageProcessor: requestHeader.isBatch())
 
 
 class Unreadable(Exception):
@@ -108,7 +109,11 @@ def _request_reading(code: int, flag: int, opaque: int, ext: dict[str, str | Non
     else:
         topic, props = ext.get("topic"), None
     read = _message_properties(props)
-    return Reading(code, flag, opaque, topic, read.get("TAGS"), any(k in read for k in DELAY_NAMES))
+    # SendMessageRequestHeaderV2.m (310, 320) / SendMessageRequestHeader.batch (10), read by
+    # Boolean.parseBoolean: String.equalsIgnoreCase("true")
+    flag_value = ext.get("m") if code in (310, 320) else ext.get("batch") if code == 10 else None
+    batch = flag_value is not None and len(flag_value) == 4 and flag_value.lower() == "true"
+    return Reading(code, flag, opaque, topic, read.get("TAGS"), any(k in read for k in DELAY_NAMES), batch)
 
 
 def _json_reading(header: bytes) -> Reading:
@@ -214,6 +219,8 @@ class Verdict:
     delayed: int = 0
     #: the event of that scanner for this frame with ``policy_topics`` SEND_TOPICS as well
     sent: int = 0
+    #: messages counted under the frame's topic
+    messages: int = 0
 
 
 def _limiter(compiled: bool) -> Any:
@@ -248,7 +255,7 @@ class Twins:
             ds.policy_topics = list(SEND_TOPICS)
             out.append(Verdict(ev, a, b, sc.error, sc.code, sc.flag, sc.opaque,
                                tuple(sorted(t[0] for t in stats.topics())), sc.limited, delayed,
-                               ds.scan(frame, 0, len(frame), 1)[0]))
+                               ds.scan(frame, 0, len(frame), 1)[0], sum(t[2] for t in stats.topics())))
         return out
 
 
@@ -286,13 +293,17 @@ def check(twins: Twins, frame: bytes) -> str | None:
     if v.limited != expected_limit(r):
         return f"limit rule {v.limited}, broker's reading (topic {r.topic!r}, tag {r.tag!r}) gives {expected_limit(r)}"
     held = (not r.flag & 1 and r.code in (10, 310, 320) and r.topic is not None
-            and (r.topic == "TopicA" or r.topic.startswith("TopicC")) and (r.code == 320 or r.delay))
+            and (r.topic == "TopicA" or r.topic.startswith("TopicC")) and (r.batch or r.delay))
     if v.delayed != (codec.EV_POLICY if held else codec.EV_FORWARD):
         return f"[delay] scanner event {v.delayed}, broker's reading (topic {r.topic!r}, delay {r.delay}) holds: {held}"
     sent = held or (not r.flag & 1 and r.code in STORED_CODES and r.topic is not None
                     and (r.topic == "TopicB" or r.topic.startswith("TopicA")))
     if v.sent != (codec.EV_POLICY if sent else codec.EV_FORWARD):
         return f"policy_topics scanner event {v.sent}, broker's reading (topic {r.topic!r}) sends it to policy: {sent}"
+    if not r.flag & 1 and r.code in SEND_CODES and r.topic is not None and len(r.topic.encode()) <= 255:
+        want_msgs = _batch_records(frame) if r.batch else 1
+        if v.messages != want_msgs:
+            return f"counted {v.messages} messages, broker reads {want_msgs} (batch: {r.batch})"
     return None
 
 
@@ -302,6 +313,35 @@ def check(twins: Twins, frame: bytes) -> str | None:
 
 def frame_of(header: bytes, stype: int = 0, body: bytes = b"") -> bytes:
     return struct.pack(">ii", 4 + len(header) + len(body), (stype << 24) | len(header)) + header + body
+
+
+def batch_body(n: int) -> bytes:
+    """A body of ``n`` MessageDecoder.encodeMessages records (no properties)."""
+    rec = struct.pack(">iiiii", 20 + 4 + 2, 0, 0, 0, 4) + b"body" + struct.pack(">h", 0)
+    return rec * n
+
+
+def _batch_records(frame: bytes) -> int:
+    """How many messages the broker decodes from a batch frame's body (MessageDecoder.decodeMessages)."""
+    from rmqfast.codec.batch import decode_batch
+
+    hlen = struct.unpack_from(">i", frame, 4)[0] & 0xFFFFFF
+    try:
+        return len(decode_batch(frame[8 + hlen :]))
+    except ValueError:
+        return -1
+
+
+#: values of a batch flag (``m``, ``batch``): Boolean.parseBoolean reads only "true" in any case
+FLAG_VALUES = ("true", "TRUE", "True", "false", "FALSE", "", "1", "yes", "tru", "true ", " true", "truex")
+
+
+def _flag_pair(code: int, rng: random.Random) -> tuple[str, str]:
+    """A batch flag for ``code``: mostly its own key, now and then the other header's."""
+    key = "batch" if code in (10, 324) else "m"
+    if rng.random() < 0.15:
+        key = "m" if key == "batch" else "batch"
+    return key, rng.choice(FLAG_VALUES)
 
 
 def _props(rng: random.Random) -> str:
@@ -319,6 +359,8 @@ def _base_pairs(rng: random.Random) -> list[tuple[str, Any]]:
     topic_key = "b" if code in (310, 320, 325) else "topic"
     props_key = "i" if code in (310, 320, 325) else "properties"
     ext: list[tuple[str, Any]] = [("a", "PG"), (topic_key, rng.choice(TOPICS)), (props_key, _props(rng))]
+    if rng.random() < 0.6:
+        ext.append(_flag_pair(code, rng))
     rng.shuffle(ext)
     pairs = [("code", code), ("extFields", ext), ("flag", rng.choice([0, 0, 2, 1])),
              ("language", rng.choice(["JAVA", "GO", "CPP"])), ("opaque", rng.randint(-5, 100000)),
@@ -388,8 +430,8 @@ def json_case(rng: random.Random) -> bytes:
         elif op == 1:  # duplicate an extFields value
             ext = next((v for k, v in pairs if k == "extFields" and isinstance(v, list)), None)
             if ext is not None:
-                ext.insert(rng.choice([0, len(ext)]), (rng.choice(["b", "topic", "i", "properties"]),
-                                                        rng.choice([*TOPICS, f"TAGS\x01{rng.choice(TAGS)}"])))
+                ext.insert(rng.choice([0, len(ext)]), (rng.choice(["b", "topic", "i", "properties", "m", "batch"]),
+                                                        rng.choice([*TOPICS, f"TAGS\x01{rng.choice(TAGS)}", "true"])))
         elif op == 2:  # a trick on a key
             idx = rng.randrange(len(pairs))
             k, v = pairs[idx]
@@ -416,8 +458,11 @@ def binary_case(rng: random.Random) -> bytes:
     topic_key = "b" if code in (310, 320) else "topic"
     props_key = "i" if code in (310, 320) else "properties"
     items = [("a", "PG"), (topic_key, rng.choice(TOPICS)), (props_key, _props(rng))]
+    if rng.random() < 0.6:
+        items.insert(rng.randrange(len(items) + 1), _flag_pair(code, rng))
     if rng.random() < 0.3:
-        items.insert(rng.choice([0, len(items)]), (rng.choice(["b", "topic", "i", "properties"]), rng.choice(TOPICS)))
+        items.insert(rng.choice([0, len(items)]), (rng.choice(["b", "topic", "i", "properties", "m", "batch"]),
+                                                   rng.choice([*TOPICS, "true"])))
     if rng.random() < 0.1:
         items.append((rng.choice(["b", "topic"]), ""))
     ext = b"".join(struct.pack(">H", len(k.encode())) + k.encode() + struct.pack(">i", len(v.encode())) + v.encode()
@@ -435,9 +480,10 @@ def binary_case(rng: random.Random) -> bytes:
 
 
 def case(rng: random.Random) -> bytes:
+    body = batch_body(rng.randint(0, 3)) if rng.random() < 0.7 else b""
     if rng.random() < 0.25:
-        return frame_of(binary_case(rng), 1)
-    return frame_of(json_case(rng), 0)
+        return frame_of(binary_case(rng), 1, body)
+    return frame_of(json_case(rng), 0, body)
 
 
 def run(seconds: float, seed: int, max_inputs: int | None = None) -> tuple[int, int, list[str]]:
