@@ -211,3 +211,56 @@ def test_fuzzer_catches_a_scanner_that_ignores_the_batch_flag():
 
     assert header_fuzz.check(header_fuzz.Twins(), frame) is None
     assert "counted 1 messages, broker reads 3" in header_fuzz.check(OneMessage(), frame)
+
+
+@pytest.mark.parametrize("code,key,value", [
+    (C.SEND_MESSAGE_V2, "m", "true"),          # a batch sent as SEND_MESSAGE_V2
+    (C.SEND_MESSAGE, "batch", "TRUE"),         # ... as SEND_MESSAGE
+])
+def test_delay_service_holds_a_flagged_send_as_a_batch(tmp_path, code, key, value):
+    """The delivery times of a flagged send's messages are in its body: the batch is held until
+    the latest, and released as a batch without them."""
+    from rmqfast.codec.batch import BatchEntry, decode_batch, encode_batch
+    from rmqfast.codec.command import decode_frame
+    from tests.test_delay import FakeSession, GeventBroker, frame_of, make_service, send_cmd, wait_for
+
+    broker = GeventBroker()
+    svc, spill = make_service(tmp_path)
+    try:
+        entries = [BatchEntry(body=b"b%d" % i, properties={"UNIQ_KEY": f"U{i}", "TIMER_DELAY_MS": str(200 + 100 * i)})
+                   for i in range(3)]
+        cmd = send_cmd("Delayed", 1, {}, uniq=None, code=code, body=encode_batch(entries))
+        cmd.ext_fields[key] = value
+        a = decode_frame(svc.filter.on_request(FakeSession(broker.addr), frame_of(cmd)).data)
+        assert a.code == C.SUCCESS and a.ext_fields["msgId"] == "U0,U1,U2"
+        wait_for(lambda: len(broker.got) == 1, 20, "the batch released")
+        got = broker.got[0][1]
+        assert got.code == C.SEND_BATCH_MESSAGE and got.ext_fields["m"] == "true"
+        assert [e.properties for e in decode_batch(got.body)] == [{"UNIQ_KEY": f"U{i}"} for i in range(3)]
+    finally:
+        svc.close()
+        spill.close()
+        broker.close()
+
+
+def test_delay_service_takes_an_unflagged_320_as_one_message(tmp_path):
+    """SEND_BATCH_MESSAGE without m=true is stored by the broker as one message with the header's
+    properties: the header's delivery time decides, the body is not decoded."""
+    from rmqfast.codec.command import decode_frame
+    from tests.test_delay import FakeSession, GeventBroker, frame_of, make_service, send_cmd, wait_for
+
+    broker = GeventBroker()
+    svc, spill = make_service(tmp_path)
+    try:
+        cmd = send_cmd("Delayed", 1, {"TIMER_DELAY_MS": "200"}, code=C.SEND_BATCH_MESSAGE, body=b"not a batch body")
+        cmd.ext_fields["m"] = "false"
+        a = decode_frame(svc.filter.on_request(FakeSession(broker.addr), frame_of(cmd)).data)
+        assert a.code == C.SUCCESS
+        wait_for(lambda: len(broker.got) == 1, 20, "the message released")
+        got = broker.got[0][1]
+        assert got.code == C.SEND_MESSAGE_V2 and got.ext_fields["m"] == "false" and got.body == b"not a batch body"
+        assert "TIMER_DELAY_MS" not in got.ext_fields["i"]
+    finally:
+        svc.close()
+        spill.close()
+        broker.close()
