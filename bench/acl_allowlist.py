@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 from rmqfast.bench.cbuild import build_tools
-from rmqfast.bench.common import wait_serving
 from rmqfast.bench.nullbroker import NullBroker
-from rmqfast.bench.procfs import children, total_cpu
-from rmqfast.testing.ports import reserve
+from rmqfast.bench.procfs import total_cpu
+from rmqfast.bench.staticproxy import start_static_proxy
 
 SCENARIOS = {
     "send": ["--conns", "16", "--inflight", "32", "--body", "1024"],
@@ -44,36 +41,7 @@ MODES = {"off": "", "on": f'[acl]\ntopics = {{ {ACCESS_KEY} = ["BenchTopic"] }}\
 
 
 def start_proxy(mode: str, broker_port: int) -> tuple[subprocess.Popen[bytes], int, list[int], object]:
-    lease = reserve([0, 1, 2])
-    ns, admin, endpoint = lease.base, lease.base + 1, lease.base + 2
-    d = Path(tempfile.mkdtemp(prefix="rmqfast-aclbench-"))
-    (d / "c.toml").write_text(f"""
-[proxy]
-workers = 2
-state_dir = "{d}/state"
-[namesrv]
-listen = "127.0.0.1:{ns}"
-upstreams = ["127.0.0.1:9"]
-[brokers]
-port_range = ""
-vip_channel = false
-[[brokers.static]]
-listen = "127.0.0.1:{endpoint}"
-upstream = "127.0.0.1:{broker_port}"
-[admin]
-listen = "127.0.0.1:{admin}"
-[log]
-level = "warning"
-[policy]
-message_addresses = "off"
-{MODES[mode]}
-""")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(d / "c.toml")],
-                            stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb"))
-    wait_serving(proc, admin, [ns, endpoint], f"rmqfast ({mode}); see {d / 'log'}")
-    while len(children(proc.pid)) < 2:
-        time.sleep(0.1)
-    return proc, endpoint, children(proc.pid), lease
+    return start_static_proxy(f"aclbench-{mode}", broker_port, MODES[mode])
 
 
 def run(loadgen: Path, port: int, args: list[str], workers: list[int], warmup: float, duration: float) -> dict:

@@ -24,20 +24,17 @@ import argparse
 import json
 import socketserver
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from rmqfast.bench.cbuild import build_tools
-from rmqfast.bench.common import wait_serving
 from rmqfast.bench.nullbroker import NullBroker
-from rmqfast.bench.procfs import children, total_cpu
+from rmqfast.bench.procfs import total_cpu
+from rmqfast.bench.staticproxy import start_static_proxy
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import decode_frame, encode, make_response
-from rmqfast.testing.ports import reserve
 from rmqfast.testing.wire import read_frame
 
 SEND = ["--conns", "16", "--inflight", "32", "--body", "1024"]
@@ -80,36 +77,7 @@ def route_server(broker_port: int) -> socketserver.ThreadingTCPServer:
 
 
 def start_proxy(mode: str, broker_port: int, namesrv: str) -> tuple[subprocess.Popen[bytes], int, list[int], object]:
-    lease = reserve([0, 1, 2])
-    ns, admin, endpoint = lease.base, lease.base + 1, lease.base + 2
-    d = Path(tempfile.mkdtemp(prefix="rmqfast-graybench-"))
-    (d / "c.toml").write_text(f"""
-[proxy]
-workers = 2
-state_dir = "{d}/state"
-[namesrv]
-listen = "127.0.0.1:{ns}"
-upstreams = ["{namesrv}"]
-[brokers]
-port_range = ""
-vip_channel = false
-[[brokers.static]]
-listen = "127.0.0.1:{endpoint}"
-upstream = "127.0.0.1:{broker_port}"
-[admin]
-listen = "127.0.0.1:{admin}"
-[log]
-level = "warning"
-[policy]
-message_addresses = "off"
-{MODES[mode]}
-""")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(d / "c.toml")],
-                            stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb"))
-    wait_serving(proc, admin, [ns, endpoint], f"rmqfast ({mode}); see {d / 'log'}")
-    while len(children(proc.pid)) < 2:
-        time.sleep(0.1)
-    return proc, endpoint, children(proc.pid), lease
+    return start_static_proxy(f"graybench-{mode}", broker_port, MODES[mode], namesrv=namesrv)
 
 
 def run(loadgen: Path, port: int, workers: list[int], warmup: float, duration: float) -> dict[str, Any]:

@@ -19,18 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 from rmqfast.bench.cbuild import build_tools
-from rmqfast.bench.common import wait_serving
 from rmqfast.bench.loadgen import run_loadgen
 from rmqfast.bench.nullbroker import NullBroker
-from rmqfast.bench.procfs import children
 from rmqfast.bench.scenarios import Scenario
-from rmqfast.testing.ports import reserve
+from rmqfast.bench.staticproxy import start_static_proxy
 
 SCENARIOS = {
     "pull": Scenario("pull", conns=16, inflight=4, pull_pct=100, topics=1),
@@ -41,35 +35,7 @@ SCENARIOS = {
 
 
 def start_proxy(mode: str, broker_port: int) -> tuple[subprocess.Popen[bytes], int, list[int], object]:
-    lease = reserve([0, 1, 2, *range(3, 13)])
-    ns, admin, endpoint, lo = lease.base, lease.base + 1, lease.base + 2, lease.base + 3
-    d = Path(tempfile.mkdtemp(prefix="rmqfast-msgaddr-"))
-    (d / "c.toml").write_text(f"""
-[proxy]
-workers = 2
-state_dir = "{d}/state"
-[namesrv]
-listen = "127.0.0.1:{ns}"
-upstreams = ["127.0.0.1:9"]
-[brokers]
-port_range = "{lo}-{lo + 9}"
-vip_channel = false
-[[brokers.static]]
-listen = "127.0.0.1:{endpoint}"
-upstream = "127.0.0.1:{broker_port}"
-[admin]
-listen = "127.0.0.1:{admin}"
-[log]
-level = "warning"
-[policy]
-message_addresses = "{mode}"
-""")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(d / "c.toml")],
-                            stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb"))
-    wait_serving(proc, admin, [ns, endpoint], f"rmqfast ({mode}); see {d / 'log'}")
-    while len(children(proc.pid)) < 2:
-        time.sleep(0.1)
-    return proc, endpoint, children(proc.pid), lease
+    return start_static_proxy(f"msgaddr-{mode}", broker_port, message_addresses=mode, dynamic_ports=10)
 
 
 def main() -> None:
