@@ -222,7 +222,9 @@ class GrayFilter(Filter):
         frame.want_response = True
         return None
 
-    def _pull(self, session: Session, frame: Frame) -> Verdict | None:
+    def _group_queue(self, session: Session, frame: Frame) -> tuple[Any, ...] | None:
+        """(command, group config, topic, queue id, broker, the client's side, whether the queue is
+        gray) of a pull or offset commit of a gray group; None for other groups."""
         cmd = frame.command()
         ext = cmd.ext_fields or {}
         entry = self.groups.get(ext.get("consumerGroup", ""))
@@ -232,8 +234,13 @@ class GrayFilter(Filter):
         topic = ext.get("topic", "")
         qid = field_int(ext.get("queueId"), -1)
         broker = self._broker(session, ext, topic)
-        side = self.side(session, marker)
-        gq = self._is_gray_queue(g, topic, broker, qid)
+        return cmd, g, topic, qid, broker, self.side(session, marker), self._is_gray_queue(g, topic, broker, qid)
+
+    def _pull(self, session: Session, frame: Frame) -> Verdict | None:
+        q = self._group_queue(session, frame)
+        if q is None:
+            return None
+        cmd, g, topic, qid, broker, side, gq = q
         key = (g.group, topic, broker, qid)
         parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
         ph = self.phase(g.group)
@@ -291,17 +298,10 @@ class GrayFilter(Filter):
         return rewrite(encode(query))
 
     def _commit(self, session: Session, frame: Frame) -> Verdict | None:
-        cmd = frame.command()
-        ext = cmd.ext_fields or {}
-        entry = self.groups.get(ext.get("consumerGroup", ""))
-        if entry is None:
+        q = self._group_queue(session, frame)
+        if q is None:
             return None
-        g, marker = entry
-        topic = ext.get("topic", "")
-        qid = field_int(ext.get("queueId"), -1)
-        broker = self._broker(session, ext, topic)
-        side = self.side(session, marker)
-        gq = self._is_gray_queue(g, topic, broker, qid)
+        cmd, g, topic, qid, broker, side, gq = q
         ph = self.phase(g.group)
         parked_in = session.state.get("gray_parked", {}).get((g.group, topic, broker, qid))
         ok = (side is not None and gq is not None and may_commit(side, ph, gq, self.gray_alive(g.group))
