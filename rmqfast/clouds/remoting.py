@@ -35,6 +35,21 @@ class RemoteError(RuntimeError):
     """A remote cluster could not be reached or answered with an error; the message says which and why."""
 
 
+def open_socket(addr: str, connect_timeout: float, wrap: Callable[[Any, str], Any] | None = None) -> Any:
+    """A blocking (gevent) TCP_NODELAY socket connected to ``addr`` ("host:port", IPv6 in brackets),
+    wrapped by ``wrap(sock, host)`` (e.g. TLS) if given; RemoteError saying why if it cannot be."""
+    host, _, port = addr.rpartition(":")
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
+        if wrap is not None:
+            sock = wrap(sock, host.strip("[]"))
+    except (OSError, ValueError) as exc:
+        raise RemoteError(f"cannot connect to {addr}: {exc}") from exc
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)
+    return sock
+
+
 class Connection:
     """One connection to ``addr`` ("host:port"); :meth:`request` may be called from many greenlets."""
 
@@ -43,15 +58,7 @@ class Connection:
     def __init__(self, addr: str, *, connect_timeout: float = 3.0, wrap: Callable[[Any, str], Any] | None = None
                  ) -> None:
         self.addr = addr
-        host, _, port = addr.rpartition(":")
-        try:
-            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
-            if wrap is not None:  # e.g. TLS (rmqfast.proxy.tls), before the reader starts
-                self.sock = wrap(self.sock, host.strip("[]"))
-        except (OSError, ValueError) as exc:
-            raise RemoteError(f"cannot connect to {addr}: {exc}") from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(None)
+        self.sock = open_socket(addr, connect_timeout, wrap)  # wrap: e.g. TLS, before the reader starts
         self.closed = False
         self._pending: dict[int, AsyncResult] = {}
         self._send_lock = Semaphore()

@@ -18,11 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import gevent
-from gevent import socket
 from gevent.event import AsyncResult
 from gevent.lock import Semaphore
 
-from rmqfast.clouds.remoting import CLIENT_VERSION, RemoteError
+from rmqfast.clouds.remoting import CLIENT_VERSION, RemoteError, open_socket
 from rmqfast.codec.codes import FLAG_RESPONSE, SERIALIZE_ROCKETMQ
 from rmqfast.codec.command import decode_frame
 from rmqfast.spill.record import CopyRecord
@@ -89,15 +88,7 @@ class ReleaseChannel:
     def __init__(self, addr: str, *, connect_timeout: float = 3.0, wrap: Callable[[Any, str], Any] | None = None
                  ) -> None:
         self.addr = addr
-        host, _, port = addr.rpartition(":")
-        try:
-            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
-            if wrap is not None:  # TLS to the broker ([tls.upstream]), as the other connections
-                self.sock = wrap(self.sock, host.strip("[]"))
-        except (OSError, ValueError) as exc:
-            raise RemoteError(f"cannot connect to {addr}: {exc}") from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(None)
+        self.sock = open_socket(addr, connect_timeout, wrap)  # wrap: TLS to the broker ([tls.upstream])
         self.closed = False
         self._pending: dict[int, AsyncResult] = {}
         self._lock = Semaphore()
