@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socketserver
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +31,7 @@ from rmqfast.bench.cbuild import build_tools
 from rmqfast.bench.nullbroker import NullBroker
 from rmqfast.bench.procfs import total_cpu
 from rmqfast.bench.staticproxy import start_static_proxy
-from rmqfast.codec import codes as C
-from rmqfast.codec.command import decode_frame, encode, make_response
-from rmqfast.testing.wire import read_frame
+from rmqfast.testing.standins import FakeNameServer, StandInServer
 
 SEND = ["--conns", "16", "--inflight", "32", "--body", "1024"]
 GROUP = """
@@ -49,31 +45,13 @@ producer_groups = ["PG_bench"]
 MODES = {"off": "", "other": GROUP.format(topic="OtherTopic"), "split": GROUP.format(topic="BenchTopic")}
 
 
-def route_server(broker_port: int) -> socketserver.ThreadingTCPServer:
-    """Answers GET_ROUTEINFO_BY_TOPIC with broker-a (8 queues) at the null broker; SUCCESS to the rest."""
-    route = json.dumps({
+def route_server(broker_port: int) -> StandInServer:
+    """A name server answering route queries with broker-a (8 queues) at the null broker."""
+    return FakeNameServer(route=json.dumps({
         "brokerDatas": [{"brokerName": "broker-a", "cluster": "c", "brokerAddrs": {"0": f"127.0.0.1:{broker_port}"}}],
         "queueDatas": [{"brokerName": "broker-a", "perm": 6, "readQueueNums": 8, "writeQueueNums": 8,
                         "topicSysFlag": 0}],
-    }).encode()
-
-    class Handler(socketserver.BaseRequestHandler):
-        def handle(self) -> None:
-            while True:
-                try:
-                    data = read_frame(self.request)
-                except OSError:
-                    return
-                if data is None:
-                    return
-                cmd = decode_frame(data)
-                body = route if cmd.code == C.GET_ROUTEINFO_BY_TOPIC else b""
-                self.request.sendall(encode(make_response(cmd, C.SUCCESS, body=body)))
-
-    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
+    }).encode())
 
 
 def start_proxy(mode: str, broker_port: int, namesrv: str) -> tuple[subprocess.Popen[bytes], int, list[int], object]:
@@ -106,7 +84,7 @@ def main() -> None:
     rows = []
     with NullBroker(tools) as nb:
         ns = route_server(nb.port)
-        proxies = {m: start_proxy(m, nb.port, f"127.0.0.1:{ns.server_address[1]}") for m in modes}
+        proxies = {m: start_proxy(m, nb.port, ns.addr) for m in modes}
         try:
             for r in range(args.rounds):
                 for m in modes[r % len(modes):] + modes[: r % len(modes)]:
@@ -122,7 +100,7 @@ def main() -> None:
             for proc, *_ in proxies.values():
                 proc.terminate()
                 proc.wait()
-            ns.shutdown()
+            ns.close()
 
     def median(mode: str, key: str) -> float:
         sel = sorted(x[key] for x in rows if x["mode"] == mode)

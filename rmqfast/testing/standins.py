@@ -1,7 +1,8 @@
 """Small stand-ins for upstream servers, for unit tests and benchmarks (real RocketMQ: cluster.py).
 
 * :func:`FakeNameServer` answers every Remoting request with a response carrying its opaque
-  (``QUERY_NOT_FOUND`` for ``GET_KV_CONFIG``, as a real name server does for an unknown key).
+  (``QUERY_NOT_FOUND`` for ``GET_KV_CONFIG``, as a real name server does for an unknown key;
+  route queries with the ``route`` body it was given, if any).
 * :func:`NotRemotingServer` accepts TCP connections and answers with an HTTP error page.
 
 Both serve on a free loopback port from a daemon thread; ``addr`` is their ``host:port``,
@@ -30,6 +31,7 @@ class StandInServer(socketserver.ThreadingTCPServer):
         super().__init__(("127.0.0.1", 0), handler)
         self.requests = 0
         self.lock = threading.Lock()
+        self.route: bytes | None = None  # FakeNameServer: the body of every route answer
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -55,7 +57,8 @@ class _NameServerHandler(socketserver.BaseRequestHandler):
             with srv.lock:
                 srv.requests += 1
             code = QUERY_NOT_FOUND if cmd.code == C.GET_KV_CONFIG else C.SUCCESS
-            self.request.sendall(encode(make_response(cmd, code, remark="fake name server")))
+            body = (srv.route if cmd.code == C.GET_ROUTEINFO_BY_TOPIC else None) or b""
+            self.request.sendall(encode(make_response(cmd, code, remark="fake name server", body=body)))
 
 
 class _NotRemotingHandler(socketserver.BaseRequestHandler):
@@ -70,8 +73,10 @@ class _NotRemotingHandler(socketserver.BaseRequestHandler):
             pass
 
 
-def FakeNameServer() -> StandInServer:  # noqa: N802 (reads like a class at the call site)
-    return StandInServer(_NameServerHandler)
+def FakeNameServer(route: bytes | None = None) -> StandInServer:  # noqa: N802 (reads like a class at the call site)
+    srv = StandInServer(_NameServerHandler)
+    srv.route = route
+    return srv
 
 
 def NotRemotingServer() -> StandInServer:  # noqa: N802
