@@ -107,6 +107,7 @@ cdef class Pump:
     cdef int pend_ev, phase, reads
     cdef int src, dst
     cdef bint readable
+    cdef bint peer_closed  # the reactor saw the source's peer close: read until recv says EOF
     cdef int64_t now     # when the bytes being scanned arrived
     cdef readonly int errno_value
     cdef readonly Py_ssize_t frame_start, frame_end
@@ -295,7 +296,7 @@ cdef class Pump:
             # PH_READ
             if self.hold and self.scanner._skip == 0:
                 return PS_BOUNDARY
-            if not self.readable:
+            if not self.readable and not self.peer_closed:
                 # The last read drained the socket: wait for readiness rather than fail a recv.
                 self.readable = True
                 self.reads = 0

@@ -33,6 +33,8 @@ cdef extern from "<sys/epoll.h>" nogil:
     enum: EPOLL_CTL_DEL
     enum: EPOLLIN
     enum: EPOLLRDHUP
+    enum: EPOLLHUP
+    enum: EPOLLERR
     enum: EPOLLET
 
 cdef extern from "<unistd.h>" nogil:
@@ -136,6 +138,11 @@ cdef class Reactor:
             if found is None:
                 continue  # detached by a greenlet woken earlier in this turn
             pump = <Pump>found
+            if evs[i].events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR):
+                # The peer closed (or the socket failed).  Edge-triggered: if the close came in
+                # with the last bytes, no later edge will report it, so the pump reads until
+                # recv says so instead of trusting a short read to mean "drained".
+                pump.peer_closed = True
             if pump.waiter is None:
                 pump.ready_in = True  # its greenlet is busy: acted on when it parks
                 continue

@@ -127,3 +127,45 @@ def test_receives_in_the_reactor_count_as_activity(proxy):
         s.sendall(send(2, b"hi"))
         assert decode_frame(read_frame(s)).code == C.SUCCESS
         assert session.idle_for(time.monotonic()) < 100
+
+
+class Wake:
+    """Stands in for a parked greenlet's Waiter: records the status the reactor hands it."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+
+    def switch(self, status: int) -> None:
+        self.got.append(status)
+
+
+@pytest.mark.parametrize("cut", [0, 7, 40], ids=["no-bytes", "half-head", "half-frame"])
+def test_a_close_that_arrives_with_the_last_bytes_is_seen(cut):
+    """Edge-triggered: when the peer's last bytes and its close arrive before one turn, that turn
+    is the only report of both; the pump must read on to the close rather than take its short
+    read for "drained" (it then waited forever for an edge that never comes)."""
+    from rmqfast._speedups import P_EOF, Reactor
+    from tests.test_pump import actions, nonblocking_pair
+
+    scanner = codec.FrameScannerC(codec.ScanStatsC(), actions=actions())
+    src_peer, src = nonblocking_pair()
+    dst, dst_peer = nonblocking_pair()
+    pump = codec.Pump(scanner, src.fileno(), dst.fileno(), 4096)
+    reactor = Reactor()
+    reactor.attach(pump, lambda: False)
+    wake = Wake()
+    try:
+        assert reactor.park(pump, wake) == -1  # nothing there yet: parked
+        reactor.turn()
+        frame = send(1, b"body")
+        src_peer.sendall(frame[:cut])
+        src_peer.shutdown(socket.SHUT_WR)  # both before the reactor's next turn
+        for _ in range(3):
+            reactor.turn()
+            if wake.got:
+                break
+        assert wake.got == [P_EOF]
+    finally:
+        reactor.detach(pump)
+        for s in (src_peer, src, dst, dst_peer):
+            s.close()
