@@ -451,7 +451,7 @@ _KNOWN = {
     "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"},
     "acl": {"topics", "unsigned", "other_keys"},
     "tls": {"listen", "upstream"},
-    "gray": {"settle", "grace", "state_file", "group"},
+    "gray": {"settle", "grace", "drain_timeout", "backlog_interval", "state_file", "group"},
     "grpc": set(GRPC_KEYS),
     "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout", "hang_timeout",
                  "send_timeout", "ordered_topics", "ordered_property", "go_away", "resend"},

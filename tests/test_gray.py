@@ -194,9 +194,14 @@ class Clock:
 class FakeCommands:
     def __init__(self) -> None:
         self.cmds: dict[str, tuple[str | None, float]] = {}
+        self.extra: dict[str, dict[str, Any]] = {}  # drain outcomes (rmqfast.gray.watch)
 
     def get(self, group: str) -> tuple[str | None, float]:
         return self.cmds.get(group, (None, 0.0))
+
+    def command(self, group: str) -> dict[str, Any] | None:
+        c = self.cmds.get(group)
+        return None if c is None else {"action": c[0], "at": c[1], **self.extra.get(group, {})}
 
 
 def make_filter(k: int = 1, queues: int = 4) -> tuple[GrayFilter, Clock, FakeCommands]:

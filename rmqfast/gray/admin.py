@@ -20,6 +20,7 @@ from typing import Any
 from rmqfast.gray.config import GraySection
 from rmqfast.gray.rules import phase
 from rmqfast.gray.state import read_commands, state_path, write_command
+from rmqfast.gray.watch import GrayWatch, drain_state
 
 ACTIONS = {"promote": "promote", "abort": "abort", "reset": None}
 
@@ -43,7 +44,7 @@ def _counters(metrics_text: bytes) -> dict[str, dict[str, float]]:
 
 
 def view(cfg: Any, metrics_text: bytes | None = None, now: float | None = None,
-         backlog: bool = False) -> dict[str, Any]:
+         backlog: bool = False, watch: GrayWatch | None = None) -> dict[str, Any]:
     """The state of every configured group (``backlog``: with its gray queues' backlog, asked of the brokers)."""
     g: GraySection = cfg.gray
     now = time.time() if now is None else now
@@ -53,11 +54,19 @@ def view(cfg: Any, metrics_text: bytes | None = None, now: float | None = None,
     for grp in g.groups:
         c = cmds.get(grp.group)
         action, at = (c["action"], c["at"]) if c else (None, 0.0)
-        ph = phase(action, at, now, g.settle)
+        ph = phase(action, at, now, g.settle, c.get("drained_at") if c else None, g.drain_timeout)
         row: dict[str, Any] = {"group": grp.group, "topics": grp.topics, "gray_queues": grp.gray_queues,
                                "phase": ph.value, "action": action, "since": at or None,
                                "settle_left": max(0.0, round(at + g.settle - now, 1)) if action else 0.0,
-                               "counters": counters.get(grp.group, {})}
+                               "drain": drain_state(c), "counters": counters.get(grp.group, {})}
+        if c is not None:
+            row["drain_timeout_left"] = max(0.0, round(at + g.drain_timeout - now, 1)) if "drain" not in c else 0.0
+            if "drained_at" in c:
+                row["drained_after"] = round(c["drained_at"] - at, 1)
+            if "backlog" in c:
+                row["drain_backlog"] = c["backlog"]
+        if watch is not None:
+            row["backlog_last_read"] = watch.view(grp.group)
         if backlog:
             from rmqfast.gray.backlog import gray_backlog
 
@@ -76,7 +85,8 @@ def admin_gray(handler: Any, method: str, path: str, query: str) -> tuple[int, d
             text = handler.backend.metrics_text()
         except Exception:  # the state is still worth showing
             text = None
-        return 200, view(cfg, text, backlog=urllib.parse.parse_qs(query).get("backlog", [""])[0] in ("1", "true"))
+        return 200, view(cfg, text, backlog=urllib.parse.parse_qs(query).get("backlog", [""])[0] in ("1", "true"),
+                         watch=getattr(handler.backend, "gray_watch", None))
     action = path.removeprefix("/gray/")
     if action not in ACTIONS:
         return 404, {"error": f"POST {path}: unknown path; use POST /gray/promote|abort|reset?group=GROUP"}
@@ -115,8 +125,18 @@ def render(v: dict[str, Any], only: str = "") -> str:
         if only and g["group"] != only:
             continue
         extra = f", {g['settle_left']} s of settle left" if g["settle_left"] else ""
+        drain = g.get("drain")
+        if drain == "draining":
+            extra += f", draining ({g.get('drain_timeout_left', 0)} s to the drain timeout)"
+        elif drain == "drained":
+            extra += f", drained after {g.get('drained_after', 0)} s"
+        elif drain == "timeout":
+            extra += f", drain timed out with {g.get('drain_backlog', 'an unknown number of')} message(s) left"
         lines.append(f"{g['group']}: {g['phase']}{extra} (topics {', '.join(g['topics'])}; "
                      f"last {g['gray_queues']} queue(s) per broker gray)")
+        last = g.get("backlog_last_read")
+        if last is not None and g.get("backlog") is None:
+            lines.append(f"  backlog of the gray queues: {last['total']} (read {last['age']} s ago)")
         for k, val in sorted(g["counters"].items()):
             lines.append(f"  {k} {val:g}")
         b = g.get("backlog")

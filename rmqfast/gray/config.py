@@ -25,8 +25,10 @@ class GrayGroup:
 
 @dataclass
 class GraySection:
-    settle: float = 8.0  # seconds from promote/abort to the gray queues changing hands
+    settle: float = 8.0  # seconds from promote/abort to the gray queues changing hands (a promote: at least)
     grace: float = 30.0  # seconds without a live gray consumer before normal consumers take the gray queues
+    drain_timeout: float = 120.0  # a promote waits for the gray queues' backlog to reach 0, at most this long
+    backlog_interval: float = 5.0  # seconds between backlog reads (metric, drains); 0: none (drains by time)
     state_file: str = ""  # promote/abort commands shared by the workers; default <state_dir>/gray.json
     groups: list[GrayGroup] = field(default_factory=list)
 
@@ -101,7 +103,7 @@ def parse_gray(raw: Any) -> GraySection:
     """The ``[gray]`` table, checked; a :class:`ConfigError` names the bad key and what is allowed."""
     if not isinstance(raw, dict):
         raise ConfigError(f"gray: expected a table, got {type(raw).__name__}")
-    allowed = {"settle", "grace", "state_file", "group"}
+    allowed = {"settle", "grace", "drain_timeout", "backlog_interval", "state_file", "group"}
     unknown = set(raw) - allowed
     if unknown:
         raise ConfigError(f"gray.{sorted(unknown)[0]}: unknown key; expected one of {', '.join(sorted(allowed))}")
@@ -110,6 +112,16 @@ def parse_gray(raw: Any) -> GraySection:
         out.settle = _seconds("gray.settle", raw["settle"])
     if "grace" in raw:
         out.grace = _seconds("gray.grace", raw["grace"])
+    if "drain_timeout" in raw:
+        out.drain_timeout = _seconds("gray.drain_timeout", raw["drain_timeout"])
+    if out.drain_timeout < out.settle:
+        raise ConfigError(f"gray.drain_timeout: {out.drain_timeout:g} is not allowed; expected at least "
+                          f"gray.settle ({out.settle:g} s): a promote waits for the backlog after the settle")
+    if "backlog_interval" in raw:
+        out.backlog_interval = _seconds("gray.backlog_interval", raw["backlog_interval"])
+        if 0 < out.backlog_interval < 0.2:
+            raise ConfigError(f"gray.backlog_interval: {out.backlog_interval:g} is not allowed; expected 0 "
+                              "(no backlog reads) or at least 0.2 seconds")
     sf = raw.get("state_file", "")
     if not isinstance(sf, str):
         raise ConfigError(f"gray.state_file: {sf!r} is not allowed; expected a path")

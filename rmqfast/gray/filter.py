@@ -136,8 +136,10 @@ class GrayFilter(Filter):
     # State of a group -------------------------------------------------------------------------
 
     def phase(self, group: str) -> Phase:
-        action, at = self.commands.get(group)
-        ph = phase(action, at, self.clock(), self.cfg.settle)
+        c = self.commands.command(group)
+        action, at = (c["action"], c["at"]) if c else (None, 0.0)
+        ph = phase(action, at, self.clock(), self.cfg.settle, c.get("drained_at") if c else None,
+                   self.cfg.drain_timeout)
         if self._phases.get(group) is not ph:
             self._phases[group] = ph
             log.info("gray: phase", extra=ctx(group=group, phase=ph.value, action=action))

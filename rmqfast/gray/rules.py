@@ -35,10 +35,19 @@ class Phase(Enum):
     ABORTED = "aborted"  # normal consumers on every queue; gray consumers get nothing
 
 
-def phase(action: str | None, at: float, now: float, settle: float) -> Phase:
-    """The phase of a group ``now``, given its last command (``promote``/``abort``/None) given at ``at``."""
+def phase(action: str | None, at: float, now: float, settle: float, drained_at: float | None = None,
+          drain_timeout: float | None = None) -> Phase:
+    """The phase of a group ``now``, given its last command (``promote``/``abort``/None) given at ``at``.
+
+    A promote ends when its gray queues were seen drained (``drained_at``: backlog 0, seen no earlier
+    than ``settle`` after the command) or, at the latest, ``drain_timeout`` after it; without a
+    ``drain_timeout`` it ends ``settle`` after the command.  An abort hands the gray queues over
+    ``settle`` after the command (the gray side's last offset commits), whatever their backlog."""
     if action == "promote":
-        return Phase.PROMOTED if now - at >= settle else Phase.PROMOTING
+        bound = settle if drain_timeout is None else max(settle, drain_timeout)
+        if drained_at is not None:
+            bound = min(bound, max(settle, drained_at - at))
+        return Phase.PROMOTED if now - at >= bound else Phase.PROMOTING
     if action == "abort":
         return Phase.ABORTED if now - at >= settle else Phase.ABORTING
     return Phase.ACTIVE

@@ -3,6 +3,10 @@
 ``{"groups": {"GROUP": {"action": "promote" | "abort", "at": EPOCH_SECONDS}}}``: the workers
 derive the phase from it (:func:`rmqfast.gray.rules.phase`) and look at the file's modification
 time at most once a second, so a command applies in every worker within about a second.
+
+The backlog watch of the supervisor (:mod:`rmqfast.gray.watch`) adds the outcome of a command's
+drain: ``"drain": "drained" | "timeout"``, ``"drained_at"`` (when the gray queues' backlog was seen
+at 0; a promote ends then) and ``"backlog"`` (what was left at a timeout).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from rmqfast.log import ctx
 log = logging.getLogger("rmqfast.gray")
 
 ACTIONS = ("promote", "abort")
+DRAIN_OUTCOMES = ("drained", "timeout")
 
 
 def state_path(state_file: str, state_dir: str) -> Path:
@@ -42,8 +47,21 @@ def read_commands(path: Path) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for g, c in groups.items():
         if isinstance(c, dict) and c.get("action") in ACTIONS and isinstance(c.get("at"), int | float):
-            out[str(g)] = {"action": c["action"], "at": float(c["at"])}
+            cmd: dict[str, Any] = {"action": c["action"], "at": float(c["at"])}
+            if c.get("drain") in DRAIN_OUTCOMES:
+                cmd["drain"] = c["drain"]
+                if isinstance(c.get("drained_at"), int | float) and not isinstance(c["drained_at"], bool):
+                    cmd["drained_at"] = float(c["drained_at"])
+                if isinstance(c.get("backlog"), int) and not isinstance(c["backlog"], bool):
+                    cmd["backlog"] = c["backlog"]
+            out[str(g)] = cmd
     return out
+
+
+def _write(path: Path, cur: dict[str, dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"groups": cur}, sort_keys=True), "utf-8")
+    os.replace(tmp, path)
 
 
 def write_command(path: Path, group: str, action: str | None, now: float | None = None) -> dict[str, Any]:
@@ -58,10 +76,30 @@ def write_command(path: Path, group: str, action: str | None, now: float | None 
             cur.pop(group, None)
         else:
             cur[group] = {"action": action, "at": time.time() if now is None else now}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"groups": cur}, sort_keys=True), "utf-8")
-        os.replace(tmp, path)
+        _write(path, cur)
         return cur.get(group, {})
+
+
+def mark_drain(path: Path, group: str, action: str, at: float, outcome: str, when: float,
+               backlog: int | None = None) -> bool:
+    """Record the outcome of the drain of ``group``'s command (``action`` given at ``at``): ``drained``
+    (backlog 0 seen at ``when``) or ``timeout``.  Nothing is written (False) when the command in the
+    file is another one by now (a newer command, a reset) or already has an outcome."""
+    if outcome not in DRAIN_OUTCOMES:
+        raise ValueError(f"unknown drain outcome {outcome!r}; expected one of {', '.join(DRAIN_OUTCOMES)}")
+    with open(path.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cur = read_commands(path)
+        c = cur.get(group)
+        if c is None or c["action"] != action or c["at"] != at or "drain" in c:
+            return False
+        c["drain"] = outcome
+        if outcome == "drained":
+            c["drained_at"] = when
+        if backlog is not None:
+            c["backlog"] = backlog
+        _write(path, cur)
+        return True
 
 
 class Commands:
@@ -75,6 +113,11 @@ class Commands:
         self._cmds: dict[str, dict[str, Any]] = {}
 
     def get(self, group: str) -> tuple[str | None, float]:
+        c = self.command(group)
+        return (c["action"], c["at"]) if c else (None, 0.0)
+
+    def command(self, group: str) -> dict[str, Any] | None:
+        """The group's command as :func:`read_commands` gives it (None: a running canary)."""
         now = time.monotonic()
         if now - self._checked >= self.interval:
             self._checked = now
@@ -85,5 +128,4 @@ class Commands:
             if mtime != self._mtime:
                 self._mtime = mtime
                 self._cmds = read_commands(self.path) if mtime is not None else {}
-        c = self._cmds.get(group)
-        return (c["action"], c["at"]) if c else (None, 0.0)
+        return self._cmds.get(group)

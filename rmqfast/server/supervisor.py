@@ -128,6 +128,9 @@ class Supervisor:
         self._limits_lock = threading.Lock()
         self._limits_update: tuple[LimitsSection, threading.Event] | None = None
         self._change_lock = threading.Lock()  # admin limit changes: read-modify-apply one at a time
+        from rmqfast.gray.watch import GrayWatch
+
+        self.gray_watch = GrayWatch(lambda: self.cfg)  # [gray]: backlog metric, ends drains (rmqfast.gray.watch)
 
     # Workers ----------------------------------------------------------------------------------
 
@@ -331,6 +334,7 @@ class Supervisor:
     def run(self) -> int:
         self._write_config()
         self._start_admin()
+        self.gray_watch.start()
         prev = {
             signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: self.stop()),
             signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: self.stop()),
@@ -370,6 +374,7 @@ class Supervisor:
                 self.deliver.stop()
             for sig, handler in prev.items():
                 signal.signal(sig, handler)
+            self.gray_watch.stop()
             if self.admin is not None:
                 self.admin.shutdown()
             shutil.rmtree(self.runtime, ignore_errors=True)
@@ -444,7 +449,10 @@ class Supervisor:
         for attempt in range(5):
             try:
                 with self.prom_lock:
-                    return generate_latest(_PromFiles(self.prom_dir))  # type: ignore[arg-type]
+                    text = generate_latest(_PromFiles(self.prom_dir))  # type: ignore[arg-type]
+                if self.cfg.gray.enabled:  # the gray backlog, read by the supervisor's watch
+                    text += self.gray_watch.metrics_text()
+                return text
             except (OSError, ValueError, KeyError, struct.error):
                 if attempt == 4:
                     raise
