@@ -4,6 +4,9 @@
 //
 //	produce      -ns A -topic T -count N -mode sync|batch|ordered [-prefix P] [-keys K]
 //	consume-push -ns A -topic T -group G -expect N [-orderly] [-timeout-ms MS]
+//	             [-instance NAME] [-sub "TagA || TagB"] [-stop-file PATH (ends once it exists)]
+//	             [-trace-deliveries]
+//	             (prints "CONSUMER_STARTED" on stderr once started)
 //	consume-pull -ns A -topic T -group G -expect N [-timeout-ms MS]
 //	retry-dlq    -ns A -topic T -group G -expect N -max-reconsume R [-orderly] [-timeout-ms MS]
 //	             ([-linger-ms MS] stay up with connections open after the last message)
@@ -71,8 +74,13 @@ var (
 	timeoutMs    = flag.Int("timeout-ms", 60000, "consumer deadline")
 	maxReconsume = flag.Int("max-reconsume", 1, "max reconsume times (retry-dlq)")
 	shardKeys    = flag.Int("shard-keys", 4, "sharding keys for ordered sends")
+	instance     = flag.String("instance", "", "instance name of the consumer (client id ip@instance)")
+	subExpr      = flag.String("sub", "", "tag expression of the consumer (\"\" = every tag)")
+	stopFile     = flag.String("stop-file", "", "consume-push ends once this file exists")
 	lingerMs     = flag.Int("linger-ms", 0, "stay up this long after the last message, "+
 		"connections open, like a long-running application (lets connection observers see them)")
+	trace = flag.Bool("trace-deliveries", false, "a \"DELIVERED run:idx broker:queue epoch_ms reconsume\" "+
+		"line on stderr per delivery (user properties run and idx, as the Java driver sends them)")
 )
 
 func emit(r *result, code int) {
@@ -217,6 +225,10 @@ func newCollector(want int) *collector {
 func (c *collector) add(m *primitive.MessageExt) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if *trace {
+		fmt.Fprintf(os.Stderr, "DELIVERED %s:%s %s:%d %d %d\n", m.GetProperty("run"), m.GetProperty("idx"),
+			m.Queue.BrokerName, m.Queue.QueueId, time.Now().UnixMilli(), m.ReconsumeTimes)
+	}
 	c.msgs = append(c.msgs, ext(m))
 	if !c.seen[string(m.Body)] {
 		c.seen[string(m.Body)] = true
@@ -241,6 +253,9 @@ func consumePush(r *result, retry bool) {
 	if retry {
 		opts = append(opts, consumer.WithMaxReconsumeTimes(int32(*maxReconsume)))
 	}
+	if *instance != "" {
+		opts = append(opts, consumer.WithInstance(*instance))
+	}
 	c, err := rocketmq.NewPushConsumer(opts...)
 	if err != nil {
 		r.Error = err.Error()
@@ -248,7 +263,11 @@ func consumePush(r *result, retry bool) {
 	}
 	col := newCollector(*expect)
 	var amu sync.Mutex
-	err = c.Subscribe(*topic, consumer.MessageSelector{}, func(ctx context.Context, msgs ...*primitive.MessageExt) (consumer.ConsumeResult, error) {
+	selector := consumer.MessageSelector{}
+	if *subExpr != "" {
+		selector = consumer.MessageSelector{Type: consumer.TAG, Expression: *subExpr}
+	}
+	err = c.Subscribe(*topic, selector, func(ctx context.Context, msgs ...*primitive.MessageExt) (consumer.ConsumeResult, error) {
 		if !retry {
 			for _, m := range msgs {
 				col.add(m)
@@ -277,7 +296,20 @@ func consumePush(r *result, retry bool) {
 		r.Error = err.Error()
 		emit(r, 1)
 	}
+	fmt.Fprintln(os.Stderr, "CONSUMER_STARTED")
 	deadline := time.After(time.Duration(*timeoutMs) * time.Millisecond)
+	stopped := make(chan struct{})
+	if *stopFile != "" {
+		go func() {
+			for {
+				if _, e := os.Stat(*stopFile); e == nil {
+					close(stopped)
+					return
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		}()
+	}
 	var dlq *collector
 	if retry {
 		// The dead-letter queue of the group, read by another group.  Its topic exists only once
@@ -315,6 +347,8 @@ func consumePush(r *result, retry bool) {
 	}
 	select {
 	case <-col.done:
+		r.OK = true
+	case <-stopped:
 		r.OK = true
 	case <-deadline:
 		r.Error = "timed out"

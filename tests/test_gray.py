@@ -561,7 +561,8 @@ def test_only_sends_of_split_topics_leave_the_fast_path(scanner: tuple[Any, Any]
     f, _, _ = make_filter(k=1, queues=4)
     keep = KeepSendsInFlight()  # sees the sends other filters hand to Python (passive)
     chain = FilterChain([f, keep])
-    assert f.send_topics() == [T.encode()] and chain.policy_topics == [T.encode()]
+    split = [f"%RETRY%{G}".encode(), T.encode()]  # and the gray group's retry topic (a gray consumer's retries)
+    assert f.send_topics() == split and chain.policy_topics == split
     for code in (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE):
         assert chain.request_actions[code_slot(code)] != ACTION_POLICY  # not every send
         assert chain._by_slot[code_slot(code)] == (f, keep)  # those handed over: as before, in chain order
@@ -603,7 +604,8 @@ def test_a_reload_reaches_the_scanners_of_live_sessions(tmp_path: Path) -> None:
     w = Worker(first, 0, lambda status: None)
     w.listeners[first.namesrv.listen] = SimpleNamespace(server=None)  # reload binds nothing
     chain = w.chains["broker"]
-    assert chain.policy_topics == [b"a"] and chain.request_actions[code_slot(C.SEND_MESSAGE_V2)] != ACTION_POLICY
+    retry = f"%RETRY%{G}".encode()
+    assert chain.policy_topics == [retry, b"a"] and chain.request_actions[code_slot(C.SEND_MESSAGE_V2)] != ACTION_POLICY
 
     class LiveSession:
         role = "broker"
@@ -616,7 +618,7 @@ def test_a_reload_reaches_the_scanners_of_live_sessions(tmp_path: Path) -> None:
     fr = other_send("b")
     assert s.c2u.scan(fr.data, 0, len(fr.data))[0] == EV_FORWARD  # type: ignore[attr-defined]
     w.reload(cfg(gray("b", "c")))
-    assert s.c2u.policy_topics == [b"b", b"c"] and s.chain is w.chains["broker"]  # type: ignore[attr-defined]
+    assert s.c2u.policy_topics == [retry, b"b", b"c"] and s.chain is w.chains["broker"]  # type: ignore[attr-defined]
     assert s.c2u.scan(fr.data, 0, len(fr.data))[0] == EV_POLICY  # type: ignore[attr-defined]
     w.reload(cfg(None))  # [gray] off
     assert s.c2u.policy_topics is None  # type: ignore[attr-defined]
@@ -678,3 +680,37 @@ def test_reply_messages_of_split_topics_reach_the_filter_through_the_chain(scann
     handed = Frame(fr.data, sc.code, sc.flag, sc.opaque, sc.limited)
     assert chain.on_request(FakeSession(), handed).kind is Kind.PASS
     assert decode_frame(handed.data).ext_fields["e" if v2 else "queueId"] == "0"  # type: ignore[index]
+
+
+def send_back(origin_topic: str = T, grp: str = G, opaque: int = 50) -> Frame:
+    return frame_of(RemotingCommand(C.CONSUMER_SEND_MSG_BACK, opaque=opaque, ext_fields={
+        "group": grp, "originTopic": origin_topic, "offset": "1234", "delayLevel": "0", "originMsgId": "AB",
+        "maxReconsumeTimes": "16"}))
+
+
+def retry_send(opaque: int = 60) -> Frame:
+    ext = {"a": "CLIENT_INNER_PRODUCER", "b": f"%RETRY%{G}", "c": "TBW102", "d": "4", "e": "0", "f": "0",
+           "g": "1", "h": "0", "i": format_properties({"RETRY_TOPIC": T, "DELAY": "3"}), "j": "1", "k": "false"}
+    return frame_of(RemotingCommand(C.SEND_MESSAGE_V2, opaque=opaque, ext_fields=ext, body=b"again"))
+
+
+def test_gray_consumers_retries_stay_with_them_while_the_gray_side_owns_its_queues() -> None:
+    f, clock, cmds = make_filter(k=1, queues=4)
+    gray, normal = FakeSession(), FakeSession()
+    heartbeat(f, gray, "127.0.0.1@canary-1")
+    heartbeat(f, normal, "127.0.0.1@app-1")
+    for fr in (send_back(), retry_send()):  # a running canary: refused, the client consumes it again itself
+        v = f.on_request(gray, fr)
+        assert v is not None and v.kind is Kind.REPLY
+        r = decode_frame(v.data)
+        assert r.code == C.NO_PERMISSION and r.opaque == fr.opaque and "stays with it" in (r.remark or "")
+        assert f.on_request(normal, fr) is None  # the normal side's retries: to the retry topic
+    assert f.on_request(gray, send_back(origin_topic="other")) is None  # other topics: the normal side's
+    assert f.on_request(gray, send_back(grp="not-gray")) is None
+    assert f.on_request(FakeSession(), send_back()) is None  # no heartbeat seen: the broker decides
+    cmds.cmds[G] = ("promote", clock.t - 1)  # a promote's drain: the gray side still owns its queues
+    assert f.on_request(gray, send_back()).kind is Kind.REPLY  # type: ignore[union-attr]
+    cmds.cmds[G] = ("abort", clock.t - 1)  # an abort: the normal side takes the retries
+    assert f.on_request(gray, send_back()) is None and f.on_request(gray, retry_send()) is None
+    cmds.cmds[G] = ("promote", clock.t - 1000)  # promoted: one group
+    assert f.on_request(gray, send_back()) is None

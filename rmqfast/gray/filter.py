@@ -15,8 +15,14 @@ It reads, per broker connection:
   are dropped.
 * sends (10, 310, 320) of split topics: the queue id is rewritten (gray sends to gray queues,
   normal sends to normal ones); the frame is re-encoded by the project's header codec.  Only the
-  sends of split topics leave the compiled fast path (the scanner's ``policy_topics``, from
-  :meth:`GrayFilter.send_topics`); the sends of other topics need nothing here.
+  sends of split topics and of the gray groups' retry topics leave the compiled fast path (the
+  scanner's ``policy_topics``, from :meth:`GrayFilter.send_topics`); the sends of other topics need
+  nothing here.
+* retries of a gray consumer (``CONSUMER_SEND_MSG_BACK`` (36) of a message of a split topic, and the
+  Java client's fallback, a send to ``%RETRY%group``): while the gray side owns its queues (a running
+  canary, a promote's drain) they are refused, so the client consumes the message again itself (Java
+  and Go retry a message whose send-back failed in the same process, 5 s later in Java, 1 s in Go)
+  instead of the broker putting it on the retry topic, which the normal side pulls.
 
 Only the groups and topics of ``[gray]`` are touched; everything else passes.
 """
@@ -59,6 +65,7 @@ FLAG_SUBSCRIPTION = 1 << 1  # PullSysFlag: the pull names its subscription
 SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
 PHASE_VALUE = {Phase.ACTIVE: 0, Phase.PROMOTING: 1, Phase.PROMOTED: 2, Phase.ABORTING: 3, Phase.ABORTED: 4}
 _MAX_TRACKED = 10000
+RETRY_PREFIX = "%RETRY%"
 
 
 class GrayMetrics:
@@ -84,6 +91,10 @@ class GrayMetrics:
                              ["group", "side"])
         self.phase = Gauge("rmqfast_gray_phase", "0 active, 1 promoting, 2 promoted, 3 aborting, 4 aborted",
                            ["group"], multiprocess_mode="max")
+        self.retries_kept = Counter(
+            "rmqfast_gray_retries_kept_total",
+            "A gray consumer's send-back (or retry-topic send) refused so that it consumes the message again",
+            ["group"])
         self.members = Gauge("rmqfast_gray_members", "Members of the group in the last consumer list seen",
                              ["group", "side"], multiprocess_mode="max")
 
@@ -107,7 +118,8 @@ class GrayFilter(Filter):
     name = "gray"
     wants_marked_responses = True
     # the sends are not in the action table: only those of split topics reach Python (send_topics)
-    CODES = (C.HEART_BEAT, C.GET_CONSUMER_LIST_BY_GROUP, C.PULL_MESSAGE, C.UPDATE_CONSUMER_OFFSET)
+    CODES = (C.HEART_BEAT, C.GET_CONSUMER_LIST_BY_GROUP, C.PULL_MESSAGE, C.UPDATE_CONSUMER_OFFSET,
+             C.CONSUMER_SEND_MSG_BACK)
 
     def __init__(self, cfg: GraySection, queues: Callable[[str, str], int | None], commands: Commands,
                  metrics: GrayMetrics | None = None, *, broker_name: Callable[[str, str], str | None] | None = None,
@@ -131,7 +143,7 @@ class GrayFilter(Filter):
         return slots_of(self.CODES)
 
     def send_topics(self) -> list[bytes] | None:
-        return sorted(t.encode() for t in self.topics)
+        return sorted([t.encode() for t in self.topics] + [(RETRY_PREFIX + g).encode() for g in self.groups])
 
     # State of a group -------------------------------------------------------------------------
 
@@ -184,6 +196,8 @@ class GrayFilter(Filter):
                 return self._commit(session, frame)
             if code in SEND_CODES:
                 return self._send(session, frame)
+            if code == C.CONSUMER_SEND_MSG_BACK:
+                return self._send_back(session, frame)
         except (ValueError, KeyError, TypeError) as exc:  # a header the codec could not read: the broker decides
             log.debug("gray: frame not understood, passed", extra=ctx(code=code, error=str(exc)))
         return None
@@ -321,6 +335,8 @@ class GrayFilter(Filter):
         # a top-level field the broker ignores) while the broker reads the key written otherwise.
         cmd = frame.command()
         f = send_fields(cmd.code, cmd.ext_fields)
+        if f.get("b", "").startswith(RETRY_PREFIX):  # the Java client's fallback when a send-back failed
+            return self._keep_retry(session, cmd, f["b"][len(RETRY_PREFIX):], f["b"])
         group = self.topics.get(f.get("b", ""))
         if group is None:
             return None
@@ -355,6 +371,27 @@ class GrayFilter(Filter):
         if self.metrics is not None:
             self.metrics.moved.labels(group, side).inc()
         return None
+
+    def _send_back(self, session: Session, frame: Frame) -> Verdict | None:
+        cmd = frame.command()
+        ext = cmd.ext_fields or {}
+        entry = self.groups.get(ext.get("group", ""))
+        if entry is None or ext.get("originTopic") not in entry[0].topics:
+            return None  # other topics of the group: the retry topic, the normal side
+        return self._keep_retry(session, cmd, entry[0].group, ext.get("originTopic", ""))
+
+    def _keep_retry(self, session: Session, cmd: RemotingCommand, group: str, topic: str) -> Verdict | None:
+        """A gray consumer's retry is refused while the gray side owns its queues: the client then
+        consumes the message again itself, on the gray side (the retry topic is pulled by the normal side)."""
+        entry = self.groups.get(group)
+        if entry is None or self.side(session, entry[1]) != GRAY:
+            return None
+        if self.phase(group) not in (Phase.ACTIVE, Phase.PROMOTING):
+            return None  # an abort: the normal side takes the retries; promoted: one group
+        if self.metrics is not None:
+            self.metrics.retries_kept.labels(group).inc()
+        remark = f"rmqfast gray: a gray consumer's retry of {topic} stays with it (consume it again locally)"
+        return reply(encode(make_response(cmd, C.NO_PERMISSION, remark)))
 
     def place(self, cmd: RemotingCommand, broker: str, queues: int, peer_ip: str) -> RemotingCommand:
         """A send moved to ``broker`` (``queues`` write queues) by the failover service: the queue id of

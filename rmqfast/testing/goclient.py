@@ -6,7 +6,8 @@ second run (or a second test session) starts at once.  It prints ONE JSON object
 scenarios and flags are documented in ``godriver/main.go``::
 
     produce      --topic T --count N --mode sync|batch|ordered [--prefix P]
-    consume-push --topic T --group G --expect N [--orderly]
+    consume-push --topic T --group G --expect N [--orderly] [--instance NAME] [--sub "TagA || TagB"]
+                 [--stop-file PATH] [--trace-deliveries]   ("CONSUMER_STARTED" on stderr once started)
     consume-pull --topic T --group G --expect N
     retry-dlq    --topic T --group G --expect N --max-reconsume R [--orderly]
 

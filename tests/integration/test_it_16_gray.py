@@ -317,3 +317,219 @@ def _judge(producers: list[Producer], consumers: list[Consumer],
             "other_version_deliveries": dict(cross),  # allowed by abort, promote, the kill (see above)
             "by_consumer": {c.name: len(c.deliveries()) for c in consumers},
             "marks": [(n, round(b - marks[0][1], 1), round(a - b, 1)) for n, b, a in marks]}
+
+
+# A gray version subscribing to other tags, with the Go client; a promote bounded by the drain -----------
+
+NORMAL_SUB = "TagA || TagB"
+GRAY_SUB = "TagA || TagB || TagC"  # the gray version also takes TagC
+SUBS = {False: {"TagA", "TagB"}, True: {"TagA", "TagB", "TagC"}}
+TAG_SETTLE = 3.0
+DRAIN_TIMEOUT = 90.0
+FAIL_EVERY = 10  # the gray Java 4.9.4 consumer refuses the first delivery of idx % 10 == 0 (a retry)
+
+
+def _backlog_sum(proxy: ProxyProcess, group: str) -> float | None:
+    rows = [v for (n, lbl), v in proxy.metrics().items()
+            if n == "rmqfast_gray_backlog_messages" and dict(lbl).get("group") == group]
+    return sum(rows) if len(rows) == 2 else None  # queue 3 of each broker
+
+
+def _status(proxy: ProxyProcess, group: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{proxy.admin_url}/gray", timeout=BOUND) as resp:
+        return next(g for g in json.loads(resp.read())["groups"] if g["group"] == group)  # type: ignore[no-any-return]
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+def test_gray_version_with_other_tags_java4_java5_go_and_a_drained_promote(
+        jars4: JarPaths, pair: tuple[RocketMQCluster, RocketMQCluster], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two normal consumers (Java 5.3.3, Java 4.9.4) subscribe to ``TagA || TagB``, two gray ones (Java
+    4.9.4, Go v2 2.1.2) to ``TagA || TagB || TagC``, one group.  A normal producer (Java 5) and a gray one
+    (Java 4.9.4, by producer group) send TagA, TagB, TagC round robin.  Then the gray consumers are paused
+    (SIGSTOP), more gray messages wait on the gray queues (the backlog metric shows them), ``promote`` is
+    given: it stays ``promoting`` past its settle until the resumed gray consumers have drained the gray
+    queues, then ends (``drained``), before its drain timeout.  Per message: which side consumed it, lost,
+    duplicates; where the gray Java consumer's refused messages were consumed again (the retry topic)."""
+    import signal
+
+    from rmqfast.testing.goclient import start_godriver
+
+    a, b = pair
+    topic, group = unique("graytag"), unique("graytagcg")
+    for c in (a, b):
+        c.create_topic(topic, QUEUES)
+    wait_until(lambda: {q.get("brokerName") for q in (a.topic_route(topic) or {}).get("queueDatas", [])}
+               >= {"broker-a", "broker-b"}, BOUND, "the route names both brokers")
+    extra = f"""
+[gray]
+settle = {TAG_SETTLE}
+grace = 120
+drain_timeout = {DRAIN_TIMEOUT}
+backlog_interval = 1
+[[gray.group]]
+group = "{group}"
+topics = ["{topic}"]
+clients = ["*@canary*"]
+producer_groups = ["pg-canary*"]
+"""
+    stop = tmp_path / "consumers.stop"
+    with ProxyProcess([a.namesrv_addr], workers=2, extra_config=extra) as proxy:
+        ns = proxy.namesrv_addr
+        common: dict[str, Any] = {"jars": jars4, "log_dir": tmp_path, "topic": topic, "group": group,
+                                  "expect": 10**6, "timeout_ms": 600000, "stop_file": str(stop), "settle_ms": 0,
+                                  "trace_deliveries": True, "from": "CONSUME_FROM_FIRST_OFFSET"}
+        java = {"app-n1": (False, start_driver("consume-push", ns, "5", instance_name="app-n1", sub=NORMAL_SUB,
+                                                **common)),
+                "app-n2": (False, start_driver("consume-push", ns, "4", instance_name="app-n2", sub=NORMAL_SUB,
+                                                **common)),
+                "canary-j4": (True, start_driver("consume-push", ns, "4", instance_name="canary-j4", sub=GRAY_SUB,
+                                                  fail_every=FAIL_EVERY, retry_delay_level=1, **common))}
+        go = start_godriver("consume-push", ns, topic=topic, group=group, expect=10**6, timeout_ms=600000,
+                            instance="canary-go", sub=GRAY_SUB, stop_file=str(stop), trace_deliveries=True)
+        gray_pids = [java["canary-j4"][1].pid, go.pid]
+        traces = {n: p.stderr_text for n, (_, p) in java.items()} | {"canary-go": lambda: go.stderr_tail(10**8)}
+        results: dict[str, dict[str, Any]] = {}
+        try:
+            for _, p in java.values():
+                p.wait_started(BOUND)
+            wait_until(lambda: "CONSUMER_STARTED" in go.stderr_tail(10**6) or go.poll() is not None, BOUND,
+                       "the Go consumer started")
+            assert go.poll() is None, go.stderr_tail()
+            sent = _produce(jars4, ns, topic, tmp_path, "b1", 45)  # 1. a running canary
+            wait_until(lambda: _consumed_all(traces, sent), BOUND, "batch 1 consumed")
+            wait_until(lambda: _backlog_sum(proxy, group) == 0, BOUND, "gray queues committed (metric 0)")
+            for pid in gray_pids:  # 2. the gray version stalls; its messages wait on the gray queues
+                _signal_group(pid, signal.SIGSTOP)
+            batch2 = _produce(jars4, ns, topic, tmp_path, "b2", 30)
+            sent.update(batch2)
+            n_gray2 = sum(1 for v in batch2.values() if v[0])
+            wait_until(lambda: _backlog_sum(proxy, group) == n_gray2, BOUND,
+                       f"the backlog metric shows the {n_gray2} waiting gray messages")
+            req = urllib.request.Request(f"{proxy.admin_url}/gray/promote?group={group}", data=b"", method="POST")
+            urllib.request.urlopen(req, timeout=BOUND).close()
+            since = _status(proxy, group)["since"]
+            wait_until(lambda: time.time() > since + TAG_SETTLE + 2, BOUND, "past the settle")
+            st = _status(proxy, group)
+            m = proxy.metrics()
+            held = (st["phase"], st["drain"], m.get(("rmqfast_gray_drain", (("group", group),))))
+            for pid in gray_pids:  # 3. the gray version resumes and drains its queues
+                _signal_group(pid, signal.SIGCONT)
+            st = wait_until(lambda: (s := _status(proxy, group))["drain"] != "draining" and s, BOUND,
+                            "the promote's drain over")
+            wait_until(lambda: _consumed_all(traces, sent), BOUND, "batch 2 consumed")
+            m = proxy.metrics()
+            after = (st, _backlog_sum(proxy, group), m.get(("rmqfast_gray_drain", (("group", group),))),
+                     m.get(("rmqfast_gray_phase", (("group", group),))))
+            stop.touch()
+            for name, (_, p) in java.items():
+                results[name] = p.result(BOUND, check=False)
+            wait_until(lambda: go.poll() is not None, BOUND, "the Go consumer ended")
+            go_trace = go.stderr_tail(10**8)  # read before result(), which removes its folder
+            go.result(BOUND, check=False)
+        finally:
+            for pid in gray_pids:
+                _signal_group(pid, signal.SIGCONT)
+            for _, p in java.values():
+                p.kill()
+            go.kill()
+            with contextlib.suppress(OSError):
+                shutil.copy(proxy.log_path, tmp_path / "proxy.log")
+    res = _judge_tags(sent, _deliveries(results, go_trace), {n: g for n, (g, _) in java.items()} | {"canary-go": True},
+                      st["since"] + st["drained_after"])
+    with capsys.disabled():
+        print(f"\ngray tags: {res}\npromote held: {held}\nafter: {after}")
+    assert held == ("promoting", "draining", 1.0), held  # past its settle, gray messages still waiting
+    assert st["drain"] == "drained" and st["phase"] == "promoted", st
+    assert TAG_SETTLE + 2 < st["drained_after"] < DRAIN_TIMEOUT, st  # ended by the drain, not by time
+    assert after[1] == 0 and after[2] == 2.0 and after[3] == 2.0, after
+    assert res["lost"] == 0, res
+    assert res["wrong_side"] == [], res  # until the promote ended; retries of gray messages included
+    assert res["retries"].get("gray retried, taken by gray", 0) > 0, res  # the refused ones came back to gray
+    assert res["unwanted"] == [], res  # nobody takes a tag it does not subscribe to
+    assert res["stored_wrong_share"] == [], res
+    assert res["gray_tagc_by_gray"] > 0 and res["by_consumer"]["canary-go"] > 0, res
+    assert res["by_consumer"]["app-n2"] > 0 and res["by_consumer"]["canary-j4"] > 0, res
+
+
+def _produce(jars: JarPaths, ns: str, topic: str, work: Path, batch: str,
+             count: int) -> dict[str, tuple[bool, str, int]]:
+    """A normal (Java 5) and a gray (Java 4.9.4, producer group pg-canary-1) producer, concurrently, tags
+    TagA, TagB, TagC round robin: {run:idx: (gray, tag, queue id)} of every acknowledged message."""
+    procs = [(False, f"n{batch}", "5", "pg-app"), (True, f"g{batch}", "4", "pg-canary-1")]
+    running = [(gray, run, start_driver("produce", ns, client, jars=jars, log_dir=work, topic=topic, count=count,
+                                        mode="sync", tags="TagA,TagB,TagC", group=pg, run_id=run))
+               for gray, run, client, pg in procs]
+    out: dict[str, tuple[bool, str, int]] = {}
+    for gray, run, p in running:
+        for r in p.result(BOUND)["sent"]:
+            out[f"{run}:{r['idx']}"] = (gray, str(r["tag"]), int(r["queue_id"]))
+    return out
+
+
+_TRACED = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ \d+(?: \d+)?$", re.M)  # Java and Go drivers
+
+
+def _consumed_all(traces: dict[str, Any], sent: dict[str, tuple[bool, str, int]]) -> bool:
+    """Every message some consumer subscribes to was delivered (traces so far); a gray message the gray
+    Java consumer refused (first delivery of idx % FAIL_EVERY == 0) was delivered again."""
+    seen: Counter[str] = Counter()
+    refused: set[str] = set()
+    for name, text in ((n, t()) for n, t in traces.items()):
+        keys = _TRACED.findall(text)
+        seen.update(keys)
+        if name == "canary-j4":
+            refused.update(k for k in keys if int(k.rsplit(":", 1)[1]) % FAIL_EVERY == 0)
+    return all(seen[k] >= (2 if k in refused else 1) for k, (gray, tag, _) in sent.items() if tag in SUBS[gray])
+
+
+_GO_TRACE = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ (\d+) (\d+)$", re.M)
+
+
+def _deliveries(results: dict[str, dict[str, Any]], go_trace: str) -> list[tuple[str, str, bool, int, float]]:
+    """(consumer, run:idx, acknowledged, reconsume times, epoch s): the Java consumers' final JSON (every
+    delivery, acknowledged or refused) and the Go consumer's trace (it acknowledges every delivery)."""
+    out = [(name, f"{r.get('run')}:{r.get('idx')}", bool(r.get("acked")), int(r.get("reconsume_times") or 0),
+            int(r.get("recv_epoch_ms") or 0) / 1000)
+           for name, res in results.items() for r in res.get("received") or []]
+    out += [("canary-go", m[1], True, int(m[3]), int(m[2]) / 1000) for m in _GO_TRACE.finditer(go_trace)]
+    return out
+
+
+def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[str, str, bool, int, float]],
+                gray_of: dict[str, bool], promoted_at: float) -> dict[str, Any]:
+    """Per acknowledged message: until the promote ended (``promoted_at``), consumed by the side of its
+    producer only (a retry too), and only by a consumer subscribing to its tag; after it one group."""
+    acked: dict[str, list[str]] = defaultdict(list)
+    wrong, unwanted, cross_after = [], [], []
+    retried: Counter[str] = Counter()
+    for name, key, ack, again, t in deliveries:
+        if key not in sent:
+            continue
+        gray, tag, _q = sent[key]
+        if again:
+            retried[f"{'gray' if gray else 'normal'} retried, taken by {'gray' if gray_of[name] else 'normal'}"] += 1
+        if gray_of[name] != gray:
+            (cross_after if t >= promoted_at else wrong).append((key, name, tag, again))
+        if tag not in SUBS[gray_of[name]] and not again:  # a retry comes from %RETRY%group, subscribed to '*'
+            unwanted.append((key, name, tag))
+        if ack:
+            acked[key].append(name)
+    wanted = [k for k, (gray, tag, _) in sent.items() if tag in SUBS[gray]]
+    lost = [k for k in wanted if k not in acked]
+    return {"sent": {"gray": sum(1 for v in sent.values() if v[0]),
+                     "normal": sum(1 for v in sent.values() if not v[0])},
+            "wanted": len(wanted), "lost": len(lost), "lost_keys": lost[:10],
+            "duplicates": sum(len(v) - 1 for v in acked.values()),
+            "wrong_side": wrong[:5], "wrong_side_count": len(wrong), "unwanted": unwanted[:5],
+            "other_side_after_promote": len(cross_after),
+            "normal_tagc_consumed": sum(1 for k in acked if not sent[k][0] and sent[k][1] == "TagC"),
+            "stored_wrong_share": [(k, q) for k, (gray, _, q) in sent.items() if (q == QUEUES - 1) != gray][:5],
+            "gray_tagc_by_gray": sum(1 for k, names in acked.items() if sent[k][0] and sent[k][1] == "TagC"
+                                     and any(gray_of[n] for n in names)),
+            "retries": dict(retried),
+            "by_consumer": dict(Counter(d[0] for d in deliveries))}
