@@ -124,10 +124,13 @@ def _offset_info(text: str | None) -> dict[str, list[int]]:
 
 def attach_handles(records: list[StoreRecord], ext: dict[str, str], broker: str) -> None:
     """Give each popped record its receipt handle (``POP_CK``: extra info plus commit-log offset),
-    as the 5.x client's ``processPopResponse`` and the proxy's ``createHandle`` do."""
+    as the 5.x client's ``processPopResponse`` and the proxy's ``createHandle`` do; an orderly pop's
+    ``orderCountInfo`` gives the record's reconsume count."""
     pop_time, invisible, revive = ext.get("popTime", "0"), ext.get("invisibleTime", "0"), ext.get("reviveQid", "0")
     start = _offset_info(ext.get("startOffsetInfo"))
     offsets = _offset_info(ext.get("msgOffsetInfo"))
+    # orderly pops: how often each message (or queue) was delivered, the store's reconsume count stays 0
+    counts = _offset_info(ext.get("orderCountInfo"))
     by_queue: dict[str, list[int]] = {}
     for r in records:
         by_queue.setdefault(f"{_retry_mark(r.topic)}@{r.queue_id}", []).append(r.queue_offset)
@@ -145,6 +148,9 @@ def attach_handles(records: list[StoreRecord], ext: dict[str, str], broker: str)
         else:  # brokers before startOffsetInfo: the first record of the queue is the check point
             ck, msg_offset = by_queue[key][0], r.queue_offset
         r.properties[POP_CK] = f"{ck} {pop_time} {invisible} {revive} {mark} {broker} {r.queue_id} {msg_offset}"
+        count = counts.get(f"{mark}@qo{r.queue_id}%{r.queue_offset}") or counts.get(key)
+        if count and count[0] > 0:
+            r.reconsume_times = count[0]
         r.properties.setdefault(FIRST_POP_TIME, pop_time)
 
 

@@ -17,8 +17,12 @@ left to time out on the brokers (their answers are dropped).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import logging
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,7 +32,7 @@ import grpc
 
 from rmqfast.codec import codes as C
 from rmqfast.codec.route import PERM_READ, PERM_WRITE, parse_route
-from rmqfast.codec.store import decode_records
+from rmqfast.codec.store import BodyError, decode_records
 from rmqfast.grpcfront.convert import (
     BadRequest,
     ReceiptHandle,
@@ -38,13 +42,27 @@ from rmqfast.grpcfront.convert import (
     to_message,
 )
 from rmqfast.grpcfront.settings import GrpcSection
-from rmqfast.grpcfront.upstream import Pool, UpstreamError
+from rmqfast.grpcfront.transaction import (
+    TRANSACTION_COMMIT_TYPE,
+    TRANSACTION_NOT_TYPE,
+    TRANSACTION_ROLLBACK_TYPE,
+    Producers,
+    Stream,
+    TxId,
+    commit_log_offset,
+    heartbeat_body,
+)
+from rmqfast.grpcfront.upstream import Connection, Pool, UpstreamError
 
 log = logging.getLogger("rmqfast.grpc")
 
 POLLING_FULL, POLLING_TIMEOUT = 209, 210  # ResponseCode
+GET_SUBSCRIPTIONGROUP_CONFIG, SUBSCRIPTION_GROUP_NOT_EXIST = 352, 26
 PRODUCER_GROUP = "rmqfast-grpc"
 ALL_TYPES = ("NORMAL", "FIFO", "DELAY", "TRANSACTION")
+#: s between the HEART_BEATs that keep this process registered as producer of its clients' topics
+#: (brokers drop a producer channel after 120 s without one)
+TX_HEARTBEAT = 20.0
 
 
 @dataclass
@@ -103,10 +121,17 @@ class MessagingService:
         self.limiter = limiter
         self.namesrvs = namesrvs
         self.cfg = settings
-        self.pool = Pool(settings.connect_timeout)
+        self.pool = Pool(settings.connect_timeout, self._broker_request)
         self._routes: dict[str, Route] = {}
+        self._groups: dict[str, tuple[bool, float]] = {}  # group -> (consumeMessageOrderly, expires)
         self._rr = itertools.count()
         self.stats = Stats()
+        #: Telemetry streams of producers, by topic (transaction check-back goes to one of them)
+        self.producers = Producers()
+        self.client_id = f"rmqfast-grpc@{socket.gethostname()}@{os.getpid()}"
+        self._heartbeat_now = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- plumbing ----------------------------------------------------------------------------
 
@@ -136,6 +161,36 @@ class MessagingService:
         if r is not None:
             return r  # stale beats none while the name servers are away
         raise Fail("INTERNAL_SERVER_ERROR", f"no name server answered: {err}")
+
+    async def group_fifo(self, group: str, topic: str) -> bool:
+        """Whether ``group`` consumes orderly (its ``consumeMessageOrderly``, from a broker of ``topic``;
+        cached ``route_ttl``).  A group no broker knows yet is not (brokers create it plain)."""
+        hit = self._groups.get(group)
+        if hit is not None and hit[1] > time.monotonic():
+            return hit[0]
+        try:
+            brokers = list((await self.route(topic)).brokers.values())
+        except Fail:
+            brokers = []
+        for addr in brokers:
+            try:
+                resp = await self.pool.request(addr, GET_SUBSCRIPTIONGROUP_CONFIG, {"group": group},
+                                               timeout=self.cfg.request_timeout)
+            except UpstreamError:
+                continue
+            if resp.code == SUBSCRIPTION_GROUP_NOT_EXIST:
+                fifo = False
+            elif resp.code == C.SUCCESS:
+                try:
+                    cfg = json.loads(resp.body)
+                except ValueError:
+                    continue
+                fifo = isinstance(cfg, dict) and cfg.get("consumeMessageOrderly") is True
+            else:
+                continue
+            self._groups[group] = (fifo, time.monotonic() + self.cfg.route_ttl)
+            return fifo
+        return hit[0] if hit is not None else False
 
     async def broker_call(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"",
                           timeout: float | None = None) -> Any:
@@ -186,7 +241,7 @@ class MessagingService:
     async def NotifyClientTermination(self, req: Any, ctx: Any) -> Any:
         return self.pb.NotifyClientTerminationResponse(status=self.status("OK"))
 
-    def _settings_answer(self, s: Any) -> Any:
+    async def _settings_answer(self, s: Any) -> Any:
         pb = self.pb
         out = pb.Settings()
         out.CopyFrom(s)
@@ -203,19 +258,52 @@ class MessagingService:
             out.publishing.max_body_size = self.cfg.max_body_size
             out.publishing.validate_message_type = False
         if s.HasField("subscription"):
-            out.subscription.fifo = out.subscription.fifo or False
+            # FIFO is the group's (consumeMessageOrderly), as the Java proxy answers it
+            subs = s.subscription.subscriptions
+            out.subscription.fifo = bool(subs) and await self.group_fifo(s.subscription.group.name,
+                                                                         subs[0].topic.name)
             out.subscription.receive_batch_size = out.subscription.receive_batch_size or 32
             if not out.subscription.HasField("long_polling_timeout"):
                 out.subscription.long_polling_timeout.CopyFrom(pb.Duration(seconds=30))
         return out
 
     async def Telemetry(self, requests: AsyncIterator[Any], ctx: Any) -> AsyncIterator[Any]:
-        """Settings exchange: each ``settings`` command is answered with the settings the client runs
-        with; other commands (thread stacks, verify results, orphaned-transaction answers) are read
-        and dropped."""
-        async for cmd in requests:
-            if cmd.HasField("settings"):
-                yield self.pb.TelemetryCommand(status=self.status("OK"), settings=self._settings_answer(cmd.settings))
+        """Each ``settings`` command is answered with the settings the client runs with; a producer's
+        settings register its topics for transaction check-back, whose questions this stream then
+        carries (``recover_orphaned_transaction_command``).  Other commands (thread stacks, verify
+        results) are read and dropped."""
+        md = dict(ctx.invocation_metadata() or ())
+        stream = Stream(str(md.get("x-mq-client-id", "")))
+        reader = asyncio.ensure_future(self._telemetry_read(requests, stream))
+        try:
+            while not (reader.done() and stream.out.empty()):
+                get = asyncio.ensure_future(stream.out.get())
+                await asyncio.wait((get, reader), return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                else:
+                    get.cancel()
+        finally:
+            reader.cancel()
+            self.producers.remove(stream)
+
+    async def _telemetry_read(self, requests: AsyncIterator[Any], stream: Stream) -> None:
+        try:
+            async for cmd in requests:
+                if not cmd.HasField("settings"):
+                    continue
+                answer = await self._settings_answer(cmd.settings)
+                if cmd.settings.HasField("publishing"):
+                    topics = frozenset(t.name for t in cmd.settings.publishing.topics)
+                    if self.producers.publish(stream, topics):
+                        self._start_heartbeats()
+                await stream.out.put(self.pb.TelemetryCommand(status=self.status("OK"), settings=answer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the client went away, or a bad command
+            log.debug("telemetry stream of %s ended: %s", stream.client_id, exc)
+        finally:
+            self.producers.remove(stream)
 
     # --- send ------------------------------------------------------------------------------
 
@@ -238,9 +326,11 @@ class MessagingService:
         topic = msg.topic.name
         if len(msg.body) > self.cfg.max_body_size:
             raise BadRequest("MESSAGE_BODY_TOO_LARGE", f"body over {self.cfg.max_body_size} bytes")
-        if msg.system_properties.message_type == pb.MessageType.TRANSACTION:
-            raise Fail("NOT_IMPLEMENTED", "transactional messages are not served by this proxy yet")
-        props, sys_flag = send_properties(pb, msg, PRODUCER_GROUP, self._peer(ctx))
+        transactional = msg.system_properties.message_type == pb.MessageType.TRANSACTION
+        # a half message's producer group is its topic (as the Java proxy writes it): the broker asks a
+        # channel of that group for the transaction's state, i.e. a front with a producer of the topic
+        group = topic if transactional else PRODUCER_GROUP
+        props, sys_flag = send_properties(pb, msg, group, self._peer(ctx))
         tag = msg.system_properties.tag
         if self.limiter is not None and self.limiter.admit(topic.encode(), tag.encode() if tag else None, 1,
                                                            len(msg.body)) != -1:
@@ -254,15 +344,124 @@ class MessagingService:
         else:
             broker, qid = r.writable[next(self._rr) % len(r.writable)]
         born = int(time.time() * 1000)
-        ext = send_header(topic, broker, qid, props, sys_flag, born, PRODUCER_GROUP,
-                          msg.system_properties.delivery_attempt)
+        ext = send_header(topic, broker, qid, props, sys_flag, born, group, msg.system_properties.delivery_attempt)
         resp = await self.broker_call(r.brokers[broker], C.SEND_MESSAGE_V2, ext, bytes(msg.body))
         if resp.code != C.SUCCESS:
             raise Fail(_BROKER_CODES.get(resp.code, "INTERNAL_SERVER_ERROR"),
                        f"broker {broker}: {resp.code} {resp.remark}")
         rx = resp.ext_fields or {}
+        tx_id = rx.get("transactionId", "")
+        if transactional:
+            try:
+                tx_id = TxId(commit_log_offset(rx.get("msgId", "")), int(rx.get("queueOffset", "")), broker,
+                             tx_id or msg.system_properties.message_id).encode()
+            except ValueError as exc:
+                raise Fail("INTERNAL_SERVER_ERROR", f"broker {broker}: half message stored, but its answer "
+                           f"has no offsets ({exc})") from exc
         return pb.SendResultEntry(status=self.status("OK"), message_id=msg.system_properties.message_id,
-                                  transaction_id=rx.get("transactionId", ""), offset=int(rx.get("queueOffset", 0)))
+                                  transaction_id=tx_id, offset=int(rx.get("queueOffset", 0)))
+
+    async def EndTransaction(self, req: Any, ctx: Any) -> Any:
+        """END_TRANSACTION (one-way, as every client sends it) to the half message's broker, named in the
+        transaction id the front gave (:class:`TxId`) and looked up in the topic's route."""
+        pb = self.pb
+        topic = req.topic.name
+        resolution = {pb.TransactionResolution.COMMIT: TRANSACTION_COMMIT_TYPE,
+                      pb.TransactionResolution.ROLLBACK: TRANSACTION_ROLLBACK_TYPE}.get(req.resolution,
+                                                                                        TRANSACTION_NOT_TYPE)
+        try:
+            tx = TxId.decode(req.transaction_id)
+            r = await self.route(topic)
+            addr = r.brokers.get(tx.broker)
+            if addr is None:
+                raise BadRequest("INVALID_TRANSACTION_ID", f"broker {tx.broker} is not in the route of {topic}")
+            ext = {"topic": topic, "producerGroup": topic, "tranStateTableOffset": str(tx.queue_offset),
+                   "commitLogOffset": str(tx.commit_log_offset), "commitOrRollback": str(resolution),
+                   "fromTransactionCheck": "true" if req.source == pb.TransactionSource.SOURCE_SERVER_CHECK
+                   else "false", "msgId": req.message_id, "transactionId": tx.transaction_id}
+            try:
+                await self.pool.oneway(addr, C.END_TRANSACTION, ext)
+            except UpstreamError as exc:
+                raise Fail("INTERNAL_SERVER_ERROR", str(exc)) from exc
+        except (Fail, BadRequest) as f:
+            return pb.EndTransactionResponse(status=self.status(f.code, str(f)))
+        return pb.EndTransactionResponse(status=self.status("OK"))
+
+    # --- transaction check-back ------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        self._heartbeat_now.set()
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = asyncio.ensure_future(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
+        """HEART_BEAT to every broker of the topics this process's producers publish, registering the
+        topics as producer groups, at once when a topic is new and then every ``TX_HEARTBEAT`` s."""
+        while True:
+            self._heartbeat_now.clear()
+            groups: dict[str, list[str]] = {}
+            for topic in self.producers.topics():
+                try:
+                    r = await self.route(topic)
+                except Fail as f:
+                    log.info("producer registration of topic %s: %s", topic, f)
+                    continue
+                for addr in r.brokers.values():
+                    groups.setdefault(addr, []).append(topic)
+            for addr, names in groups.items():
+                try:
+                    resp = await self.pool.request(addr, C.HEART_BEAT, {}, heartbeat_body(self.client_id, names),
+                                                   timeout=self.cfg.request_timeout)
+                    if resp.code != C.SUCCESS:
+                        log.warning("producer registration at %s: code %d %s", addr, resp.code, resp.remark)
+                except UpstreamError as exc:
+                    log.info("producer registration at %s: %s", addr, exc)
+            if not groups and not self.producers.topics():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeat_now.wait(), TX_HEARTBEAT)
+
+    def _broker_request(self, conn: Connection, cmd: Any) -> None:
+        """A request a broker sent on one of this process's connections: CHECK_TRANSACTION_STATE is
+        relayed to a producer of the topic; others need no answer from a producer."""
+        if cmd.code == C.CHECK_TRANSACTION_STATE:
+            task = asyncio.ensure_future(self._check_back(conn.addr, cmd))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _check_back(self, addr: str, cmd: Any) -> None:
+        hdr = cmd.ext_fields or {}
+        try:
+            rec = decode_records(cmd.body)[0]
+            clo, qo = int(hdr["commitLogOffset"]), int(hdr["tranStateTableOffset"])
+        except (BodyError, IndexError, KeyError, ValueError) as exc:
+            log.warning("transaction check from %s not understood: %s", addr, exc)
+            return
+        # the body is the half message with its real topic and queue (the header's topic is the half topic)
+        topic = rec.topic
+        group = rec.properties.get("PGROUP", "")
+        stream = self.producers.pick(group)
+        if stream is None:
+            log.info("transaction check from %s for producer group %s: no producer of it here", addr, group)
+            return
+        try:
+            r = await self.route(topic)
+        except Fail as f:
+            log.info("transaction check from %s: %s", addr, f)
+            return
+        broker = next((name for name, a in r.brokers.items() if a == addr), None)
+        if broker is None:
+            log.info("transaction check from %s: not a master of topic %s", addr, topic)
+            return
+        tx = TxId(clo, qo, broker, hdr.get("transactionId") or rec.properties.get("UNIQ_KEY", ""))
+        pb = self.pb
+        command = pb.TelemetryCommand(recover_orphaned_transaction_command=pb.RecoverOrphanedTransactionCommand(
+            message=to_message(pb, rec, topic, broker), transaction_id=tx.encode()))
+        try:
+            stream.out.put_nowait(command)
+        except asyncio.QueueFull:
+            log.warning("transaction check for %s dropped: the Telemetry stream of %s is not read", topic,
+                        stream.client_id)
 
     # --- consume ---------------------------------------------------------------------------
 
@@ -283,21 +482,21 @@ class MessagingService:
             return pb.QueryAssignmentResponse(status=self.status("FORBIDDEN", "no readable queue"))
         return pb.QueryAssignmentResponse(status=self.status("OK"), assignments=out)
 
-    def _pop_ext(self, req: Any, topic: str, invisible_ms: int, poll_ms: int) -> dict[str, str]:
+    def _pop_ext(self, req: Any, topic: str, invisible_ms: int, poll_ms: int, fifo: bool) -> dict[str, str]:
         fe = req.filter_expression
         exp_type = "SQL92" if fe.type == self.pb.FilterType.SQL else "TAG"
         return {
             "consumerGroup": req.group.name, "topic": topic, "queueId": "-1",
             "maxMsgNums": str(max(1, min(req.batch_size or 32, 32))), "invisibleTime": str(invisible_ms),
             "pollTime": str(poll_ms), "bornTime": str(int(time.time() * 1000)), "initMode": "1",  # MAX, as Java's proxy
-            "expType": exp_type, "exp": fe.expression or "*", "order": "false",
+            "expType": exp_type, "exp": fe.expression or "*", "order": "true" if fifo else "false",
             **({"attemptId": req.attempt_id} if req.attempt_id else {}),
         }
 
     async def _pop(self, r: Route, broker: str, req: Any, invisible_ms: int, poll_ms: int,
-                   timeout: float) -> list[Any]:
+                   timeout: float, fifo: bool = False) -> list[Any]:
         topic = req.message_queue.topic.name
-        ext = self._pop_ext(req, topic, invisible_ms, poll_ms)
+        ext = self._pop_ext(req, topic, invisible_ms, poll_ms, fifo)
         resp = await self.broker_call(r.brokers[broker], C.POP_MESSAGE, ext,
                                       timeout=timeout)
         if resp.code in (C.PULL_NOT_FOUND, POLLING_TIMEOUT):
@@ -309,9 +508,10 @@ class MessagingService:
         attach_handles(records, resp.ext_fields or {}, broker)
         return [to_message(self.pb, rec, topic, broker) for rec in records]
 
-    async def _notify(self, r: Route, broker: str, req: Any, poll_ms: int) -> str | None:
+    async def _notify(self, r: Route, broker: str, req: Any, poll_ms: int, fifo: bool = False) -> str | None:
         ext = {"consumerGroup": req.group.name, "topic": req.message_queue.topic.name, "queueId": "-1",
-               "pollTime": str(poll_ms), "bornTime": str(int(time.time() * 1000)), "order": "false"}
+               "pollTime": str(poll_ms), "bornTime": str(int(time.time() * 1000)),
+               "order": "true" if fifo else "false", **({"attemptId": req.attempt_id} if req.attempt_id else {})}
         try:
             resp = await self.pool.request(r.brokers[broker], C.NOTIFICATION, ext,
                                            timeout=poll_ms / 1000 + self.cfg.request_timeout)
@@ -321,7 +521,8 @@ class MessagingService:
         has = (resp.ext_fields or {}).get("hasMsg") == "true"
         return broker if resp.code == C.SUCCESS and has else None
 
-    async def _pop_with_notify(self, r: Route, req: Any, invisible_ms: int, deadline: float) -> list[Any]:
+    async def _pop_with_notify(self, r: Route, req: Any, invisible_ms: int, deadline: float,
+                               fifo: bool = False) -> list[Any]:
         brokers = r.readable()
         if not brokers:
             raise Fail("FORBIDDEN", "no readable queue")
@@ -329,8 +530,9 @@ class MessagingService:
         first = named if named in brokers else brokers[next(self._rr) % len(brokers)]
         if not self.cfg.notify:  # one pop, long-polling on that broker for the whole time
             poll = max(0.0, deadline - time.monotonic())
-            return await self._pop(r, first, req, invisible_ms, int(poll * 1000), poll + self.cfg.request_timeout)
-        msgs = await self._pop(r, first, req, invisible_ms, 0, self.cfg.request_timeout)
+            return await self._pop(r, first, req, invisible_ms, int(poll * 1000), poll + self.cfg.request_timeout,
+                                   fifo)
+        msgs = await self._pop(r, first, req, invisible_ms, 0, self.cfg.request_timeout, fifo)
         if msgs:
             self.stats.first_pop_hits += 1
             return msgs
@@ -345,7 +547,7 @@ class MessagingService:
             if remaining <= self.cfg.min_poll:
                 return None
             self.stats.notify_rounds += 1
-            return await self._notify(r, broker, req, int(remaining * 1000))
+            return await self._notify(r, broker, req, int(remaining * 1000), fifo)
 
         tasks = {asyncio.ensure_future(notify(b, 0.0)): b for b in targets}
         try:
@@ -358,7 +560,7 @@ class MessagingService:
                     broker = tasks.pop(t)
                     if t.result() is not None:
                         self.stats.notify_hits += 1
-                        msgs = await self._pop(r, broker, req, invisible_ms, 0, self.cfg.request_timeout)
+                        msgs = await self._pop(r, broker, req, invisible_ms, 0, self.cfg.request_timeout, fifo)
                         if msgs:
                             return msgs
                         self.stats.empty_after_hit += 1
@@ -393,9 +595,12 @@ class MessagingService:
         invisible = req.invisible_duration
         invisible_ms = invisible.seconds * 1000 + invisible.nanos // 1_000_000 if req.HasField(
             "invisible_duration") else int(self.cfg.default_invisible * 1000)
+        deadline = time.monotonic() + long_poll
         try:
-            r = await self.route(req.message_queue.topic.name)
-            msgs = await self._pop_with_notify(r, req, invisible_ms, time.monotonic() + long_poll)
+            topic = req.message_queue.topic.name
+            r = await self.route(topic)
+            fifo = await self.group_fifo(req.group.name, topic)
+            msgs = await self._pop_with_notify(r, req, invisible_ms, deadline, fifo)
         except (Fail, BadRequest) as f:
             return [pb.ReceiveMessageResponse(status=self.status(f.code, str(f)))]
         except Exception as exc:
@@ -478,7 +683,8 @@ class MessagingService:
     # --- wiring ----------------------------------------------------------------------------
 
     SERVED = ("QueryRoute", "Heartbeat", "Telemetry", "SendMessage", "QueryAssignment", "ReceiveMessage",
-              "AckMessage", "ChangeInvisibleDuration", "NotifyClientTermination", "ForwardMessageToDeadLetterQueue")
+              "AckMessage", "ChangeInvisibleDuration", "NotifyClientTermination", "ForwardMessageToDeadLetterQueue",
+              "EndTransaction")
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The served methods; the others answer gRPC ``UNIMPLEMENTED``."""

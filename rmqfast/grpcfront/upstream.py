@@ -12,7 +12,9 @@ import contextlib
 import itertools
 import logging
 import struct
+from collections.abc import Callable
 
+from rmqfast.codec.codes import FLAG_ONEWAY
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 
 log = logging.getLogger("rmqfast.grpc")
@@ -27,13 +29,20 @@ class UpstreamError(RuntimeError):
     """A name server or broker could not be reached or did not answer in time."""
 
 
+#: Called with the connection and a request the remote side sent on it (a broker's
+#: CHECK_TRANSACTION_STATE); it must not block.
+OnRequest = Callable[["Connection", RemotingCommand], None]
+
+
 class Connection:
     """One Remoting connection to ``addr`` ("host:port")."""
 
     _opaques = itertools.count(1)
 
-    def __init__(self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_request: OnRequest | None = None) -> None:
         self.addr = addr
+        self._on_request = on_request
         self._reader = reader
         self._writer = writer
         self._pending: dict[int, asyncio.Future[RemotingCommand]] = {}
@@ -41,13 +50,13 @@ class Connection:
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
-    async def open(cls, addr: str, timeout: float) -> Connection:
+    async def open(cls, addr: str, timeout: float, on_request: OnRequest | None = None) -> Connection:
         host, _, port = addr.rpartition(":")
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
         except (TimeoutError, OSError, ValueError) as exc:
             raise UpstreamError(f"cannot connect to {addr}: {exc or 'timeout'}") from exc
-        return cls(addr, reader, writer)
+        return cls(addr, reader, writer, on_request)
 
     async def _read_loop(self) -> None:
         error = UpstreamError(f"connection to {self.addr} closed by the remote side")
@@ -60,7 +69,12 @@ class Connection:
                 frame = head + await self._reader.readexactly(n)
                 cmd = decode_frame(frame)
                 if not cmd.is_response:
-                    continue  # broker-to-client requests need no answer here
+                    if self._on_request is not None:
+                        try:
+                            self._on_request(self, cmd)
+                        except Exception:
+                            log.exception("request %d from %s not handled", cmd.code, self.addr)
+                    continue
                 fut = self._pending.pop(cmd.opaque, None)
                 if fut is not None and not fut.done():
                     fut.set_result(cmd)
@@ -94,6 +108,14 @@ class Connection:
         finally:
             self._pending.pop(opaque, None)
 
+    def oneway(self, code: int, ext: dict[str, str], body: bytes = b"") -> None:
+        """Write a one-way request (``RPC_ONEWAY``: the remote side sends no answer)."""
+        if self.closed:
+            raise UpstreamError(f"connection to {self.addr} is closed")
+        opaque = next(self._opaques) & 0x7FFFFFFF
+        self._writer.write(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque,
+                                                  flag=FLAG_ONEWAY, ext_fields=ext, body=body)))
+
     async def close(self) -> None:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -103,8 +125,9 @@ class Connection:
 class Pool:
     """One :class:`Connection` per address, opened on first use and replaced after a failure."""
 
-    def __init__(self, connect_timeout: float = 3.0) -> None:
+    def __init__(self, connect_timeout: float = 3.0, on_request: OnRequest | None = None) -> None:
         self.connect_timeout = connect_timeout
+        self.on_request = on_request
         self._conns: dict[str, Connection] = {}
         self._opening: dict[str, asyncio.Future[Connection]] = {}
 
@@ -118,7 +141,7 @@ class Pool:
         fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
         self._opening[addr] = fut
         try:
-            conn = await Connection.open(addr, self.connect_timeout)
+            conn = await Connection.open(addr, self.connect_timeout, self.on_request)
             self._conns[addr] = conn
             fut.set_result(conn)
             return conn
@@ -133,6 +156,9 @@ class Pool:
                       timeout: float = 3.0) -> RemotingCommand:
         conn = await self.get(addr)
         return await conn.request(code, ext, body, timeout=timeout)
+
+    async def oneway(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"") -> None:
+        (await self.get(addr)).oneway(code, ext, body)
 
     async def close(self) -> None:
         for conn in list(self._conns.values()):

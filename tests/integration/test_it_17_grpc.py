@@ -58,6 +58,19 @@ def two_brokers(jars: JarPaths, cluster: RocketMQCluster) -> Iterator[tuple[Rock
         yield cluster, b
 
 
+def _topic_on_both(two_brokers: tuple[RocketMQCluster, RocketMQCluster], topic: str) -> None:
+    a, b = two_brokers
+    a.create_topic(topic, 2)
+    b.create_topic(topic, 2)
+
+    def both() -> bool:
+        route = a.topic_route(topic) or {}
+        names = {q.get("brokerName") for q in route.get("queueDatas", []) if isinstance(q, dict)}
+        return {a.broker_name, b.broker_name} <= names
+
+    wait_until(both, BOUND, f"both brokers in the route of {topic}")
+
+
 @pytest.fixture(scope="module")
 def front(two_brokers: tuple[RocketMQCluster, RocketMQCluster]) -> Iterator[str]:
     a, _ = two_brokers
@@ -396,3 +409,56 @@ def test_python_push_consumer_redelivers_after_failure(front: str) -> None:
         producer.shutdown()
         consumer.shutdown()
     assert attempts[:2] == [1, 2], attempts
+
+
+def test_java_client_transactions(front: str, java_driver: str,
+                                  two_brokers: tuple[RocketMQCluster, RocketMQCluster]) -> None:
+    """rocketmq-client-java 5.0.7 transactional Producer through the front: a committed half message
+    is delivered, a rolled-back one is not, and one left open is resolved by check-back (the broker
+    asks the front, the front relays the question over the producer's Telemetry stream, the client's
+    checker commits, the front sends its EndTransaction to the half message's broker)."""
+    from rmqfast.testing.grpcclient import run_driver
+
+    topic = "grpc_tx_topic"
+    _topic_on_both(two_brokers, topic)
+    run = f"tx{uuid.uuid4().hex[:8]}"
+    out = run_driver(java_driver, "transaction", front, topic, run, "60", timeout=120)
+    assert out.lines[-1] == "DONE 2", (out.lines, out.stderr[-2000:])
+    assert [e[1] for e in out.events("SENT")] == [f"{run}-commit", f"{run}-rollback", f"{run}-check"]
+    checked = [e[1] for e in out.events("CHECK")]
+    assert f"{run}-check" in checked, out.lines  # asked by its broker through the front
+    assert f"{run}-commit" not in checked and f"{run}-rollback" not in checked, out.lines
+    assert sorted(e[3] for e in out.events("RECV")) == [f"{run}-check", f"{run}-commit"], out.lines
+
+
+def test_java_client_fifo_group_order(front: str, java_driver: str,
+                                      two_brokers: tuple[RocketMQCluster, RocketMQCluster]) -> None:
+    """A consumer group with ``consumeMessageOrderly`` receives through the front with orderly pops:
+    the Java SimpleConsumer holds back the first message of group g0 (invisible 2 s, not acked); no
+    later g0 message comes before its redelivery (attempt 2), and each message group comes in send
+    order.  (Plain pops would hand out the later g0 messages at once.)"""
+    import json
+
+    from rmqfast.testing.grpcclient import run_driver
+    from rmqfast.testing.remoting import remoting_request
+
+    topic = "grpc_fifo_topic"
+    _topic_on_both(two_brokers, topic)
+    run = f"fifo{uuid.uuid4().hex[:8]}"
+    group = f"grpc_fifo_{run}"
+    body = json.dumps({"groupName": group, "consumeMessageOrderly": True, "consumeEnable": True,
+                       "retryMaxTimes": 16}).encode()
+    for broker in two_brokers:
+        r = remoting_request(broker.broker_addr, 200, {}, body)  # UPDATE_AND_CREATE_SUBSCRIPTIONGROUP
+        assert r.code == 0, (r.code, r.remark)
+    sent = run_driver(java_driver, "produce", front, topic, run, "6", "2")
+    assert sent.lines[-1] == "DONE 6", sent.lines
+    got = run_driver(java_driver, "fifo", front, topic, group, run, "6", "60", timeout=120)
+    assert got.lines[-1] == "DONE 6", (got.lines, got.stderr[-2000:])
+    recv = got.events("RECV")  # id group attempt body, in arrival order
+    for g, bodies in (("g0", [f"{run}-0", f"{run}-0", f"{run}-2", f"{run}-4"]),
+                      ("g1", [f"{run}-1", f"{run}-3", f"{run}-5"])):
+        seq = [e for e in recv if e[1] == g]
+        assert [e[3] for e in seq] == bodies, recv
+    first, again = [e for e in recv if e[3] == f"{run}-0"]
+    assert (first[2], again[2]) == ("1", "2"), recv  # the broker's delivery count of an orderly pop

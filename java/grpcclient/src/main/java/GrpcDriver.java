@@ -2,7 +2,11 @@ import java.nio.ByteBuffer;
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
 import java.util.Collections;
+import java.util.HashSet;
 import java.util.List;
+import java.util.Set;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.TimeUnit;
 import org.apache.rocketmq.client.apis.ClientConfiguration;
 import org.apache.rocketmq.client.apis.ClientServiceProvider;
 import org.apache.rocketmq.client.apis.consumer.FilterExpression;
@@ -13,6 +17,8 @@ import org.apache.rocketmq.client.apis.message.MessageBuilder;
 import org.apache.rocketmq.client.apis.message.MessageView;
 import org.apache.rocketmq.client.apis.producer.Producer;
 import org.apache.rocketmq.client.apis.producer.SendReceipt;
+import org.apache.rocketmq.client.apis.producer.Transaction;
+import org.apache.rocketmq.client.apis.producer.TransactionResolution;
 
 /**
  * The real RocketMQ 5.x gRPC client against an endpoint (rmqfast's gRPC front in the tests).
@@ -21,8 +27,16 @@ import org.apache.rocketmq.client.apis.producer.SendReceipt;
  *   produce ENDPOINT TOPIC PREFIX COUNT [GROUPS]   sends PREFIX-i (message group "g" + i % GROUPS when GROUPS > 0)
  *   consume ENDPOINT TOPIC GROUP PREFIX COUNT SECONDS   SimpleConsumer: receive + ack until COUNT bodies
  *                                                        starting with PREFIX came, or SECONDS passed
+ *   fifo ENDPOINT TOPIC GROUP PREFIX COUNT SECONDS      SimpleConsumer receiving one message at a time; the
+ *                                                        first delivery of PREFIX-0 is not acked (its invisible
+ *                                                        duration is changed to 2 s), every other one is
+ *   transaction ENDPOINT TOPIC PREFIX SECONDS           transactional sends: PREFIX-commit (committed),
+ *                                                        PREFIX-rollback (rolled back), PREFIX-check (left open;
+ *                                                        the checker commits it when the proxy asks); then a
+ *                                                        SimpleConsumer of group PREFIX receives until the
+ *                                                        committed two came and one more empty receive
  * </pre>
- * One line per event on stdout: "SENT id body", "RECV id group attempt body", "DONE n".
+ * One line per event on stdout: "SENT id body", "RECV id group attempt body", "CHECK id body", "DONE n".
  */
 public final class GrpcDriver {
     public static void main(String[] args) throws Exception {
@@ -31,6 +45,10 @@ public final class GrpcDriver {
             .setRequestTimeout(Duration.ofSeconds(10)).build();
         if ("produce".equals(args[0])) {
             produce(provider, cc, args[2], args[3], Integer.parseInt(args[4]), args.length > 5 ? Integer.parseInt(args[5]) : 0);
+        } else if ("transaction".equals(args[0])) {
+            transaction(provider, cc, args[2], args[3], Integer.parseInt(args[4]));
+        } else if ("fifo".equals(args[0])) {
+            fifo(provider, cc, args[2], args[3], args[4], Integer.parseInt(args[5]), Integer.parseInt(args[6]));
         } else {
             consume(provider, cc, args[2], args[3], args[4], Integer.parseInt(args[5]), Integer.parseInt(args[6]));
         }
@@ -53,6 +71,92 @@ public final class GrpcDriver {
             }
         }
         System.out.println("DONE " + count);
+    }
+
+    private static String body(MessageView v) {
+        ByteBuffer buf = v.getBody();
+        byte[] data = new byte[buf.remaining()];
+        buf.get(data);
+        return new String(data, StandardCharsets.UTF_8);
+    }
+
+    private static void transaction(ClientServiceProvider provider, ClientConfiguration cc, String topic, String prefix,
+                                    int seconds) throws Exception {
+        CountDownLatch checked = new CountDownLatch(1);
+        FilterExpression all = new FilterExpression("*", FilterExpressionType.TAG);
+        Set<String> got = new HashSet<>();
+        long deadline = System.currentTimeMillis() + seconds * 1000L;
+        try (SimpleConsumer consumer = provider.newSimpleConsumerBuilder().setClientConfiguration(cc)
+            .setConsumerGroup(prefix).setAwaitDuration(Duration.ofSeconds(2))
+            .setSubscriptionExpressions(Collections.singletonMap(topic, all)).build();
+             Producer producer = provider.newProducerBuilder().setClientConfiguration(cc).setTopics(topic)
+                 .setTransactionChecker(v -> {
+                     String b = body(v);
+                     System.out.println("CHECK " + v.getMessageId() + " " + b);
+                     checked.countDown();
+                     return b.endsWith("-check") ? TransactionResolution.COMMIT : TransactionResolution.ROLLBACK;
+                 }).build()) {
+            for (String kind : new String[] {"commit", "rollback", "check"}) {
+                Transaction tx = producer.beginTransaction();
+                String b = prefix + "-" + kind;
+                SendReceipt r = producer.send(provider.newMessageBuilder().setTopic(topic).setTag("tx")
+                    .setBody(b.getBytes(StandardCharsets.UTF_8)).build(), tx);
+                System.out.println("SENT " + r.getMessageId() + " " + b);
+                if ("commit".equals(kind)) {
+                    tx.commit();
+                } else if ("rollback".equals(kind)) {
+                    tx.rollback();
+                }
+            }
+            if (!checked.await(Math.max(1, deadline - System.currentTimeMillis()), TimeUnit.MILLISECONDS)) {
+                System.out.println("NO CHECK");
+            }
+            boolean lastEmpty = false;
+            while (System.currentTimeMillis() < deadline && !(got.size() >= 2 && lastEmpty)) {
+                List<MessageView> views = consumer.receive(16, Duration.ofSeconds(30));
+                lastEmpty = views.isEmpty();
+                for (MessageView v : views) {
+                    consumer.ack(v);
+                    String b = body(v);
+                    if (b.startsWith(prefix)) {
+                        got.add(b);
+                        System.out.println("RECV " + v.getMessageId() + " - " + v.getDeliveryAttempt() + " " + b);
+                    }
+                }
+            }
+        }
+        System.out.println("DONE " + got.size());
+    }
+
+    private static void fifo(ClientServiceProvider provider, ClientConfiguration cc, String topic, String group,
+                             String prefix, int count, int seconds) throws Exception {
+        FilterExpression all = new FilterExpression("*", FilterExpressionType.TAG);
+        Set<String> acked = new HashSet<>();
+        boolean held = false;
+        long deadline = System.currentTimeMillis() + seconds * 1000L;
+        try (SimpleConsumer consumer = provider.newSimpleConsumerBuilder().setClientConfiguration(cc)
+            .setConsumerGroup(group).setAwaitDuration(Duration.ofSeconds(2))
+            .setSubscriptionExpressions(Collections.singletonMap(topic, all)).build()) {
+            while (acked.size() < count && System.currentTimeMillis() < deadline) {
+                for (MessageView v : consumer.receive(1, Duration.ofSeconds(30))) {
+                    String b = body(v);
+                    if (!b.startsWith(prefix)) {
+                        consumer.ack(v);
+                        continue;
+                    }
+                    System.out.println("RECV " + v.getMessageId() + " " + v.getMessageGroup().orElse("-") + " "
+                        + v.getDeliveryAttempt() + " " + b);
+                    if (!held && b.equals(prefix + "-0")) {
+                        held = true;
+                        consumer.changeInvisibleDuration(v, Duration.ofSeconds(2));
+                    } else {
+                        consumer.ack(v);
+                        acked.add(b);
+                    }
+                }
+            }
+        }
+        System.out.println("DONE " + acked.size());
     }
 
     private static void consume(ClientServiceProvider provider, ClientConfiguration cc, String topic, String group,
