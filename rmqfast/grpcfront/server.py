@@ -64,7 +64,7 @@ async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limite
         loop.add_reader(lifeline, stop.set)  # readable = EOF: the worker is gone
     await stop.wait()
     await server.stop(grace=2.0)
-    await svc.pool.close()
+    await svc.close()
     log.info("gRPC front stats: %s", json.dumps(vars(svc.stats), sort_keys=True))
 
 

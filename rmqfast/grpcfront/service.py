@@ -329,8 +329,8 @@ class MessagingService:
         transactional = msg.system_properties.message_type == pb.MessageType.TRANSACTION
         # a half message's producer group is its topic (as the Java proxy writes it): the broker asks a
         # channel of that group for the transaction's state, i.e. a front with a producer of the topic
-        group = topic if transactional else PRODUCER_GROUP
-        props, sys_flag = send_properties(pb, msg, group, self._peer(ctx))
+        pgroup = topic if transactional else PRODUCER_GROUP
+        props, sys_flag = send_properties(pb, msg, pgroup, self._peer(ctx))
         tag = msg.system_properties.tag
         if self.limiter is not None and self.limiter.admit(topic.encode(), tag.encode() if tag else None, 1,
                                                            len(msg.body)) != -1:
@@ -344,7 +344,7 @@ class MessagingService:
         else:
             broker, qid = r.writable[next(self._rr) % len(r.writable)]
         born = int(time.time() * 1000)
-        ext = send_header(topic, broker, qid, props, sys_flag, born, group, msg.system_properties.delivery_attempt)
+        ext = send_header(topic, broker, qid, props, sys_flag, born, pgroup, msg.system_properties.delivery_attempt)
         resp = await self.broker_call(r.brokers[broker], C.SEND_MESSAGE_V2, ext, bytes(msg.body))
         if resp.code != C.SUCCESS:
             raise Fail(_BROKER_CODES.get(resp.code, "INTERNAL_SERVER_ERROR"),
@@ -388,6 +388,13 @@ class MessagingService:
         return pb.EndTransactionResponse(status=self.status("OK"))
 
     # --- transaction check-back ------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Stop the producer registration and pending check-backs, close the upstream connections."""
+        for t in [self._heartbeat_task, *self._tasks]:
+            if t is not None:
+                t.cancel()
+        await self.pool.close()
 
     def _start_heartbeats(self) -> None:
         self._heartbeat_now.set()
