@@ -64,6 +64,7 @@ static int opt_topics = 1;
 static int opt_pull_pct;     /* share of requests that are pulls, 0..100 */
 static int opt_tick_us = 50;
 static const char *opt_access_key; /* --access-key: AccessKey + a Signature-sized value in every header */
+static long long opt_deliver_ms;   /* --deliver-ms: TIMER_DELIVER_MS (epoch ms) in every send's properties */
 
 /* ---- latency histogram ----------------------------------------------------------------- */
 /* Values in ns.  Exact below 256; above, 128 buckets per power of two. */
@@ -184,8 +185,13 @@ static void build_send(struct tmpl *t, int topic)
     t->off_keys = n;
     n = append(d, n, "00000000\\u0002UNIQ_KEY\\u0001");
     t->off_uniq = n;
-    n = append(d, n, "00000000000000000000000000000000\\u0002WAIT\\u0001true\\u0002TAGS\\u0001TagA\\u0002\","
-                     "\"j\":\"0\",\"k\":\"false\",\"m\":\"false\",\"n\":\"broker-a\"");
+    n = append(d, n, "00000000000000000000000000000000\\u0002WAIT\\u0001true\\u0002TAGS\\u0001TagA\\u0002");
+    if (opt_deliver_ms > 0) { /* a timer message, as Message.setDeliverTimeMs writes it */
+        char deliver[64];
+        snprintf(deliver, sizeof deliver, "TIMER_DELIVER_MS\\u0001%lld\\u0002", opt_deliver_ms);
+        n = append(d, n, deliver);
+    }
+    n = append(d, n, "\",\"j\":\"0\",\"k\":\"false\",\"m\":\"false\",\"n\":\"broker-a\"");
     n = append_acl(d, n);
     n = append(d, n, "},\"flag\":0,\"language\":\"JAVA\",\"opaque\":");
     t->pre_len = n;
@@ -538,7 +544,7 @@ static void usage(void)
     fprintf(stderr,
             "usage: loadgen --port P [--host 127.0.0.1] [--conns 16] [--inflight 32] [--rate 0]\n"
             "               [--duration 5] [--warmup 1] [--body 1024] [--topics 1] [--pull-pct 0]\n"
-            "               [--tick-us 50] [--access-key AK]\n"
+            "               [--tick-us 50] [--access-key AK] [--deliver-ms EPOCH_MS]\n"
             "  --rate 0 is the closed loop (--inflight per connection); --rate R > 0 sends R\n"
             "  requests/s in total on a fixed schedule (open loop; --inflight is ignored).\n");
     exit(2);
@@ -574,6 +580,8 @@ static void parse_args(int argc, char **argv)
             opt_tick_us = (int)num_arg(a, v, 1, 1000000);
         else if (!strcmp(a, "--access-key") && strlen(v) < 200)
             opt_access_key = v;
+        else if (!strcmp(a, "--deliver-ms"))
+            opt_deliver_ms = (long long)num_arg(a, v, 1, 253402300799999.0);
         else
             usage();
     }
