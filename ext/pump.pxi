@@ -16,8 +16,12 @@
 # queued, the relay sets ``hold``: the pump forwards up to the end of the current frame and
 # returns P_BOUNDARY so the relay can write the queue before the next frame starts.
 #
-# Memory: the buffer holds a whole frame only when a policy needs it whole (or a header is
-# larger than the buffer).  The bigger buffer is an anonymous mapping of the frame's size
+# Memory: a pump holds a receive buffer only while it has bytes it could not forward yet (an
+# incomplete frame head, bytes waiting for the destination, a frame with Python).  Each step takes
+# a buffer of the base size from the process's pool (a few mappings reused in turn) and gives it
+# back when it ends with nothing buffered, so an idle connection holds none and a relayed frame
+# that goes out whole costs no mapping.  The buffer holds a whole frame only when a policy needs
+# it whole (or a header is larger than the buffer).  The bigger buffer is an anonymous mapping of the frame's size
 # (pages cost memory only once bytes arrive; unmapped when the frame is done, where malloc
 # would keep a 16 MiB hole in its heap), filled at most ``base_cap`` bytes per receive; the
 # bytes it holds beyond the base size are charged to a BufferBudget shared by the pumps of the
@@ -70,6 +74,49 @@ cdef enum:
 
 DEF READS_BEFORE_YIELD = 16
 DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
+DEF POOL_MAX = 4        # free base buffers a process keeps for the next steps (the rest are unmapped)
+
+# The process's free base buffers (one thread steps pumps: no lock).  Their pages stay resident,
+# so at most POOL_MAX x buffer_size is kept for reuse.
+cdef uint8_t* _pool_buf[POOL_MAX]
+cdef Py_ssize_t _pool_size[POOL_MAX]
+cdef int _pool_n = 0
+
+
+cdef uint8_t* _buffer_get(Py_ssize_t size) noexcept:
+    """A base buffer of ``size`` bytes: a free one of the pool, else a new mapping (NULL: none)."""
+    global _pool_n
+    cdef int i
+    cdef uint8_t* p
+    i = _pool_n - 1
+    while i >= 0:
+        if _pool_size[i] == size:
+            p = _pool_buf[i]
+            _pool_n -= 1
+            _pool_buf[i] = _pool_buf[_pool_n]
+            _pool_size[i] = _pool_size[_pool_n]
+            return p
+        i -= 1
+    p = <uint8_t*>c_mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if <void*>p == MAP_FAILED:
+        return NULL
+    return p
+
+
+cdef void _buffer_put(uint8_t* p, Py_ssize_t size) noexcept:
+    """Give a base buffer back: kept in the pool while it has room, else unmapped."""
+    global _pool_n
+    if _pool_n < POOL_MAX:
+        _pool_buf[_pool_n] = p
+        _pool_size[_pool_n] = size
+        _pool_n += 1
+    else:
+        c_munmap(p, size)
+
+
+def pump_pool_free():
+    """Free base buffers the process's pool holds (a test and debugging aid)."""
+    return _pool_n
 
 
 def scanner_skip(FrameScanner scanner not None):
@@ -101,7 +148,7 @@ cdef class Pump:
     """Receive from ``src_fd``, scan, forward to ``dst_fd``; see the section comment."""
 
     cdef FrameScanner scanner
-    cdef uint8_t* base   # mapped, base_cap bytes
+    cdef uint8_t* base   # base_cap bytes from the pool while the pump holds bytes, else NULL
     cdef uint8_t* buf    # base, or a mapping of cap bytes for a frame larger than base_cap
     cdef Py_ssize_t cap, base_cap, filled, start, pos, fwd, pend_b, scan_end
     cdef int pend_ev, phase, reads
@@ -127,13 +174,9 @@ cdef class Pump:
                   BufferBudget budget=None):
         if size < 64:
             raise ValueError(f"pump buffer of {size} bytes is too small (at least 64)")
-        # mapped, not malloc'd: given back to the kernel when the connection ends (glibc keeps
-        # freed blocks of this size in its heap once a larger mapping was freed)
-        self.base = <uint8_t*>c_mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-        if <void*>self.base == MAP_FAILED:
-            self.base = NULL
-            raise MemoryError(f"cannot map a pump buffer of {size} bytes")
-        self.buf = self.base
+        # Mapped, not malloc'd (glibc keeps freed blocks of this size in its heap once a larger
+        # mapping was freed), and only while the pump holds bytes (``_step``).
+        self.base = self.buf = NULL
         self.scanner = scanner
         self.budget = budget
         self.cap = self.base_cap = size
@@ -146,7 +189,28 @@ cdef class Pump:
     def __dealloc__(self):
         if self.base != NULL:
             self._release_big()
-            c_munmap(self.base, self.base_cap)
+            _buffer_put(self.base, self.base_cap)
+            self.base = self.buf = NULL
+        else:
+            self._charge(0)
+
+    cdef int _take_buffer(self) except -1:
+        """Before a step: a base buffer to receive into (the pool's, when the pump holds none)."""
+        if self.buf == NULL:
+            self.base = _buffer_get(self.base_cap)
+            if self.base == NULL:
+                raise MemoryError(f"cannot map a pump buffer of {self.base_cap} bytes")
+            self.buf = self.base
+        return 0
+
+    cdef void _give_back(self) noexcept:
+        """After a step: nothing buffered (everything received went out) and no frame with
+        Python: the base buffer goes back to the pool; the offsets restart at 0."""
+        if self.buf != self.base or self.base == NULL or self.filled != self.start or self.phase == PH_POLICY:
+            return
+        self.filled = self.start = self.pos = self.fwd = self.scan_end = 0
+        _buffer_put(self.base, self.base_cap)
+        self.base = self.buf = NULL
 
     cdef void _release_big(self) noexcept:
         if self.buf != self.base:
@@ -172,6 +236,11 @@ cdef class Pump:
     def capacity(self):
         """The buffer's current size (base size unless a frame is held whole)."""
         return self.cap
+
+    @property
+    def holds_buffer(self):
+        """Whether the pump holds a receive buffer now (only while it has bytes to keep)."""
+        return self.buf != NULL
 
     @property
     def at_boundary(self):
@@ -236,6 +305,13 @@ cdef class Pump:
         return self._step(may_send)
 
     cdef int _step(self, bint may_send) except -1:
+        self._take_buffer()
+        try:
+            return self._work(may_send)
+        finally:
+            self._give_back()
+
+    cdef int _work(self, bint may_send) except -1:
         cdef tuple t
         cdef ssize_t n
         cdef Py_ssize_t space, rest, end

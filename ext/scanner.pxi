@@ -17,6 +17,10 @@ cdef bint delay_topic(list patterns, const uint8_t* t, Py_ssize_t n) except -1:
     return False
 
 
+cdef uint8_t _NO_ACTIONS[CODE_SLOTS_C]  # zero: no code asks for policy
+cdef dict _ACTION_TABLES = {}  # action table bytes -> the one object scanners share
+
+
 cdef class FrameScanner:
     """Walks Remoting frames in receive buffers; see ``rmqfast/codec/_scan_py.py``."""
 
@@ -24,7 +28,8 @@ cdef class FrameScanner:
     cdef public bint response_policy
     cdef readonly Py_ssize_t max_frame_size
     cdef readonly Py_ssize_t max_header_size
-    cdef uint8_t _actions[CODE_SLOTS_C]
+    cdef const uint8_t* _actions  # CODE_SLOTS_C entries: _NO_ACTIONS or the bytes of _actions_ref
+    cdef bytes _actions_ref       # one object per distinct table (_ACTION_TABLES), shared by scanners
     cdef Py_ssize_t _skip
     cdef public uint64_t requests
     cdef public uint64_t responses
@@ -58,9 +63,7 @@ cdef class FrameScanner:
         self.response_policy = response_policy
         self.max_frame_size = max_frame_size
         self.max_header_size = max_header_size
-        cdef int i
-        for i in range(CODE_SLOTS_C):
-            self._actions[i] = 0
+        self._actions = _NO_ACTIONS
         if actions is not None:
             self.set_actions(actions)
         self._skip = 0
@@ -74,9 +77,14 @@ cdef class FrameScanner:
     def set_actions(self, const uint8_t[:] actions):
         if actions.shape[0] != CODE_SLOTS_C:
             raise ValueError(f"action table must have {CODE_SLOTS_C} entries, got {actions.shape[0]}")
-        cdef int i
-        for i in range(CODE_SLOTS_C):
-            self._actions[i] = actions[i]
+        # A copy (later changes to ``actions`` do not reach the scanner), one per distinct table:
+        # every scanner of a chain shares it instead of carrying 2 KiB of its own.
+        cdef bytes table = bytes(actions)
+        if len(_ACTION_TABLES) >= 64 and table not in _ACTION_TABLES:
+            _ACTION_TABLES.clear()  # tables of reloads long gone; scanners keep their own reference
+        table = _ACTION_TABLES.setdefault(table, table)
+        self._actions_ref = table
+        self._actions = <const uint8_t*><const char*>table
 
     def scan(self, buf, Py_ssize_t start, Py_ssize_t end, int64_t now_ns=-1):
         cdef Py_buffer view
