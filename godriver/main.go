@@ -5,7 +5,7 @@
 //	produce      -ns A -topic T -count N -mode sync|batch|ordered [-prefix P] [-keys K]
 //	consume-push -ns A -topic T -group G -expect N [-orderly] [-timeout-ms MS]
 //	             [-instance NAME] [-sub "TagA || TagB"] [-stop-file PATH (ends once it exists)]
-//	             [-trace-deliveries]
+//	             [-trace-deliveries] [-fail-every K]
 //	             (prints "CONSUMER_STARTED" on stderr once started)
 //	consume-pull -ns A -topic T -group G -expect N [-timeout-ms MS]
 //	retry-dlq    -ns A -topic T -group G -expect N -max-reconsume R [-orderly] [-timeout-ms MS]
@@ -79,7 +79,9 @@ var (
 	stopFile     = flag.String("stop-file", "", "consume-push ends once this file exists")
 	lingerMs     = flag.Int("linger-ms", 0, "stay up this long after the last message, "+
 		"connections open, like a long-running application (lets connection observers see them)")
-	trace = flag.Bool("trace-deliveries", false, "a \"DELIVERED run:idx broker:queue epoch_ms reconsume\" "+
+	failEvery = flag.Int("fail-every", 0, "consume-push: the first delivery of idx % K == 0 (user property idx) "+
+		"is answered ConsumeRetryLater")
+	trace = flag.Bool("trace-deliveries", false, "a \"DELIVERED run:idx broker:queue epoch_ms reconsume[ refused]\" "+
 		"line on stderr per delivery (user properties run and idx, as the Java driver sends them)")
 )
 
@@ -222,13 +224,27 @@ func newCollector(want int) *collector {
 	return &collector{seen: map[string]bool{}, done: make(chan struct{}), want: want}
 }
 
+// traceDelivery prints the -trace-deliveries line of a delivery (suffix " refused": not acknowledged).
+func traceDelivery(m *primitive.MessageExt, suffix string) {
+	if *trace {
+		fmt.Fprintf(os.Stderr, "DELIVERED %s:%s %s:%d %d %d%s\n", m.GetProperty("run"), m.GetProperty("idx"),
+			m.Queue.BrokerName, m.Queue.QueueId, time.Now().UnixMilli(), m.ReconsumeTimes, suffix)
+	}
+}
+
+// refuse tells whether -fail-every selects this delivery: the first one (not a retry) of idx % K == 0.
+func refuse(m *primitive.MessageExt) bool {
+	if *failEvery <= 0 || m.ReconsumeTimes > 0 {
+		return false
+	}
+	idx, err := strconv.Atoi(m.GetProperty("idx"))
+	return err == nil && idx%*failEvery == 0
+}
+
 func (c *collector) add(m *primitive.MessageExt) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if *trace {
-		fmt.Fprintf(os.Stderr, "DELIVERED %s:%s %s:%d %d %d\n", m.GetProperty("run"), m.GetProperty("idx"),
-			m.Queue.BrokerName, m.Queue.QueueId, time.Now().UnixMilli(), m.ReconsumeTimes)
-	}
+	traceDelivery(m, "")
 	c.msgs = append(c.msgs, ext(m))
 	if !c.seen[string(m.Body)] {
 		c.seen[string(m.Body)] = true
@@ -270,6 +286,10 @@ func consumePush(r *result, retry bool) {
 	err = c.Subscribe(*topic, selector, func(ctx context.Context, msgs ...*primitive.MessageExt) (consumer.ConsumeResult, error) {
 		if !retry {
 			for _, m := range msgs {
+				if refuse(m) {
+					traceDelivery(m, " refused")
+					return consumer.ConsumeRetryLater, nil
+				}
 				col.add(m)
 			}
 			return consumer.ConsumeSuccess, nil

@@ -682,8 +682,8 @@ def test_reply_messages_of_split_topics_reach_the_filter_through_the_chain(scann
     assert decode_frame(handed.data).ext_fields["e" if v2 else "queueId"] == "0"  # type: ignore[index]
 
 
-def send_back(origin_topic: str = T, grp: str = G, opaque: int = 50) -> Frame:
-    return frame_of(RemotingCommand(C.CONSUMER_SEND_MSG_BACK, opaque=opaque, ext_fields={
+def send_back(origin_topic: str = T, grp: str = G, opaque: int = 50, language: str = "JAVA") -> Frame:
+    return frame_of(RemotingCommand(C.CONSUMER_SEND_MSG_BACK, opaque=opaque, language=language, ext_fields={
         "group": grp, "originTopic": origin_topic, "offset": "1234", "delayLevel": "0", "originMsgId": "AB",
         "maxReconsumeTimes": "16"}))
 
@@ -705,6 +705,10 @@ def test_gray_consumers_retries_stay_with_them_while_the_gray_side_owns_its_queu
         r = decode_frame(v.data)
         assert r.code == C.NO_PERMISSION and r.opaque == fr.opaque and "stays with it" in (r.remark or "")
         assert f.on_request(normal, fr) is None  # the normal side's retries: to the retry topic
+    # rocketmq-client-go counts any answer as "sent back": its send-back is left unanswered (it times out)
+    v = f.on_request(gray, send_back(language="GO"))
+    assert v is not None and v.kind is Kind.DIVERT
+    assert f.on_request(gray, send_back(language="CPP")) is None  # unknown whether it retries locally: passed
     assert f.on_request(gray, send_back(origin_topic="other")) is None  # other topics: the normal side's
     assert f.on_request(gray, send_back(grp="not-gray")) is None
     assert f.on_request(FakeSession(), send_back()) is None  # no heartbeat seen: the broker decides

@@ -103,6 +103,7 @@ def test_promote_ends_when_the_gray_queues_are_drained(tmp_path: Path) -> None:
     assert w.step() == 1.0  # a drain under way: read every second
     assert "drain" not in read_commands(path)[G]
     assert samples(w.metrics_text())[("rmqfast_gray_drain", (("group", G),))] == 1.0
+    assert samples(w.metrics_text())[("rmqfast_gray_phase", (("group", G),))] == 1.0  # promoting
     brokers.backlog = {("broker-a", 3): 2, ("broker-b", 3): 0}
     clock.t = at + 6
     w.step()
@@ -116,6 +117,7 @@ def test_promote_ends_when_the_gray_queues_are_drained(tmp_path: Path) -> None:
     assert phase("promote", at, at + 8.9, 5, c["drained_at"], 60) is Phase.PROMOTING
     assert phase("promote", at, at + 9, 5, c["drained_at"], 60) is Phase.PROMOTED  # what the workers see
     assert samples(w.metrics_text())[("rmqfast_gray_drain", (("group", G),))] == 2.0
+    assert samples(w.metrics_text())[("rmqfast_gray_phase", (("group", G),))] == 2.0  # promoted, from the file
     v = view(cfg, now=at + 9.5, watch=w)["groups"][0]
     assert v["phase"] == "promoted" and v["drain"] == "drained" and v["drained_after"] == 9.0
     assert "drained after 9.0 s" in render(view(cfg, now=at + 9.5, watch=w))

@@ -20,9 +20,12 @@ It reads, per broker connection:
   nothing here.
 * retries of a gray consumer (``CONSUMER_SEND_MSG_BACK`` (36) of a message of a split topic, and the
   Java client's fallback, a send to ``%RETRY%group``): while the gray side owns its queues (a running
-  canary, a promote's drain) they are refused, so the client consumes the message again itself (Java
-  and Go retry a message whose send-back failed in the same process, 5 s later in Java, 1 s in Go)
-  instead of the broker putting it on the retry topic, which the normal side pulls.
+  canary, a promote's drain) they fail, so the client consumes the message again itself (Java and Go
+  retry a message whose send-back failed in the same process, 5 s later) instead of the broker putting
+  it on the retry topic, which the normal side pulls.  A Java client's send-back is answered
+  ``NO_PERMISSION`` (the client then tries the fallback send, refused too); a Go client's is not
+  answered (rocketmq-client-go counts any answer as sent back, the message would be lost; it fails
+  after its 3 s timeout); other clients' pass (their retries go to the normal side).
 
 Only the groups and topics of ``[gray]`` are touched; everything else passes.
 """
@@ -63,7 +66,6 @@ QUERY_NOT_FOUND = 22
 FLAG_SUBSCRIPTION = 1 << 1  # PullSysFlag: the pull names its subscription
 # reply messages carry a send header, and the broker stores them in its topic and queue
 SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
-PHASE_VALUE = {Phase.ACTIVE: 0, Phase.PROMOTING: 1, Phase.PROMOTED: 2, Phase.ABORTING: 3, Phase.ABORTED: 4}
 _MAX_TRACKED = 10000
 RETRY_PREFIX = "%RETRY%"
 
@@ -89,8 +91,6 @@ class GrayMetrics:
             ["group", "side"])
         self.lists = Counter("rmqfast_gray_consumer_lists_total", "Consumer lists rewritten to one side",
                              ["group", "side"])
-        self.phase = Gauge("rmqfast_gray_phase", "0 active, 1 promoting, 2 promoted, 3 aborting, 4 aborted",
-                           ["group"], multiprocess_mode="max")
         self.retries_kept = Counter(
             "rmqfast_gray_retries_kept_total",
             "A gray consumer's send-back (or retry-topic send) refused so that it consumes the message again",
@@ -155,8 +155,6 @@ class GrayFilter(Filter):
         if self._phases.get(group) is not ph:
             self._phases[group] = ph
             log.info("gray: phase", extra=ctx(group=group, phase=ph.value, action=action))
-            if self.metrics is not None:
-                self.metrics.phase.labels(group).set(PHASE_VALUE[ph])
         return ph
 
     def gray_alive(self, group: str) -> bool:
@@ -378,6 +376,8 @@ class GrayFilter(Filter):
         entry = self.groups.get(ext.get("group", ""))
         if entry is None or ext.get("originTopic") not in entry[0].topics:
             return None  # other topics of the group: the retry topic, the normal side
+        if cmd.language not in ("JAVA", "GO"):
+            return None  # whether the client consumes it again after a refusal is not known: the broker retries it
         return self._keep_retry(session, cmd, entry[0].group, ext.get("originTopic", ""))
 
     def _keep_retry(self, session: Session, cmd: RemotingCommand, group: str, topic: str) -> Verdict | None:
@@ -390,6 +390,10 @@ class GrayFilter(Filter):
             return None  # an abort: the normal side takes the retries; promoted: one group
         if self.metrics is not None:
             self.metrics.retries_kept.labels(group).inc()
+        if cmd.code == C.CONSUMER_SEND_MSG_BACK and cmd.language == "GO":
+            # rocketmq-client-go takes any answer for "sent back" (the message would be lost); unanswered,
+            # the send-back fails after its timeout and the client consumes the message again
+            return divert("gray: a gray Go consumer's send-back left unanswered (it consumes the message again)")
         remark = f"rmqfast gray: a gray consumer's retry of {topic} stays with it (consume it again locally)"
         return reply(encode(make_response(cmd, C.NO_PERMISSION, remark)))
 

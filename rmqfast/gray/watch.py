@@ -7,7 +7,8 @@ minus the group's committed offset) and
 * exports it: ``rmqfast_gray_backlog_messages{group,topic,broker,queue}``, with
   ``rmqfast_gray_backlog_read_age_seconds{group}`` (since the last complete read; -1: none yet),
   ``rmqfast_gray_backlog_read_errors_total{group}`` and ``rmqfast_gray_drain{group}`` (0 no command,
-  1 draining, 2 drained, 3 timed out);
+  1 draining, 2 drained, 3 timed out); also ``rmqfast_gray_phase{group}``, from the command file when
+  scraped (the phase every worker is in, give or take the second they take to read the file);
 * ends drains: a promote whose gray queues are seen at backlog 0 (no earlier than ``settle`` after the
   command, when every worker places sends off the gray queues) is marked ``drained`` in the state file,
   and the workers end the promote then (:func:`rmqfast.gray.rules.phase`); past ``drain_timeout`` it is
@@ -25,12 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 from rmqfast.gray.backlog import gray_backlog
+from rmqfast.gray.rules import Phase, phase
 from rmqfast.gray.state import mark_drain, read_commands, state_path
 from rmqfast.log import ctx
 
 log = logging.getLogger("rmqfast.gray")
 
 DRAIN_VALUE = {None: 0, "draining": 1, "drained": 2, "timeout": 3}
+PHASE_VALUE = {Phase.ACTIVE: 0, Phase.PROMOTING: 1, Phase.PROMOTED: 2, Phase.ABORTING: 3, Phase.ABORTED: 4}
 BUSY_INTERVAL = 1.0  # seconds between reads while a drain is under way
 
 Backlog = Callable[[Any, list[str]], dict[str, Any]]
@@ -142,6 +145,10 @@ class GrayWatch:
             errors = dict(self._errors)
             drain = dict(self._drain)
         now = self.clock()
+        c = self.cfg()
+        cmds = read_commands(state_path(c.gray.state_file, c.proxy.state_dir))
+        ph = GaugeMetricFamily("rmqfast_gray_phase", "0 active, 1 promoting, 2 promoted, 3 aborting, 4 aborted",
+                               labels=["group"])
         backlog = GaugeMetricFamily("rmqfast_gray_backlog_messages",
                                     "Messages on a gray queue not yet committed by the group (max offset - "
                                     "committed offset), at the last read", labels=["group", "topic", "broker", "queue"])
@@ -151,7 +158,11 @@ class GrayWatch:
         errs = CounterMetricFamily("rmqfast_gray_backlog_read_errors", "Backlog reads that failed", labels=["group"])
         dr = GaugeMetricFamily("rmqfast_gray_drain", "0 no promote/abort, 1 draining, 2 drained, 3 timed out",
                                labels=["group"])
-        for g in sorted({grp.group for grp in self.cfg().gray.groups}):
+        for g in sorted({grp.group for grp in c.gray.groups}):
+            cmd = cmds.get(g)
+            p = phase(cmd["action"], cmd["at"], now, c.gray.settle, cmd.get("drained_at"), c.gray.drain_timeout) \
+                if cmd else Phase.ACTIVE
+            ph.add_metric([g], PHASE_VALUE[p])
             for r in rows.get(g, []):
                 if r["backlog"] is not None:
                     backlog.add_metric([g, r["topic"], r["broker"], str(r["queue"])], r["backlog"])
@@ -161,7 +172,7 @@ class GrayWatch:
 
         class _Families:
             def collect(self) -> Any:
-                return [backlog, age, errs, dr]
+                return [ph, backlog, age, errs, dr]
 
         reg = CollectorRegistry(auto_describe=False)
         reg.register(_Families())  # type: ignore[arg-type]

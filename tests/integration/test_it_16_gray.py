@@ -326,7 +326,7 @@ GRAY_SUB = "TagA || TagB || TagC"  # the gray version also takes TagC
 SUBS = {False: {"TagA", "TagB"}, True: {"TagA", "TagB", "TagC"}}
 TAG_SETTLE = 3.0
 DRAIN_TIMEOUT = 90.0
-FAIL_EVERY = 10  # the gray Java 4.9.4 consumer refuses the first delivery of idx % 10 == 0 (a retry)
+FAIL_EVERY = 10  # the gray consumers refuse the first delivery of idx % 10 == 0 (a retry)
 
 
 def _backlog_sum(proxy: ProxyProcess, group: str) -> float | None:
@@ -354,7 +354,8 @@ def test_gray_version_with_other_tags_java4_java5_go_and_a_drained_promote(
     (SIGSTOP), more gray messages wait on the gray queues (the backlog metric shows them), ``promote`` is
     given: it stays ``promoting`` past its settle until the resumed gray consumers have drained the gray
     queues, then ends (``drained``), before its drain timeout.  Per message: which side consumed it, lost,
-    duplicates; where the gray Java consumer's refused messages were consumed again (the retry topic)."""
+    duplicates.  The gray consumers refuse the first delivery of every tenth message (RECONSUME_LATER): it
+    must come back to the gray side, not through the retry topic to the normal side."""
     import signal
 
     from rmqfast.testing.goclient import start_godriver
@@ -390,7 +391,8 @@ producer_groups = ["pg-canary*"]
                 "canary-j4": (True, start_driver("consume-push", ns, "4", instance_name="canary-j4", sub=GRAY_SUB,
                                                   fail_every=FAIL_EVERY, retry_delay_level=1, **common))}
         go = start_godriver("consume-push", ns, topic=topic, group=group, expect=10**6, timeout_ms=600000,
-                            instance="canary-go", sub=GRAY_SUB, stop_file=str(stop), trace_deliveries=True)
+                            instance="canary-go", sub=GRAY_SUB, stop_file=str(stop), trace_deliveries=True,
+                            fail_every=FAIL_EVERY)
         gray_pids = [java["canary-j4"][1].pid, go.pid]
         traces = {n: p.stderr_text for n, (_, p) in java.items()} | {"canary-go": lambda: go.stderr_tail(10**8)}
         results: dict[str, dict[str, Any]] = {}
@@ -449,7 +451,9 @@ producer_groups = ["pg-canary*"]
     assert after[1] == 0 and after[2] == 2.0 and after[3] == 2.0, after
     assert res["lost"] == 0, res
     assert res["wrong_side"] == [], res  # until the promote ended; retries of gray messages included
-    assert res["retries"].get("gray retried, taken by gray", 0) > 0, res  # the refused ones came back to gray
+    # the messages the gray consumers refused came back to them (Java 4.9.4 and Go), never to the normal side
+    assert res["retries"].get("gray retried, taken by canary-j4", 0) > 0, res
+    assert res["retries"].get("gray retried, taken by canary-go", 0) > 0, res
     assert res["unwanted"] == [], res  # nobody takes a tag it does not subscribe to
     assert res["stored_wrong_share"] == [], res
     assert res["gray_tagc_by_gray"] > 0 and res["by_consumer"]["canary-go"] > 0, res
@@ -471,32 +475,29 @@ def _produce(jars: JarPaths, ns: str, topic: str, work: Path, batch: str,
     return out
 
 
-_TRACED = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ \d+(?: \d+)?$", re.M)  # Java and Go drivers
+_TRACED = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ \d+(?: \d+)?(?: refused)?$", re.M)  # Java and Go drivers
 
 
 def _consumed_all(traces: dict[str, Any], sent: dict[str, tuple[bool, str, int]]) -> bool:
-    """Every message some consumer subscribes to was delivered (traces so far); a gray message the gray
-    Java consumer refused (first delivery of idx % FAIL_EVERY == 0) was delivered again."""
+    """Every message some consumer subscribes to was delivered (traces so far); a gray message both gray
+    consumers refuse the first time (idx % FAIL_EVERY == 0) was delivered again."""
     seen: Counter[str] = Counter()
-    refused: set[str] = set()
-    for name, text in ((n, t()) for n, t in traces.items()):
-        keys = _TRACED.findall(text)
-        seen.update(keys)
-        if name == "canary-j4":
-            refused.update(k for k in keys if int(k.rsplit(":", 1)[1]) % FAIL_EVERY == 0)
-    return all(seen[k] >= (2 if k in refused else 1) for k, (gray, tag, _) in sent.items() if tag in SUBS[gray])
+    for text in (t() for t in traces.values()):
+        seen.update(_TRACED.findall(text))
+    return all(seen[k] >= (2 if gray and int(k.rsplit(":", 1)[1]) % FAIL_EVERY == 0 else 1)
+               for k, (gray, tag, _) in sent.items() if tag in SUBS[gray])
 
 
-_GO_TRACE = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ (\d+) (\d+)$", re.M)
+_GO_TRACE = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ (\d+) (\d+)( refused)?$", re.M)
 
 
 def _deliveries(results: dict[str, dict[str, Any]], go_trace: str) -> list[tuple[str, str, bool, int, float]]:
-    """(consumer, run:idx, acknowledged, reconsume times, epoch s): the Java consumers' final JSON (every
-    delivery, acknowledged or refused) and the Go consumer's trace (it acknowledges every delivery)."""
+    """(consumer, run:idx, acknowledged, reconsume times, epoch s): the Java consumers' final JSON and the
+    Go consumer's trace (every delivery, acknowledged or refused)."""
     out = [(name, f"{r.get('run')}:{r.get('idx')}", bool(r.get("acked")), int(r.get("reconsume_times") or 0),
             int(r.get("recv_epoch_ms") or 0) / 1000)
            for name, res in results.items() for r in res.get("received") or []]
-    out += [("canary-go", m[1], True, int(m[3]), int(m[2]) / 1000) for m in _GO_TRACE.finditer(go_trace)]
+    out += [("canary-go", m[1], not m[4], int(m[3]), int(m[2]) / 1000) for m in _GO_TRACE.finditer(go_trace)]
     return out
 
 
@@ -512,7 +513,7 @@ def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[s
             continue
         gray, tag, _q = sent[key]
         if again:
-            retried[f"{'gray' if gray else 'normal'} retried, taken by {'gray' if gray_of[name] else 'normal'}"] += 1
+            retried[f"{'gray' if gray else 'normal'} retried, taken by {name}"] += 1
         if gray_of[name] != gray:
             (cross_after if t >= promoted_at else wrong).append((key, name, tag, again))
         if tag not in SUBS[gray_of[name]] and not again:  # a retry comes from %RETRY%group, subscribed to '*'
