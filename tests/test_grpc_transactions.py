@@ -50,13 +50,13 @@ def test_commit_log_offset_from_offset_message_id() -> None:
 def test_producers_by_topic() -> None:
     p = Producers()
     s1, s2 = Stream("c1"), Stream("c2")
-    assert p.publish(s1, frozenset({"T", "U"})) == {"T", "U"}
-    assert p.publish(s2, frozenset({"T"})) == set()  # T already registered here
+    assert p.publish(s1, frozenset({"T", "U"})) == ({"T", "U"}, set())
+    assert p.publish(s2, frozenset({"T"})) == (set(), set())  # T already registered here
     assert {p.pick("T"), p.pick("T")} == {s1, s2} and p.pick("U") is s1 and p.pick("V") is None
-    p.publish(s1, frozenset({"T"}))  # new settings: U no longer published
+    assert p.publish(s1, frozenset({"T"})) == (set(), {"U"})  # new settings: U no longer published
     assert p.topics() == ["T"]
-    p.remove(s1)
-    p.remove(s2)
+    assert p.remove(s1) == set()
+    assert p.remove(s2) == {"T"}
     assert p.topics() == [] and p.pick("T") is None
     body = json.loads(heartbeat_body("cid", ["T", "U"]))
     assert body == {"clientID": "cid", "consumerDataSet": [], "producerDataSet": [{"groupName": "T"},
@@ -197,6 +197,12 @@ def test_check_back_relayed_to_a_producer_of_the_topic(pb: Any) -> None:
         beats = {c[0]: json.loads(c[3]) for c in brokers.calls if c[1] == C.HEART_BEAT}
         assert set(beats) == {"a:1", "b:1"}
         assert beats["a:1"]["producerDataSet"] == [{"groupName": "T"}]
+
+        svc._unregister(svc.producers.remove(stream))  # its last producer gone: the brokers are told
+        while len([c for c in brokers.calls if c[1] == C.UNREGISTER_CLIENT]) < 2:
+            await asyncio.sleep(0.01)
+        assert {(c[0], c[2]["producerGroup"]) for c in brokers.calls if c[1] == C.UNREGISTER_CLIENT} == {
+            ("a:1", "T"), ("b:1", "T")}
 
     asyncio.run(go())
 

@@ -285,7 +285,7 @@ class MessagingService:
                     get.cancel()
         finally:
             reader.cancel()
-            self.producers.remove(stream)
+            self._unregister(self.producers.remove(stream))
 
     async def _telemetry_read(self, requests: AsyncIterator[Any], stream: Stream) -> None:
         try:
@@ -295,15 +295,17 @@ class MessagingService:
                 answer = await self._settings_answer(cmd.settings)
                 if cmd.settings.HasField("publishing"):
                     topics = frozenset(t.name for t in cmd.settings.publishing.topics)
-                    if self.producers.publish(stream, topics):
+                    new, gone = self.producers.publish(stream, topics)
+                    if new:
                         self._start_heartbeats()
+                    self._unregister(gone)
                 await stream.out.put(self.pb.TelemetryCommand(status=self.status("OK"), settings=answer))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client went away, or a bad command
             log.debug("telemetry stream of %s ended: %s", stream.client_id, exc)
         finally:
-            self.producers.remove(stream)
+            self._unregister(self.producers.remove(stream))
 
     # --- send ------------------------------------------------------------------------------
 
@@ -428,13 +430,33 @@ class MessagingService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._heartbeat_now.wait(), TX_HEARTBEAT)
 
+    def _unregister(self, topics: set[str]) -> None:
+        """UNREGISTER_CLIENT for topics this process no longer has a producer of, so that their brokers
+        ask another front (or, with none left, keep the half messages for a later check)."""
+        if topics:
+            self._spawn(self._unregister_at_brokers(sorted(topics)))
+
+    async def _unregister_at_brokers(self, topics: list[str]) -> None:
+        for topic in topics:
+            if self.producers.pick(topic) is not None:
+                continue  # a producer of it came back meanwhile
+            r = self._routes.get(topic)
+            for addr in r.brokers.values() if r is not None else ():
+                with contextlib.suppress(UpstreamError):
+                    await self.pool.request(addr, C.UNREGISTER_CLIENT, {"clientID": self.client_id,
+                                                                        "producerGroup": topic},
+                                            timeout=self.cfg.request_timeout)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _broker_request(self, conn: Connection, cmd: Any) -> None:
         """A request a broker sent on one of this process's connections: CHECK_TRANSACTION_STATE is
         relayed to a producer of the topic; others need no answer from a producer."""
         if cmd.code == C.CHECK_TRANSACTION_STATE:
-            task = asyncio.ensure_future(self._check_back(conn.addr, cmd))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._check_back(conn.addr, cmd))
 
     async def _check_back(self, addr: str, cmd: Any) -> None:
         hdr = cmd.ext_fields or {}

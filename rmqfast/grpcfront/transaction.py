@@ -83,26 +83,31 @@ class Producers:
         self._by_topic: dict[str, list[Stream]] = {}
         self._rr = itertools.count()
 
-    def publish(self, stream: Stream, topics: frozenset[str]) -> set[str]:
-        """``stream`` publishes ``topics`` (from its settings); returns the topics new to this process."""
-        self.remove(stream)
+    def publish(self, stream: Stream, topics: frozenset[str]) -> tuple[set[str], set[str]]:
+        """``stream`` publishes ``topics`` (from its settings); returns the topics new to this process and
+        those it no longer has a producer of."""
+        gone = self.remove(stream)
         stream.topics = topics
         new = set()
         for t in topics:
             streams = self._by_topic.setdefault(t, [])
-            if not streams:
+            if not streams and t not in gone:
                 new.add(t)
             streams.append(stream)
-        return new
+        return new, gone - topics
 
-    def remove(self, stream: Stream) -> None:
+    def remove(self, stream: Stream) -> set[str]:
+        """Forget ``stream``; returns the topics this process no longer has a producer of."""
+        gone = set()
         for t in stream.topics:
             streams = self._by_topic.get(t, [])
             if stream in streams:
                 streams.remove(stream)
             if not streams:
                 self._by_topic.pop(t, None)
+                gone.add(t)
         stream.topics = frozenset()
+        return gone
 
     def pick(self, topic: str) -> Stream | None:
         streams = self._by_topic.get(topic)
