@@ -27,6 +27,7 @@ may hold.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import tempfile
 import time
@@ -42,6 +43,33 @@ LANE_PREFIX = b"c"
 #: "shape"``, :mod:`rmqfast.limits.shaper`): ``@shape:<local broker host:port>``.  Configured
 #: remote names cannot contain '@', so the cross-cloud replicator never mistakes them for its own.
 SHAPE_REMOTE_PREFIX = "@shape:"
+
+
+#: glibc arenas for the threads of a process that writes a spill (mallopt M_ARENA_MAX)
+MALLOC_ARENAS = 2
+_arenas_bounded = False
+
+
+def bound_malloc_arenas() -> None:
+    """At most :data:`MALLOC_ARENAS` glibc malloc arenas in this process (once, before RocksDB
+    starts its threads).
+
+    RocksDB's own memory is bounded by the options below (memtables, block cache, table
+    readers), but every thread that allocates (the flush and compaction threads, the thread
+    that makes the synced writes) gets a glibc arena of its own by default (up to 8 per core),
+    and memory a thread freed stays resident in its arena: a worker holding delayed messages
+    grew from 46 to 62-66 MB RSS while accepting and releasing although RocksDB counted
+    ~11 MB (memtables, block cache, readers).  Two arenas keep that slack small; the threads
+    that share them are few and rarely allocate at once.
+    """
+    global _arenas_bounded
+    if _arenas_bounded:
+        return
+    _arenas_bounded = True
+    try:
+        ctypes.CDLL(None).mallopt(-8, MALLOC_ARENAS)  # M_ARENA_MAX (glibc; a no-op elsewhere)
+    except (OSError, AttributeError):
+        pass
 
 
 class SpillError(RuntimeError):
@@ -114,6 +142,8 @@ class SpillStore:
         opts.set_block_based_table_factory(table)
         opts.set_max_open_files(max_open_files)
         self._secondary_dir: tempfile.TemporaryDirectory[str] | None = None
+        if access == "rw":
+            bound_malloc_arenas()
         try:
             if access == "rw":
                 self.path.mkdir(parents=True, exist_ok=True)
