@@ -324,6 +324,15 @@ class GrayFilter(Filter):
             return None
         if self.metrics is not None:
             self.metrics.commits_dropped.labels(g.group, side or "unknown").inc()
+        logged: set[tuple[Any, ...]] = session.state.setdefault("gray_drop_logged", set())
+        key = (g.group, topic, broker, qid, ph, parked_in)
+        if key not in logged and len(logged) < 64:  # once per connection, queue and reason
+            logged.add(key)
+            log.info("gray: offset commit dropped (queue not owned by this client)",
+                     extra=ctx(group=g.group, topic=topic, broker=broker, queue=qid, side=side, gray_queue=gq,
+                               phase=ph.value, gray_alive=self.gray_alive(g.group),
+                               parked_in=parked_in.value if parked_in else None, client=session.client_addr,
+                               offset=(cmd.ext_fields or {}).get("commitOffset")))
         if frame.is_oneway:
             return divert("gray: offset commit of a queue this client does not own")
         return reply(encode(make_response(cmd, C.SUCCESS)))
@@ -496,5 +505,5 @@ class GrayFilter(Filter):
                                             ext_fields=out)))
 
     def on_close(self, session: Session) -> None:
-        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs"):
+        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged"):
             session.state.pop(k, None)

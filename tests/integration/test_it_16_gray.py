@@ -159,7 +159,7 @@ property = "gray=true"
             for p in producers:
                 p.start(jars4, ns, topic)
             marks: list[tuple[str, float, float]] = []
-            status = _phases(proxy, group, producers, consumers, marks)
+            status, promoted = _phases(proxy, group, producers, consumers, marks)
             stop.touch()
             for c in consumers:
                 if not c.gray:
@@ -177,7 +177,8 @@ property = "gray=true"
     gray_metrics = {f"{n}{dict(lbl)}": v for (n, lbl), v in metrics.items() if n.startswith("rmqfast_gray_")
                     and not n.endswith("_created")}
     with capsys.disabled():
-        print(f"\ngray: {res}\nstatus before the kill:\n{status}\nmetrics: {gray_metrics}")
+        print(f"\ngray: {res}\npromote: drained after {promoted['drained_after']} s (settle {SETTLE} s)"
+              f"\nstatus before the kill:\n{status}\nmetrics: {gray_metrics}")
     assert res["lost"] == 0, res
     assert res["sent_wrong_share"] == [], res  # gray sends on gray queues only, normal ones never there
     assert res["wrong_side"] == [], res  # per phase, the side that may consume it
@@ -185,8 +186,9 @@ property = "gray=true"
 
 
 def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumers: list[Consumer],
-            marks: list[tuple[str, float, float]]) -> dict[str, Any]:
-    """Canary, abort, canary, promote, canary, kill -9 of both gray consumers; the status before the kill."""
+            marks: list[tuple[str, float, float]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Canary, abort, canary, promote, canary, kill -9 of both gray consumers; the status before the kill
+    and the group's status once the promote ended."""
 
     def sent(n: int) -> None:
         base = [len(p.ok) for p in producers]
@@ -219,6 +221,9 @@ def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
     sent(40)
     command("promote")
     sent(15)
+    # the promote ends when the gray consumers have drained the gray queues (the supervisor's backlog watch)
+    promoted = wait_until(lambda: (g := _status(proxy, group))["drain"] != "draining" and g, BOUND, "promote drained")
+    assert promoted["drain"] == "drained" and promoted["phase"] == "promoted", promoted
     wait_until(lambda: time.time() > marks[-1][2] + SETTLE + 1, BOUND, "promote settled")
     sent(15)
     consumed_all()
@@ -240,7 +245,7 @@ def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
     for p in producers:
         p.stop()
     consumed_all()
-    return status
+    return status, promoted
 
 
 def _phase_at(marks: list[tuple[str, float, float]], t: float) -> tuple[str, float] | None:
