@@ -1,25 +1,41 @@
-"""Proxy-held delayed messages: capacity, accept rate and release lateness.
+"""Proxy-held delayed messages: capacity, worker memory, accept rate and release lateness.
 
-Three measurements (a measurement, not a test: no asserts)::
+A measurement, not a test (no asserts)::
 
-    .venv/bin/python bench/delay_bench.py [--pending 1000000] [--release-rate 10000] [--release-seconds 20]
+    .venv/bin/python bench/delay_bench.py                        # 1 M pending (a few minutes)
+    .venv/bin/python bench/delay_bench.py --pending 10000000     # the goal: 10 M (about 12 GB of disk)
+    .venv/bin/python bench/delay_bench.py --pending 100000 --release-seconds 3   # a quick look
 
-1. **Capacity.** ``--pending`` delayed 1 KiB messages (due in a day) are written into a worker's
-   store directory the way the filter writes them (group commits of 512 synced puts), then the
-   disk used (``du`` of the RocksDB directory) and the bytes the store counts are printed.
-2. **Worker with that store.** ``rmqfast serve`` (1 worker) starts on that state directory in front
-   of the null broker: the worker's RSS with all of it pending (it opens the store without a scan),
-   then the accept rate of plain and delayed 1 KiB sends through it, alternating, from the same
-   Python client (``--conns`` connections x ``--inflight`` pipelined sends), then the RSS again.
-3. **Release lateness.** In this process (gevent, one store, one releaser, like a worker), messages
-   due at ``--release-rate`` per second for ``--release-seconds`` are stored first, then released
-   to the null broker as they fall due; lateness = the broker's SUCCESS for the release minus the
-   due time: p50 / p99 / max, and the release rate reached.
+Phases (``--skip`` names them: capacity, accept, release, load):
+
+1. **Capacity.** ``--pending`` delayed 1 KiB messages (incompressible bodies, due in a day) are
+   written into worker 0's store directory through the worker's own store write path
+   (:class:`rmqfast.delay.store.DelayStore` ``put``: due key, cancel index entries, counters,
+   synced group commits of 512), *not* through the proxy: the proxy's accept path is measured
+   in phase 2, and filling 10 M through it would take its accept rate's time (printed).  Then
+   the disk used (every file of the RocksDB directory) and the bytes the store counts.
+2. **Accept.** ``rmqfast serve`` (1 worker) starts on that state directory in front of the null
+   broker.  Worker RSS when ready; then the accept rate of plain and of delayed 1 KiB sends
+   (``TIMER_DELIVER_MS`` a day out) through it, alternating in the same run, from the C load
+   generator (closed loop, ``--conns`` x ``--inflight``); worker RSS sampled while accepting.
+3. **Release.** With everything above still pending, ``--release-rate`` x ``--release-seconds``
+   more delayed sends go through the proxy (a Python client) to a second endpoint whose broker
+   is a recorder in this process, due at ``--release-rate`` per second from a moment after the
+   last is accepted.  The worker releases them among the millions pending; lateness = the
+   recorder's arrival time of a release minus its due time (written in the body's first 8
+   bytes): p50 / p99 / max, the release rate reached, the worker's CPU per release and its RSS
+   sampled while releasing.
+4. **Load.** Phase 3 again while the load generator sends ``--plain-rate`` plain sends per
+   second (open loop) through the same worker: the lateness with the proxy carrying traffic.
+
+The state directory is removed at the end (``--keep`` keeps it; ``--reuse DIR`` runs phases 2-4
+on a kept one).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -29,13 +45,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import gevent
+from gevent import socket as gsocket
+from gevent.server import StreamServer
 
-from rmqfast.bench.cbuild import build_tools
+from rmqfast.bench.cbuild import Tools, build_tools
+from rmqfast.bench.common import wait_serving
 from rmqfast.bench.nullbroker import NullBroker
-from rmqfast.bench.procfs import children
-from rmqfast.codec.command import RemotingCommand, decode_frame, encode
+from rmqfast.bench.procfs import children, cpu_seconds
+from rmqfast.codec.codes import FLAG_RESPONSE, SERIALIZE_ROCKETMQ
+from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.spill.record import CopyRecord
 from rmqfast.testing.ports import reserve
 
@@ -45,10 +66,19 @@ GOAL_PENDING = 10_000_000
 GOAL_RSS_MB = 64
 GOAL_RATE = 10_000
 GOAL_P99_MS = 50
+FAR_MS = 86_400_000  # the bulk is due in a day: pending for the whole run
+_I32 = struct.Struct(">i")
+_HEAD = struct.Struct(">iI")
+_FIXED = struct.Struct(">hBhiii")
+_DUE = struct.Struct(">q")
 
 
 def verdict(ok: bool) -> str:
     return "met" if ok else "missed"
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def print_summary() -> None:
@@ -56,49 +86,77 @@ def print_summary() -> None:
         return
     w0 = max(len(r[0]) for r in SUMMARY)
     w1 = max(len(r[1]) for r in SUMMARY)
-    print(f"\nsummary (load average {os.getloadavg()[0]:.1f} at the end):")
+    print(f"\nsummary (load average {load()} at the end):")
     print(f"  {'figure':<{w0}}  {'measured':<{w1}}  goal")
     for what, got, goal in SUMMARY:
         print(f"  {what:<{w0}}  {got:<{w1}}  {goal}")
 
 
 def rss_mb(pid: int | str = "self") -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return 0.0
 
 
+class RssSampler:
+    """Samples a process's RSS every ``every`` seconds in a greenlet; ``peak`` / ``last`` in MB."""
+
+    def __init__(self, pid: int, every: float = 0.2) -> None:
+        self.pid, self.every = pid, every
+        self.peak = self.last = 0.0
+        self._g = gevent.spawn(self._run)
+
+    def _run(self) -> None:
+        while True:
+            self.last = rss_mb(self.pid)
+            self.peak = max(self.peak, self.last)
+            gevent.sleep(self.every)
+
+    def stop(self) -> float:
+        self._g.kill()
+        self.last = rss_mb(self.pid)
+        self.peak = max(self.peak, self.last)
+        return self.peak
 
 
 def du_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def fill(store_dir: Path, n: int, body: int, due_base: int, step_us: float, addr: str) -> tuple[float, int, int]:
-    """Write n held messages (due_base + i * step_us); (seconds, store bytes, messages)."""
+# 1. Capacity ----------------------------------------------------------------------------------
+
+def fill(store_dir: Path, n: int, body: int, due_base: int, addr: str) -> tuple[float, int, int]:
+    """Write n held messages due from ``due_base`` on (1 ms apart) through the worker's store
+    write path; (seconds, store bytes, messages)."""
     from rmqfast.delay.store import DelayStore, Held
     from rmqfast.spill.store import SpillStore
 
-    spill = SpillStore(store_dir)
+    spill = SpillStore(store_dir)  # the worker's defaults: [replicate] write_buffer_bytes, block_cache_bytes
     st = DelayStore(spill.db, max_pending_bytes=1 << 50, path=str(store_dir))
     t0 = time.monotonic()
     i = 0
+    pid = os.getpid()
+    step = max(1, n // 10)
     while i < n:
         batch = None
         for _ in range(min(512, n - i)):
-            uniq = f"{os.getpid():08X}{i:024X}"
+            uniq = f"{pid:08X}{i:024X}"
             props = f"KEYS\x01k{i}\x02UNIQ_KEY\x01{uniq}\x02"
             # incompressible bodies, as real payloads may be
-            rec = CopyRecord(topic="Delayed", body=os.urandom(body), properties=props, queue_id=i % 4, broker_name="b",
-                             producer_group="PG", created_ms=int(time.time() * 1000))
-            _k, batch = st.put(Held(addr, uniq, f"k{i}", rec), due_base + int(i * step_us / 1000))
+            rec = CopyRecord(topic="Delayed", body=os.urandom(body), properties=props, queue_id=i % 4,
+                             broker_name="b", producer_group="PG", created_ms=int(time.time() * 1000))
+            _k, batch = st.put(Held(addr, uniq, f"k{i}", rec), due_base + i)
             i += 1
         assert batch is not None
         st.wait(batch)
-        if i % 500_000 < 512:
-            print(f"  filled {i:,} in {time.monotonic() - t0:.0f} s", flush=True)
+        if i % step < 512 or i == n:
+            el = time.monotonic() - t0
+            print(f"  filled {i:,} in {el:.0f} s ({i / max(el, 1e-9):,.0f}/s, load {load()})", flush=True)
     secs = time.monotonic() - t0
     out = (secs, st.bytes, st.messages)
     st.close()
@@ -106,223 +164,385 @@ def fill(store_dir: Path, n: int, body: int, due_base: int, step_us: float, addr
     return out
 
 
-def send_frame(topic: str, opaque: int, uniq: str, delay_at: int | None, body: bytes) -> bytes:
-    props = f"KEYS\x01k{opaque}\x02UNIQ_KEY\x01{uniq}\x02" + (f"TIMER_DELIVER_MS\x01{delay_at}\x02" if delay_at else "")
-    ext = {"a": "PG", "b": topic, "c": "TBW102", "d": "4", "e": str(opaque % 4), "f": "0",
-           "g": str(int(time.time() * 1000)), "h": "0", "i": props, "j": "0", "k": "false", "l": "16", "m": "false",
-           "n": "b"}
-    return encode(RemotingCommand(code=310, opaque=opaque, version=473, ext_fields=ext, body=body))
+def capacity(args: argparse.Namespace, wdir: Path, addr: str) -> None:
+    print(f"1. capacity: {args.pending:,} pending messages of {args.body} B, filled through the worker's store "
+          "write path (DelayStore.put, synced group commits of 512), not through the proxy", flush=True)
+    secs, nbytes, msgs = fill(wdir, args.pending, args.body, int(time.time() * 1000) + FAR_MS, addr)
+    disk = du_bytes(wdir)
+    print(f"   filled at {msgs / secs:,.0f} msg/s ({secs:.0f} s); store counts {nbytes / 2**20:,.0f} MiB; "
+          f"disk {disk / 2**20:,.0f} MiB ({disk / max(1, msgs):,.0f} B per message); load {load()}")
+    SUMMARY.append(("pending 1 KiB messages (filled through DelayStore.put)", f"{msgs:,} in {secs:.0f} s",
+                    f"{GOAL_PENDING:,} ({verdict(msgs >= GOAL_PENDING)})"))
+    SUMMARY.append(("disk used", f"{disk / 2**20:,.0f} MiB ({disk / max(1, msgs):,.0f} B/msg)",
+                    "disk, not memory"))
 
 
-def client(port: int, topic: str, delayed: bool, seconds: float, inflight: int, body: int, out: list[int]) -> None:
-    """One connection, ``inflight`` sends pipelined, for ``seconds``: answers counted into out."""
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    payload = os.urandom(body)
-    at = int(time.time() * 1000) + 86_400_000
-    op = 0
-    buf = b""
-    end = time.monotonic() + seconds
-    done = 0
-    base = f"{id(out) & 0xFFFFFF:06X}{port:05d}{int(delayed)}"
+def held(wdir: Path) -> tuple[int, int]:
+    """(messages, bytes) a stopped worker's delay store holds (its counters: no scan)."""
+    from rmqfast.delay.store import DelayStore
+    from rmqfast.spill.store import SpillStore
 
-    def one() -> bytes:
-        nonlocal op
-        op += 1
-        return send_frame(topic, op, f"{base}{op:020X}", at if delayed else None, payload)
-
-    s.sendall(b"".join(one() for _ in range(inflight)))
-    sent, answered = inflight, 0
-    while True:
-        chunk = s.recv(1 << 20)
-        if not chunk:
-            break
-        buf += chunk
-        got = 0
-        while len(buf) >= 4:
-            (n,) = struct.unpack_from(">i", buf)
-            if len(buf) < 4 + n:
-                break
-            cmd = decode_frame(buf[: 4 + n])
-            buf = buf[4 + n :]
-            done += cmd.code == 0
-            got += 1
-        answered += got
-        if time.monotonic() < end:
-            if got:
-                s.sendall(b"".join(one() for _ in range(got)))
-                sent += got
-        elif answered >= sent:
-            break
-    s.close()
-    out.append(done)
+    spill = SpillStore(wdir)
+    st = DelayStore(spill.db, max_pending_bytes=1 << 50, path=str(wdir))
+    out = (st.messages, st.bytes)
+    st.close()
+    spill.close()
+    return out
 
 
-def accept_rate(port: int, delayed: bool, seconds: float, conns: int, inflight: int, body: int) -> float:
-    out: list[int] = []
-    t0 = time.monotonic()
-    gs = [gevent.spawn(client, port, "Delayed", delayed, seconds, inflight, body, out) for _ in range(conns)]
-    gevent.joinall(gs)
-    return sum(out) / (time.monotonic() - t0)
+def kept(wdir: Path) -> None:
+    msgs, _b = held(wdir)
+    disk = du_bytes(wdir)
+    print(f"1. kept store {wdir}: {msgs:,} pending; disk {disk / 2**20:,.0f} MiB "
+          f"({disk / max(1, msgs):,.0f} B per message)", flush=True)
+    SUMMARY.append(("pending 1 KiB messages (kept store)", f"{msgs:,}",
+                    f"{GOAL_PENDING:,} ({verdict(msgs >= GOAL_PENDING)})"))
+    SUMMARY.append(("disk used", f"{disk / 2**20:,.0f} MiB ({disk / max(1, msgs):,.0f} B/msg)",
+                    "disk, not memory"))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pending", type=int, default=1_000_000)
-    ap.add_argument("--body", type=int, default=1024)
-    ap.add_argument("--release-rate", type=int, default=10_000)
-    ap.add_argument("--release-seconds", type=float, default=20.0)
-    ap.add_argument("--conns", type=int, default=8)
-    ap.add_argument("--inflight", type=int, default=32)
-    ap.add_argument("--accept-seconds", type=float, default=5.0)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--queue-window", type=int, default=1,
-                    help="release: [delay] queue_window (sends in flight per broker queue)")
-    ap.add_argument("--keep", action="store_true", help="keep the state directory")
-    ap.add_argument("--reuse", type=Path, default=None,
-                    help="phase 2 on the state directory a --keep run filled (the capacity phase is skipped)")
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: capacity,worker,release")
-    args = ap.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    tools = build_tools()
-    work = Path(tempfile.mkdtemp(prefix="rmqfast-delaybench-"))
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; work dir {work}")
-    with NullBroker(tools) as nb:
-        addr = f"127.0.0.1:{nb.port}"
-        state = args.reuse or work / "state"
-        wdir = state / "spill" / "worker-0"
-        if args.reuse is not None:
-            skip.add("capacity")
-            args.keep = True
-        if "capacity" not in skip:
-            print(f"1. capacity: {args.pending:,} pending messages of {args.body} B")
-            secs, nbytes, msgs = fill(wdir, args.pending, args.body, int(time.time() * 1000) + 86_400_000,
-                                      1.0, addr)
-            disk = du_bytes(wdir)
-            print(f"   filled at {msgs / secs:,.0f} msg/s ({secs:.0f} s); store counts {nbytes / 2**20:,.0f} MiB; "
-                  f"disk {disk / 2**20:,.0f} MiB ({disk / max(1, msgs):,.0f} B per message)")
-            print(f"   bench process RSS after the fill: {rss_mb():.0f} MB")
-            SUMMARY.append(("pending 1 KiB messages", f"{msgs:,}",
-                            f"{GOAL_PENDING:,} ({verdict(msgs >= GOAL_PENDING)})"))
-            SUMMARY.append(("disk used", f"{disk / 2**20:,.0f} MiB ({disk / max(1, msgs):,.0f} B/msg)",
-                            "disk, not memory"))
-        if "worker" not in skip:
-            lease = reserve(list(range(16)))
-            ns, admin, ep, lo = lease.base, lease.base + 1, lease.base + 4, lease.base + 5  # ep - 2: its VIP channel
-            cfg = work / "c.toml"
-            cfg.write_text(f"""
+# The proxy ------------------------------------------------------------------------------------
+
+class Proxy:
+    """``rmqfast serve`` with one worker on ``state``: endpoint ``ep`` to the null broker, ``ep2``
+    to the recorder."""
+
+    def __init__(self, work: Path, state: Path, nb_addr: str, rec_addr: str, queue_window: int) -> None:
+        self.lease = reserve(list(range(16)))
+        b = self.lease.base
+        ns, self.admin, self.ep, self.ep2, lo = b, b + 1, b + 4, b + 7, b + 8  # ep - 2: VIP channels
+        self.log = work / "proxy.log"
+        cfg = work / "c.toml"
+        cfg.write_text(f"""
 [proxy]
 workers = 1
 state_dir = "{state}"
 [namesrv]
 listen = "127.0.0.1:{ns}"
-upstreams = ["{addr}"]
+upstreams = ["{nb_addr}"]
 [brokers]
-port_range = "{lo}-{lo + 9}"
+port_range = "{lo}-{lo + 7}"
 [[brokers.static]]
-listen = "127.0.0.1:{ep}"
-upstream = "{addr}"
+listen = "127.0.0.1:{self.ep}"
+upstream = "{nb_addr}"
+[[brokers.static]]
+listen = "127.0.0.1:{self.ep2}"
+upstream = "{rec_addr}"
 [admin]
-listen = "127.0.0.1:{admin}"
+listen = "127.0.0.1:{self.admin}"
 [delay]
-topics = ["Delayed"]
+topics = ["Delayed", "BenchTopic"]
 max_pending_bytes = {1 << 45}
+queue_window = {queue_window}
 [log]
 level = "warning"
 """)
-            t0 = time.monotonic()
-            proc = subprocess.Popen([sys.executable, "-m", "rmqfast", "serve", "--config", str(cfg)],
-                                    stdout=subprocess.DEVNULL, stderr=open(work / "proxy.log", "wb"))  # noqa: SIM115
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(cfg)],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))  # noqa: SIM115
+        try:
+            wait_serving(self.proc, self.admin, [self.ep, self.ep2], f"rmqfast serve; see {self.log}", timeout=300)
+            while not children(self.proc.pid):
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.monotonic() - t0
+        self.worker = children(self.proc.pid)[0]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.lease.release()
+
+
+def run_loadgen(tools: Tools, port: int, args: argparse.Namespace, *, seconds: float, deliver_ms: int = 0,
+                rate: float = 0) -> subprocess.Popen[str]:
+    cmd = [str(tools.loadgen), "--port", str(port), "--conns", str(args.conns), "--inflight", str(args.inflight),
+           "--body", str(args.body), "--warmup", "0.5", "--duration", f"{seconds:g}", "--rate", f"{rate:g}"]
+    if deliver_ms:
+        cmd += ["--deliver-ms", str(deliver_ms)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def loadgen_result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    while proc.poll() is None:  # gevent keeps the recorder and the samplers running meanwhile
+        gevent.sleep(0.1)
+    out, err = proc.communicate()
+    lines = [x for x in out.splitlines() if x.startswith("{")]
+    if not lines:
+        raise SystemExit(f"loadgen printed no result (exit {proc.returncode}): {err}")
+    res: dict[str, Any] = json.loads(lines[-1])
+    return res
+
+
+# 2. Accept rates ------------------------------------------------------------------------------
+
+def accept(args: argparse.Namespace, tools: Tools, px: Proxy) -> float:
+    """Plain and delayed sends alternating; returns the best delayed accept rate."""
+    time.sleep(2)
+    rss0 = rss_mb(px.worker)
+    print(f"2. accept: worker ready in {px.ready_s:.1f} s; worker RSS {rss0:.0f} MB (load {load()})", flush=True)
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    sampler = RssSampler(px.worker)
+    for r in range(args.rounds):
+        for delayed in ((False, True) if r % 2 == 0 else (True, False)):
+            deliver = int(time.time() * 1000) + FAR_MS if delayed else 0
+            res = loadgen_result(run_loadgen(tools, px.ep, args, seconds=args.accept_seconds, deliver_ms=deliver))
+            ok = res["resp_codes"].get("0", 0)
+            rate = res["rps"] * ok / max(1, res["responses"])
+            rates[delayed].append(rate)
+            print(f"   round {r + 1}: {'delayed' if delayed else 'plain  '} sends {rate:,.0f}/s answered SUCCESS "
+                  f"(p50 {res['lat_us']['p50'] / 1000:.1f} ms, p99 {res['lat_us']['p99'] / 1000:.1f} ms; "
+                  f"{args.conns} conns x {args.inflight} in flight; codes {res['resp_codes']}; load {load()})",
+                  flush=True)
+    peak = sampler.stop()
+    print(f"   worker RSS while accepting: peak {peak:.0f} MB, after {sampler.last:.0f} MB", flush=True)
+    SUMMARY.append(("worker RSS: ready / accepting (peak)", f"{rss0:.0f} / {peak:.0f} MB",
+                    f"< {GOAL_RSS_MB} MB ({verdict(max(rss0, peak) < GOAL_RSS_MB)})"))
+    plain, held = max(rates[False]), max(rates[True])
+    SUMMARY.append(("accept rate plain / delayed (same run)", f"{plain:,.0f} / {held:,.0f}/s "
+                    f"({held / max(plain, 1):.0%})", "reported"))
+    mins = args.pending / max(held, 1) / 60
+    print(f"   at that delayed rate, filling {args.pending:,} through the proxy would take {mins:,.0f} min")
+    return held
+
+
+# 3./4. Release --------------------------------------------------------------------------------
+
+class Recorder:
+    """A broker stand-in in this process: answers every request SUCCESS (ROCKETMQ header, as a
+    broker answers the release channel) and records, per release, arrival ms - due ms (the
+    body's first 8 bytes)."""
+
+    def __init__(self) -> None:
+        self.late: list[int] = []
+        self.first = self.last = 0
+        self.server = StreamServer(("127.0.0.1", 0), self._handle)
+        self.server.start()
+        self.addr = f"127.0.0.1:{self.server.server_port}"
+
+    def reset(self) -> None:
+        self.late = []
+        self.first = self.last = 0
+
+    def _handle(self, sock: socket.socket, _addr: object) -> None:
+        buf = b""
+        while True:
             try:
-                import urllib.request
-                while True:
-                    if proc.poll() is not None:
-                        raise SystemExit(f"rmqfast serve exited: {(work / 'proxy.log').read_text()[-2000:]}")
-                    try:
-                        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=2) as r:
-                            if r.status == 200:
-                                break
-                    except OSError:
-                        pass
-                    time.sleep(0.1)
-                ready = time.monotonic() - t0
-                worker = children(proc.pid)[0]
-                time.sleep(2)
-                rss0 = rss_mb(worker)
-                print(f"2. worker with the store: ready in {ready:.1f} s; worker RSS {rss0:.0f} MB")
-                rates: dict[bool, list[float]] = {False: [], True: []}
-                for r in range(args.rounds):
-                    for delayed in ((False, True) if r % 2 == 0 else (True, False)):
-                        rate = accept_rate(ep, delayed, args.accept_seconds, args.conns, args.inflight, args.body)
-                        rates[delayed].append(rate)
-                        print(f"   round {r + 1}: {'delayed' if delayed else 'plain  '} sends {rate:,.0f}/s "
-                              f"({args.conns} conns x {args.inflight} in flight)", flush=True)
-                rss1 = rss_mb(worker)
-                print(f"   worker RSS after the sends: {rss1:.0f} MB")
-                SUMMARY.append(("worker RSS, ready / after sends", f"{rss0:.0f} / {rss1:.0f} MB",
-                                f"< {GOAL_RSS_MB} MB ({verdict(max(rss0, rss1) < GOAL_RSS_MB)})"))
-                SUMMARY.append(("accept rate plain / delayed", f"{max(rates[False]):,.0f} / {max(rates[True]):,.0f}/s",
-                                "reported (same run)"))
-            finally:
-                proc.terminate()
-                proc.wait(30)
-                lease.release()
-            print(f"   disk after: {du_bytes(wdir) / 2**20:,.0f} MiB")
-        if not args.keep:
-            shutil.rmtree(state, ignore_errors=True)
-        if "release" not in skip:
-            release(args, addr, work)
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    print_summary()
-    return 0
+                chunk = sock.recv(1 << 18)
+            except OSError:
+                return
+            if not chunk:
+                return
+            now = int(time.time() * 1000)
+            buf = buf + chunk if buf else chunk
+            pos, end, out = 0, len(buf), []
+            while end - pos >= 8:
+                n, mark = _HEAD.unpack_from(buf, pos)
+                if end - pos < 4 + n:
+                    break
+                if mark >> 24 != SERIALIZE_ROCKETMQ:  # not a release: the proxy's health probe (JSON)
+                    cmd = decode_frame(buf[pos : pos + 4 + n])
+                    out.append(encode(make_response(cmd, 0, ext_fields={"offset": "0"})))
+                    pos += 4 + n
+                    continue
+                opaque = _I32.unpack_from(buf, pos + 13)[0]
+                body_at = pos + 8 + (mark & 0xFFFFFF)
+                if _I32.unpack_from(buf, pos + 8)[0] >> 16 == 310 and body_at + 8 <= pos + 4 + n:
+                    self.late.append(now - _DUE.unpack_from(buf, body_at)[0])
+                    self.first = self.first or now
+                    self.last = now
+                out.append(_HEAD.pack(4 + 21, (SERIALIZE_ROCKETMQ << 24) | 21)
+                           + _FIXED.pack(0, 0, 0, opaque, FLAG_RESPONSE, 0) + _I32.pack(0))
+                pos += 4 + n
+            buf = buf[pos:]
+            if out:
+                sock.sendall(b"".join(out))
+
+    def close(self) -> None:
+        self.server.stop()
 
 
-def release(args: argparse.Namespace, addr: str, work: Path) -> None:
-    from rmqfast.delay.service import DelayService
-    from rmqfast.delay.settings import parse_delay
-    from rmqfast.spill.store import SpillStore
+def slice_frame(opaque: int, due: int, body: bytes) -> bytes:
+    props = f"KEYS\x01s{opaque}\x02UNIQ_KEY\x01B{due:016X}{opaque:015X}\x02TIMER_DELIVER_MS\x01{due}\x02"
+    ext = {"a": "PG", "b": "Delayed", "c": "TBW102", "d": "4", "e": str(opaque % 4), "f": "0",
+           "g": str(int(time.time() * 1000)), "h": "0", "i": props, "j": "0", "k": "false", "l": "16", "m": "false",
+           "n": "b"}
+    return encode(RemotingCommand(code=310, opaque=opaque, version=473, ext_fields=ext,
+                                  body=_DUE.pack(due) + body[8:]))
 
+
+def send_slice(port: int, n: int, start: int, rate: int, body: int, conns: int = 4, inflight: int = 64) -> int:
+    """n delayed sends due at ``rate``/s from ``start`` (epoch ms), over ``conns`` pipelined
+    connections; returns how many were answered SUCCESS."""
+    ok = [0]
+    payload = os.urandom(body)
+
+    def one(c: int) -> None:
+        mine = list(range(c, n, conns))
+        s = gsocket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nxt = 0
+
+        def more(k: int) -> bytes:
+            nonlocal nxt
+            part = mine[nxt : nxt + k]
+            nxt += len(part)
+            return b"".join(slice_frame(i + 1, start + i * 1000 // rate, payload) for i in part)
+
+        s.sendall(more(inflight))
+        buf, answered = b"", 0
+        while answered < len(mine):
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+            got = 0
+            while len(buf) >= 25:
+                (fl,) = _I32.unpack_from(buf, 0)
+                if len(buf) < 4 + fl:
+                    break
+                ok[0] += decode_frame(buf[: 4 + fl]).code == 0
+                buf = buf[4 + fl :]
+                got += 1
+            answered += got
+            if got and nxt < len(mine):
+                s.sendall(more(got))
+        s.close()
+
+    gevent.joinall([gevent.spawn(one, c) for c in range(conns)])
+    return ok[0]
+
+
+def release(args: argparse.Namespace, tools: Tools, px: Proxy, rec: Recorder, accept_rate: float,
+            plain_rate: float) -> float:
+    """One release slice (with ``plain_rate`` plain sends/s beside it); returns the rate at which
+    the slice was accepted."""
     n = int(args.release_rate * args.release_seconds)
-    d = work / "release"
-    start = int(time.time() * 1000) + 5000 + int(n / 20)  # after the fill (~20k/s or better)
-    secs, _b, _m = fill(d, n, args.body, start, 1e6 / args.release_rate, addr)
-    lead = start - int(time.time() * 1000)
-    print(f"3. release: {n:,} messages due at {args.release_rate:,}/s over 4 queues, queue_window "
-          f"{args.queue_window}, from {lead / 1000:.1f} s on "
-          f"(stored at {n / secs:,.0f}/s)")
-    if lead < 500:
-        print("   the fill took longer than planned: the first messages are already due (lateness includes it)")
-    spill = SpillStore(d)
-    svc = DelayService(parse_delay({"topics": ["Delayed"], "queue_window": args.queue_window}), spill.db, 0,
-                       path=str(d), publish=False)
-    svc.start()
+    label = "4. load" if plain_rate else "3. release"
+    # due from a moment after the last is accepted (the slice goes through the proxy's accept path,
+    # from a Python client: planned at a third of the load generator's delayed rate, or of what the
+    # previous slice reached; a loaded machine can be slower still, which the output says)
+    lead = 3000 + int(n / max(accept_rate, 100) * 1000)
+    start = int(time.time() * 1000) + lead
+    rec.reset()
     t0 = time.monotonic()
-    t0_wall = time.time() * 1000
-    c0 = time.process_time()
-    while svc.releaser.released + svc.releaser.dropped < n:
-        gevent.sleep(0.05)
-    end_ms = int(time.time() * 1000)
+    ok = send_slice(px.ep2, n, start, args.release_rate, args.body)
     took = time.monotonic() - t0
-    cpu = time.process_time() - c0
-    late = sorted(svc.releaser.lateness_ms)
+    margin = start - int(time.time() * 1000)
+    print(f"{label}: {ok:,} of {n:,} delayed sends accepted in {took:.1f} s ({n / took:,.0f}/s), due at "
+          f"{args.release_rate:,}/s over 4 queues from {margin / 1000:.1f} s on, queue_window {args.queue_window}, "
+          f"with the pending above held too (load {load()})", flush=True)
+    if margin < 0:
+        print("   the slice took longer to accept than planned: its first messages were already due")
+    lg = None
+    if plain_rate:
+        gevent.sleep(max(0.0, margin / 1000 - 1.5))
+        lg = run_loadgen(tools, px.ep, args, seconds=args.release_seconds + 2, rate=plain_rate)
+    sampler = RssSampler(px.worker)
+    gevent.sleep(max(0.0, (start - time.time() * 1000) / 1000))
+    c0 = sum(cpu_seconds(px.worker))
+    deadline = time.monotonic() + args.release_seconds * 3 + 60
+    while len(rec.late) < ok and time.monotonic() < deadline:
+        gevent.sleep(0.05)
+    cpu = sum(cpu_seconds(px.worker)) - c0
+    peak = sampler.stop()
+    late = sorted(rec.late)
     k = len(late)
-    print(f"   released {svc.releaser.released:,} ({svc.releaser.dropped} dropped) in {took:.1f} s; "
-          f"lateness ms p50={late[k // 2]} p99={late[int(k * 0.99)]} max={late[-1]} (of the last {k:,}); "
-          f"process RSS {rss_mb():.0f} MB")
-    print(f"   CPU of the releasing process: {cpu * 1e6 / max(1, n):.0f} us per release "
-          f"(one core: {n / max(cpu, 1e-9):,.0f} releases/s); load average {os.getloadavg()[0]:.1f}")
-    # from the first due time to the last release (at least the span the due times cover; the
-    # end is polled every 50 ms and the last message is due ~(n-1)/rate after the first: 2% slack)
-    reached = n / max(args.release_seconds, (end_ms - max(start, int(t0_wall))) / 1000)
-    p99 = late[int(k * 0.99)]
-    SUMMARY.append((f"release rate (due at {args.release_rate:,}/s, window {args.queue_window})",
+    if not k:
+        print("   nothing released")
+        return n / took
+    span = max(args.release_seconds, (rec.last - start) / 1000)
+    reached = k / span
+    p50, p99, mx = late[k // 2], late[min(k - 1, int(k * 0.99))], late[-1]
+    extra = ""
+    if lg is not None:
+        res = loadgen_result(lg)
+        extra = (f"; plain sends meanwhile: {res['rps']:,.0f}/s answered (asked {plain_rate:,.0f}/s open loop, "
+                 f"p99 {res['lat_us']['p99'] / 1000:.1f} ms, errors {res['errors']})")
+    print(f"   released {k:,} (of {ok:,}), {reached:,.0f}/s from the first due time; lateness ms p50={p50} p99={p99} "
+          f"max={mx}; worker CPU {cpu * 1e6 / k:.0f} us per release; worker RSS while releasing: peak {peak:.0f} MB"
+          f"{extra}; load {load()}", flush=True)
+    what = f"with {plain_rate:,.0f} plain sends/s" if plain_rate else "alone"
+    SUMMARY.append((f"release {what}: rate (due at {args.release_rate:,}/s, window {args.queue_window})",
                     f"{reached:,.0f}/s", f"{GOAL_RATE:,}/s ({verdict(reached >= GOAL_RATE * 0.98)})"))
-    SUMMARY.append(("lateness p50 / p99 / max", f"{late[k // 2]} / {p99} / {late[-1]} ms",
+    SUMMARY.append((f"release {what}: lateness p50 / p99 / max", f"{p50} / {p99} / {mx} ms",
                     f"p99 < {GOAL_P99_MS} ms at {GOAL_RATE:,}/s "
                     f"({verdict(p99 < GOAL_P99_MS and args.release_rate >= GOAL_RATE)})"))
-    svc.close()
-    spill.close()
+    SUMMARY.append((f"worker RSS releasing {what} (peak)", f"{peak:.0f} MB",
+                    f"< {GOAL_RSS_MB} MB ({verdict(peak < GOAL_RSS_MB)})"))
+    return n / took
+
+
+# main -----------------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pending", type=int, default=1_000_000, help="messages held before the run (goal: 10000000)")
+    ap.add_argument("--body", type=int, default=1024)
+    ap.add_argument("--release-rate", type=int, default=10_000, help="due per second in the release slice")
+    ap.add_argument("--release-seconds", type=float, default=10.0, help="length of the release slice")
+    ap.add_argument("--plain-rate", type=float, default=5000,
+                    help="phase 4: plain sends per second (open loop) beside the releases")
+    ap.add_argument("--conns", type=int, default=8, help="load generator connections")
+    ap.add_argument("--inflight", type=int, default=32, help="load generator sends in flight per connection")
+    ap.add_argument("--accept-seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=2, help="accept rounds (plain and delayed each)")
+    ap.add_argument("--queue-window", type=int, default=64,
+                    help="[delay] queue_window (releases in flight per broker queue; 1 = strict due order)")
+    ap.add_argument("--keep", action="store_true", help="keep the state directory")
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="run on the state directory a --keep run filled (the capacity phase is skipped)")
+    ap.add_argument("--skip", default="", help="comma-separated phases to skip: capacity,accept,release,load")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    tools = build_tools()
+    work = Path(tempfile.mkdtemp(prefix="rmqfast-delaybench-"))
+    print(f"machine: {os.cpu_count()} CPUs, load average {load()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+          f"; work dir {work}", flush=True)
+    state = args.reuse or work / "state"
+    if args.reuse is not None:
+        skip.add("capacity")
+        args.keep = True
+    wdir = state / "spill" / "worker-0"
+    rec = Recorder()
+    try:
+        with NullBroker(tools) as nb:
+            addr = f"127.0.0.1:{nb.port}"
+            if "capacity" not in skip:
+                capacity(args, wdir, addr)
+            elif args.reuse is not None:
+                kept(wdir)
+                args.pending = held(wdir)[0]
+            if not {"accept", "release", "load"} <= skip:
+                px = Proxy(work, state, addr, rec.addr, args.queue_window)
+                try:
+                    rate = accept(args, tools, px) / 3 if "accept" not in skip else 1000.0
+                    if "release" not in skip:
+                        rate = release(args, tools, px, rec, rate, 0) / 3
+                    if "load" not in skip:
+                        release(args, tools, px, rec, rate, args.plain_rate)
+                finally:
+                    px.stop()
+                print(f"   after the run: {held(wdir)[0]:,} pending, disk {du_bytes(wdir) / 2**20:,.0f} MiB",
+                      flush=True)
+    finally:
+        rec.close()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept {state}")
+    print_summary()
+    return 0
 
 
 if __name__ == "__main__":
