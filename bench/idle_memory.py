@@ -31,7 +31,6 @@ monkey.patch_all()
 
 import gevent  # noqa: E402
 import greenlet  # noqa: E402
-from gevent.server import StreamServer  # noqa: E402
 
 from rmqfast import codec  # noqa: E402
 from rmqfast.bench.cbuild import build_tools  # noqa: E402
@@ -41,6 +40,7 @@ from rmqfast.codec.command import RemotingCommand, encode  # noqa: E402
 from rmqfast.config import HostPort  # noqa: E402
 from rmqfast.proxy.policy import DenyAdminCodes, FilterChain  # noqa: E402
 from rmqfast.proxy.relay import RelaySettings, Session  # noqa: E402
+from rmqfast.server.worker import RelayServer  # noqa: E402
 
 CLIENT = r"""
 import socket, struct, sys
@@ -117,9 +117,12 @@ def main() -> int:
             s = Session("broker", sock, f"{addr[0]}:{addr[1]}", [HostPort("127.0.0.1", broker.port)], chain, stats,
                         settings, Events())
             sessions.append(s)
-            s.run()
+            s.serve(lambda: None)  # as the worker: returns once the pumps are parked in the reactor
+            if not s.closed:
+                server.kept.add(sock)
 
-        server = StreamServer(("127.0.0.1", 0), handle, backlog=1024)
+        server = RelayServer(("127.0.0.1", 0), handle, backlog=1024)
+        server.kept = set()
         server.start()
         # one warm-up connection: lazily made per-process things (reactor, pools) are not counted
         warm = subprocess.Popen([sys.executable, "-c", CLIENT, "1", str(server.server_port), HB],

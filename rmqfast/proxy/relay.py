@@ -13,6 +13,10 @@ changed 40, running info 307, consume directly 309...) need no bookkeeping at al
 What the session decides about a frame handed to Python (filters, verdicts, local answers at
 frame boundaries, in-flight accounting) is :class:`rmqfast.proxy.core.SessionCore`, without
 sockets; this module adds the sockets, the watchers and the two pumps.
+
+An idle connection costs no greenlet: with the compiled pumps parked in the worker's reactor,
+:meth:`Session.serve` returns once both are parked, and a greenlet is made only when a pump's
+step needs Python (a policy frame, a wait for the destination, the end), for as long as it does.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import gevent
 from gevent import socket
-from gevent.hub import Waiter
+from gevent.event import Event
 from gevent.lock import Semaphore
+from greenlet import greenlet
 
 from rmqfast import codec
 from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump, code_slot
@@ -243,6 +248,28 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
     return closed
 
 
+class _Parked:
+    """One compiled pump of a session that serves without a greenlet of its own: what its
+    greenlet needs when the reactor hands it a status that needs Python.  The reactor calls
+    :meth:`switch` (in the hub) where it would wake a parked greenlet's Waiter."""
+
+    __slots__ = ("session", "pump", "scanner", "side", "out", "from_client")
+
+    def __init__(self, session: Session, pump: Any, scanner: Any, side: str, out: _Out, from_client: bool) -> None:
+        self.session = session
+        self.pump = pump
+        self.scanner = scanner
+        self.side = side
+        self.out = out
+        self.from_client = from_client
+
+    def switch(self, st: int) -> None:
+        """A status for Python: a greenlet runs the pump from it until the pump parks again or ends
+        (called in the hub: by the reactor's turn, or by a callback the session scheduled)."""
+        session = self.session
+        greenlet(session._drive, parent=session.hub).switch(self, st)
+
+
 class Session(SessionCore):
     """A client connection and its upstream connection: the sockets and pumps around a
     :class:`rmqfast.proxy.core.SessionCore`.  Send limits come with the chain (its
@@ -279,15 +306,52 @@ class Session(SessionCore):
         self._outs: dict[socket.socket, _Out] = {}
         self._reactor: Any = None  # the reactor the compiled pumps wait in (set by _pump_c)
         self._parked: list[Any] = []  # pumps attached to it
+        self._live = 0  # pumps serving without a greenlet that have not ended (serve)
+        self._on_end: Callable[[], None] | None = None
 
     # Lifecycle ------------------------------------------------------------------------------
 
     def run(self) -> None:
-        pin_mmap_threshold()
-        upstream = self._connect()
-        if upstream is None:
-            return
-        self.upstream = upstream
+        """Relay until both directions have ended."""
+        done = Event()
+        self.serve(done.set)
+        done.wait()
+
+    def serve(self, on_end: Callable[[], None]) -> None:
+        """Relay; ``on_end()`` once both directions have ended.  With the compiled pumps in the
+        reactor (no TLS) this returns as soon as both are parked there, and no greenlet waits for
+        the connection; otherwise it returns when the connection has ended."""
+        parked = False
+        try:
+            pin_mmap_threshold()
+            upstream = self._connect()
+            if upstream is None:
+                return
+            self.upstream = upstream
+            self._setup(upstream)
+            reactor = reactor_of(self.hub)
+            if (reactor is not None and codec.is_compiled(self.c2u) and not (is_tls(self.client) or is_tls(upstream))
+                    and not self.closed):
+                self._reactor = reactor
+                self._on_end = on_end
+                self._live = 2
+                parked = True
+                self._launch(upstream, self.client, self.u2c, "upstream", False)
+                self._launch(self.client, upstream, self.c2u, "client", True)
+                return
+            back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", False)
+            try:
+                self._pump(self.client, upstream, self.c2u, "client", True)
+            finally:
+                self.close()
+                back.join(timeout=5)
+        finally:
+            if not parked:
+                self.close()  # (again) the client socket is the session's to close on every path
+                on_end()
+
+    def _setup(self, upstream: socket.socket) -> None:
+        """The scanners, watchers and writers of both directions."""
         s = self.settings
         compiled = codec.is_compiled(FrameScanner)  # the limiter and in-flight table of the same twin
         self.inflight = codec.twin_of(FrameScanner, "InFlight")()
@@ -314,18 +378,8 @@ class Session(SessionCore):
             direction=1,
         )
         self.u2c.conn_id = self.conn_id
-        loop = self.hub.loop
-        for sock in (self.client, upstream):
-            fd = sock.fileno()
-            self._watchers[sock] = (loop.io(fd, 1), loop.io(fd, 2))
         self.to_client = self._outs[self.client] = _Out(self.client, self.client_lock, self)
         self.to_upstream = self._outs[upstream] = _Out(upstream, self.upstream_lock, self)
-        back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", False)
-        try:
-            self._pump(self.client, upstream, self.c2u, "client", True)
-        finally:
-            self.close()
-            back.join(timeout=5)
 
     def close(self) -> None:
         """Close both connections; a pump waiting on one of them wakes with EBADF and ends."""
@@ -465,13 +519,7 @@ class Session(SessionCore):
             else:
                 self._pump_py(src, dst, scanner, side, out, from_client)
         except OSError as exc:
-            if self.closed or exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, errno.ENOTCONN, None):
-                log.debug("connection ended", extra=ctx(role=self.role, side=side, client=self.client_addr,
-                                                         error=str(exc)))
-            else:
-                log.info(
-                    "connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc))
-                )
+            self._ended_by(exc, side)
         finally:
             if not from_client and not self.closed:
                 self._upstream_lost()
@@ -479,6 +527,13 @@ class Session(SessionCore):
             out = self._outs.get(dst)
             if out is not None:
                 out.pump = None  # its buffers (and budget share) go now, not when the session is collected
+
+    def _ended_by(self, exc: OSError, side: str) -> None:
+        if self.closed or exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, errno.ENOTCONN, None):
+            log.debug("connection ended", extra=ctx(role=self.role, side=side, client=self.client_addr,
+                                                     error=str(exc)))
+        else:
+            log.info("connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc)))
 
     def _upstream_lost(self) -> None:
         """The upstream connection ended first: the worker hears of it (broker health) and may answer
@@ -509,9 +564,15 @@ class Session(SessionCore):
         )
 
     def _watcher(self, sock: socket.socket, kind: int) -> Any:
-        w = self._watchers.get(sock)
-        if w is None:  # close() dropped them: the file descriptor may already be someone else's
+        """The read (0) or write (1) watcher of ``sock``, made on first use (a pump parked in the
+        reactor needs none)."""
+        if self.closed:  # close() dropped them: the file descriptor may already be someone else's
             raise OSError(errno.EBADF, "connection closed by the other side of the relay")
+        w = self._watchers.get(sock)
+        if w is None:
+            fd = sock.fileno()
+            loop = self.hub.loop
+            w = self._watchers[sock] = (loop.io(fd, 1), loop.io(fd, 2))
         return w[kind]
 
     def _pump_c(
@@ -523,7 +584,9 @@ class Session(SessionCore):
         out: _Out,
         from_client: bool,
     ) -> None:
-        """The compiled pump: C receives, scans and forwards; Python waits and does policy.
+        """The compiled pump on libev watchers of its own (the reactor is off): C receives, scans
+        and forwards; Python waits and does policy.  With the reactor, :meth:`_launch` and
+        :meth:`_drive` run the same loop.
 
         ``self.closed`` is checked before every step: once closed, the file descriptor
         numbers may already belong to other connections.
@@ -538,25 +601,9 @@ class Session(SessionCore):
         locked = dst_lock.locked
         policy = self.policy
         heard = [0.0] if from_client else self.heard
-        reactor = reactor_of(self.hub)
-        if reactor is not None:
-            reactor.attach(pump, locked)
-            self._reactor = reactor
-            self._parked.append(pump)
-            park = reactor.park
-            hub = self.hub
-            if not from_client:
-                self.heard = heard = _Received(pump, heard[0])
         st = step(not locked())
         while not self.closed:
             if st == P_WAIT_READ:
-                if reactor is not None:
-                    # Parked: the reactor steps the pump in C while it only waits for its source,
-                    # and hands back any other status.
-                    st = park(pump, waiter := Waiter(hub))
-                    if st < 0:
-                        st = waiter.get()
-                    continue
                 wait(rwatch)
                 self.last_activity = heard[0] = time.monotonic()
             elif st == P_WAIT_WRITE or st == P_WAIT_LOCK:
@@ -583,6 +630,110 @@ class Session(SessionCore):
             if self.closed:
                 return
             st = step(not locked())
+
+    # Pumps parked in the reactor without a greenlet ------------------------------------------
+    #
+    # ``_launch`` attaches a compiled pump and parks it with a ``_Parked`` as its wake-up: while
+    # the pump only waits for its source, the reactor steps it in C and no greenlet exists for
+    # it.  A status that needs Python makes a greenlet (``_Parked.switch``) that runs ``_drive``
+    # from that status, the same loop as ``_pump_c``, until the pump parks again (the greenlet
+    # ends) or ends (``_pump_done``; the session's ``on_end`` once both have).  Edges that
+    # arrive while the greenlet runs are kept by the reactor (``ready_in``) and stepped by the
+    # ``park`` that ends it.
+
+    def _launch(self, src: socket.socket, dst: socket.socket, scanner: Any, side: str, from_client: bool) -> None:
+        """Start one direction parked in the reactor (never raises: a failure ends it)."""
+        out = self._outs[dst]
+        job = _Parked(self, None, scanner, side, out, from_client)
+        if self.closed:  # the other direction failed to start: attach nothing any more
+            self._pump_done(job)
+            return
+        try:
+            job.pump = pump = Pump(scanner, src.fileno(), dst.fileno(), self.settings.buffer_size, BUDGET)
+            out.pump = pump
+            self._reactor.attach(pump, out.lock.locked)
+            self._parked.append(pump)
+            if not from_client:
+                self.heard = _Received(pump, self.heard[0])
+            try:
+                st = self._reactor.park(pump, job)
+            except Exception:
+                st = P_YIELD  # the greenlet steps again itself and meets the error there
+        except Exception as exc:
+            log.warning("relay direction failed to start",
+                        extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc)))
+            self._pump_done(job)
+            return
+        if st >= 0:  # Python must act at once: from a callback in the hub, not this greenlet
+            self.hub.loop.run_callback(job.switch, st)
+
+    def _drive(self, job: _Parked, st: int) -> None:
+        """The greenlet of a parked pump, from a status that needs Python; nothing escapes it
+        (its parent is the hub)."""
+        try:
+            if self._drive_loop(job, st):
+                return  # parked again: this greenlet ends
+        except OSError as exc:
+            self._ended_by(exc, job.side)
+        except BaseException:
+            log.exception("relay direction failed", extra=ctx(role=self.role, side=job.side, client=self.client_addr))
+        self._pump_done(job)
+
+    def _drive_loop(self, job: _Parked, st: int) -> bool:
+        """``_pump_c``'s loop for a pump in the reactor; True when it is parked again."""
+        pump, out = job.pump, job.out
+        dst_lock = out.lock
+        locked = dst_lock.locked
+        step = pump.step
+        park = self._reactor.park
+        while not self.closed:
+            if st == P_WAIT_READ:
+                st = park(pump, job)
+                if st < 0:
+                    return True
+                continue
+            if st == P_WAIT_WRITE or st == P_WAIT_LOCK:
+                wwatch = self._watcher(out.sock, 1)
+                with dst_lock:
+                    while not self.closed:
+                        st = step(True)
+                        if st != P_WAIT_WRITE:
+                            break
+                        self.hub.wait(wwatch)
+                continue
+            if st == P_BOUNDARY:
+                self.flush_answers(out)
+            elif st == P_POLICY:
+                scanner = job.scanner
+                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque, scanner.limited)
+                pump.consume()
+                if not self.policy(out, frame, job.from_client):
+                    return False
+            elif st == P_YIELD:
+                gevent.sleep(0)
+            else:
+                self._pump_ended(st, pump, job.scanner, job.side)
+                return False
+            if self.closed:
+                return False
+            st = step(not locked())
+        return False
+
+    def _pump_done(self, job: _Parked) -> None:
+        """A parked pump ended: what ``_pump`` does when its loop ends; ``on_end`` after the last."""
+        try:
+            if not job.from_client and not self.closed:
+                self._upstream_lost()
+            self.close()
+            job.out.pump = None
+        finally:
+            self._live -= 1
+            if self._live == 0 and self._on_end is not None:
+                on_end, self._on_end = self._on_end, None
+                try:
+                    on_end()
+                except Exception:
+                    log.exception("session end hook failed", extra=ctx(role=self.role, client=self.client_addr))
 
     def _pump_ended(self, st: int, pump: Any, scanner: FrameScanner, side: str) -> None:
         """The compiled pump stopped for good (end of stream, error, over budget): say why."""

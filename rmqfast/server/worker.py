@@ -80,6 +80,21 @@ def bind_reuseport(hp: HostPort, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+class RelayServer(StreamServer):
+    """A StreamServer that leaves open the accepted sockets in ``kept`` when their handler returns
+    (gevent's closes every one): a relay session serving from the reactor after the handler
+    returned owns its client socket and closes it when it ends."""
+
+    kept: set[Any]
+
+    def do_close(self, sock: Any, *args: Any) -> None:
+        kept = getattr(self, "kept", None)
+        if kept is not None and sock in kept:
+            kept.discard(sock)
+            return
+        super().do_close(sock, *args)
+
+
 class Listener:
     def __init__(self, role: str, listen: HostPort, server: StreamServer, upstream: HostPort | None) -> None:
         self.role = role
@@ -123,6 +138,7 @@ class Worker:
                     st.set_sampling(max(1, round(1 / cfg.records.sample_rate)))
         self.listeners: dict[HostPort, Listener] = {}
         self.sessions: set[Session] = set()
+        self._kept: set[Any] = set()  # accepted sockets a session serving from the reactor owns (RelayServer)
         self.ns_preferred = 0
         self.draining = False
         self.settings = self._settings(cfg)
@@ -331,7 +347,8 @@ class Worker:
 
     def _listen(self, role: str, listen: HostPort, upstream: HostPort | None) -> None:
         sock = bind_reuseport(listen)
-        server = StreamServer(sock, self._handler(role, upstream))
+        server = RelayServer(sock, self._handler(role, upstream))
+        server.kept = self._kept
         server.max_accept = 16  # several workers share the port: don't hog the accept queue
         server.start()
         self.listeners[listen] = Listener(role, listen, server, upstream)
@@ -367,14 +384,19 @@ class Worker:
             gauge = self.metrics.connections_active.labels(role)
             gauge.inc()
             self.sessions.add(session)
-            try:
-                session.run()
-            finally:
+
+            def ended() -> None:
                 self.sessions.discard(session)
                 if upstream is not None and not session.upstream_addr:  # the connect failed: probe now
                     self.health.suspect(str(upstream), "a client's upstream connect failed")
                 self._closed_ids.append(session.conn_id)
                 gauge.dec()
+
+            # Returns once the session's pumps are parked in the reactor (no greenlet waits for an
+            # idle connection); ``ended`` runs when both directions have ended.
+            session.serve(ended)
+            if not session.closed:
+                self._kept.add(sock)  # the session closes it (RelayServer)
 
         return handle
 
