@@ -165,6 +165,8 @@ property = "gray=true"
                 if not c.gray:
                     c.proc.result(BOUND, check=False)
             metrics = proxy.metrics()
+            with urllib.request.urlopen(f"{proxy.admin_url}/gray?backlog=1", timeout=BOUND) as resp:
+                final = next(g["backlog"] for g in json.loads(resp.read())["groups"] if g["group"] == group)
         finally:
             for p in producers:
                 if p.proc is not None and p.proc.poll() is None:
@@ -178,11 +180,13 @@ property = "gray=true"
                     and not n.endswith("_created")}
     with capsys.disabled():
         print(f"\ngray: {res}\npromote: drained after {promoted['drained_after']} s (settle {SETTLE} s)"
+              f"\ngray queues at the end (consumers stopped): {final}"
               f"\nstatus before the kill:\n{status}\nmetrics: {gray_metrics}")
     assert res["lost"] == 0, res
     assert res["sent_wrong_share"] == [], res  # gray sends on gray queues only, normal ones never there
     assert res["wrong_side"] == [], res  # per phase, the side that may consume it
     assert res["sent"]["gray"] >= 100 and res["sent"]["normal"] >= 100, res
+    assert "error" not in final and final["total"] == 0, final  # every consumed message committed, nothing stuck
 
 
 def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumers: list[Consumer],
