@@ -105,7 +105,7 @@ class Brokers:
 
 def _service(pb: Any, brokers: Brokers) -> MessagingService:
     svc = MessagingService(pb, [], GrpcSection(enabled=True))
-    svc.pool = brokers  # type: ignore[assignment]
+    svc.pool = svc.lanes = brokers  # type: ignore[assignment]
     svc._routes["T"] = Route({"a": "a:1", "b": "b:1"}, [
         {"brokerName": n, "perm": 6, "readQueueNums": 2, "writeQueueNums": 2} for n in ("a", "b")],
         time.monotonic() + 3600, [("b", 0)])
@@ -227,5 +227,104 @@ def test_orderly_group_pops_in_order(pb: Any, orderly: bool) -> None:
         s.subscription.subscriptions.add().topic.name = "T"
         assert (await svc._settings_answer(s)).subscription.fifo is orderly
         assert sum(1 for c in brokers.calls if c[1] == 352) == 1  # the group's config is cached
+
+    asyncio.run(go())
+
+
+class ParkingBroker:
+    """A TCP broker modelling 5.3.3's NOTIFICATION parking (``PopLongPollingService`` with notifyLast):
+    a notification finds messages at once or is parked; an arrival wakes the one parked notification
+    that expires last, skipping those whose connection is closed.  Pops take the stock."""
+
+    def __init__(self) -> None:
+        self.stock: list[bytes] = []
+        self.parked: list[tuple[int, asyncio.StreamWriter, int]] = []  # (expiry, writer, opaque)
+        self.changed = asyncio.Event()
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def _live(self) -> list[tuple[int, asyncio.StreamWriter, int]]:
+        return [p for p in self.parked if not p[1].is_closing()]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from rmqfast.codec.command import decode_frame, encode
+
+        try:
+            while True:
+                head = await reader.readexactly(4)
+                cmd = decode_frame(head + await reader.readexactly(int.from_bytes(head, "big")))
+                ext = cmd.ext_fields or {}
+                if cmd.code == C.NOTIFICATION and not self.stock:
+                    self.parked.append((int(ext["bornTime"]) + int(ext["pollTime"]), writer, cmd.opaque))
+                    self.changed.set()
+                    continue
+                if cmd.code == C.NOTIFICATION:
+                    answer = RemotingCommand(code=0, flag=1, opaque=cmd.opaque, ext_fields={"hasMsg": "true"})
+                elif self.stock:
+                    recs = [StoreRecord(topic=ext["topic"], queue_id=0, queue_offset=i, commit_log_offset=i, body=b)
+                            for i, b in enumerate(self.stock)]
+                    self.stock = []
+                    answer = RemotingCommand(code=0, flag=1, opaque=cmd.opaque, body=encode_records(recs),
+                                             ext_fields={"popTime": "1", "invisibleTime": "30000", "reviveQid": "0"})
+                else:
+                    answer = RemotingCommand(code=C.PULL_NOT_FOUND, flag=1, opaque=cmd.opaque)
+                writer.write(encode(answer))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            self.changed.set()
+
+    def arrive(self, body: bytes) -> None:
+        from rmqfast.codec.command import encode
+
+        self.stock.append(body)
+        live = self._live()
+        if live:
+            woken = max(live, key=lambda p: p[0])
+            self.parked.remove(woken)
+            woken[1].write(encode(RemotingCommand(code=0, flag=1, opaque=woken[2], ext_fields={"hasMsg": "true"})))
+
+    async def until(self, fn: Any) -> None:
+        while not fn():
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), 5)
+
+
+def test_ended_receive_leaves_no_notification_to_take_a_wake_up(pb: Any) -> None:
+    """Receive R1 (4 s) and then R2 (8 s) of one group are parked on brokers A and B.  A message on A
+    wakes R2 (its notification expires last), which returns it; its notification on B is then
+    closed with its connection.  A message on B must wake R1 at once: were R2's notification still
+    parked there, the broker would wake it instead (it expires last), its answer would go nowhere,
+    and R1 would end empty at its deadline with the message waiting on B."""
+    async def go() -> None:
+        a, b = ParkingBroker(), ParkingBroker()
+        addr_a, addr_b = await a.start(), await b.start()
+        svc = MessagingService(pb, [], GrpcSection(enabled=True))
+        route = Route({"A": addr_a, "B": addr_b}, [{"brokerName": n, "perm": 6, "readQueueNums": 1,
+                                                    "writeQueueNums": 1} for n in ("A", "B")])
+        req = pb.ReceiveMessageRequest(batch_size=4)
+        req.group.name, req.message_queue.topic.name, req.message_queue.broker.name = "G", "T", "A"
+        try:
+            r1 = asyncio.ensure_future(svc._pop_with_notify(route, req, 30000, time.monotonic() + 4))
+            await a.until(lambda: len(a._live()) == 1)
+            await b.until(lambda: len(b._live()) == 1)
+            r2 = asyncio.ensure_future(svc._pop_with_notify(route, req, 30000, time.monotonic() + 8))
+            await a.until(lambda: len(a._live()) == 2)
+            await b.until(lambda: len(b._live()) == 2)
+            a.arrive(b"on-a")
+            assert [m.body for m in await asyncio.wait_for(r2, 5)] == [b"on-a"]
+            await b.until(lambda: len(b._live()) == 1)  # R2's notification on B: its connection closed
+            t0 = time.monotonic()
+            b.arrive(b"on-b")
+            assert [m.body for m in await asyncio.wait_for(r1, 5)] == [b"on-b"]
+            assert time.monotonic() - t0 < 2
+            assert svc.lanes.dropped >= 1
+        finally:
+            await svc.close()
+            for broker in (a, b):
+                assert broker.server is not None
+                broker.server.close()
 
     asyncio.run(go())

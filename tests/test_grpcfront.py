@@ -158,7 +158,7 @@ class ScriptedPool:
 
 def _service(pb: Any, pool: ScriptedPool, **kw: Any) -> tuple[MessagingService, Route]:
     svc = MessagingService(pb, [], GrpcSection(enabled=True, **kw))
-    svc.pool = pool  # type: ignore[assignment]
+    svc.pool = svc.lanes = pool  # type: ignore[assignment]
     names = ["a", "b", "c", "d"]
     route = Route({n: f"{n}:1" for n in names}, [{"brokerName": n, "perm": 6, "readQueueNums": 2,
                                                   "writeQueueNums": 2} for n in names])

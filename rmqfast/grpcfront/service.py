@@ -52,7 +52,7 @@ from rmqfast.grpcfront.transaction import (
     commit_log_offset,
     heartbeat_body,
 )
-from rmqfast.grpcfront.upstream import Connection, Pool, UpstreamError
+from rmqfast.grpcfront.upstream import Connection, Lanes, Pool, UpstreamError
 
 log = logging.getLogger("rmqfast.grpc")
 
@@ -110,6 +110,8 @@ class Stats:
     def __init__(self) -> None:
         self.receives = self.first_pop_hits = self.notify_rounds = self.notify_hits = self.empty = 0
         self.empty_after_hit = 0  # hasMsg answered, the pop that followed found nothing
+        self.notify_connections = 0  # opened for notifications
+        self.notify_dropped = 0  # closed with their notification still parked (its receive had ended)
 
 
 class MessagingService:
@@ -122,6 +124,8 @@ class MessagingService:
         self.namesrvs = namesrvs
         self.cfg = settings
         self.pool = Pool(settings.connect_timeout, self._broker_request)
+        #: notifications: one connection each, closed when its receive ends first (see :class:`Lanes`)
+        self.lanes = Lanes(settings.connect_timeout)
         self._routes: dict[str, Route] = {}
         self._groups: dict[str, tuple[bool, float]] = {}  # group -> (consumeMessageOrderly, expires)
         self._rr = itertools.count()
@@ -396,6 +400,8 @@ class MessagingService:
         for t in [self._heartbeat_task, *self._tasks]:
             if t is not None:
                 t.cancel()
+        self.stats.notify_connections, self.stats.notify_dropped = self.lanes.opened, self.lanes.dropped
+        await self.lanes.close()
         await self.pool.close()
 
     def _start_heartbeats(self) -> None:
@@ -542,7 +548,7 @@ class MessagingService:
                "pollTime": str(poll_ms), "bornTime": str(int(time.time() * 1000)),
                "order": "true" if fifo else "false", **({"attemptId": req.attempt_id} if req.attempt_id else {})}
         try:
-            resp = await self.pool.request(r.brokers[broker], C.NOTIFICATION, ext,
+            resp = await self.lanes.request(r.brokers[broker], C.NOTIFICATION, ext,
                                            timeout=poll_ms / 1000 + self.cfg.request_timeout)
         except UpstreamError as exc:
             log.info("notification to %s failed: %s", broker, exc)

@@ -116,6 +116,10 @@ class Connection:
         self._writer.write(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque,
                                                   flag=FLAG_ONEWAY, ext_fields=ext, body=body)))
 
+    def abort(self) -> None:
+        """Close now (the read loop ends; requests still waiting fail)."""
+        self._task.cancel()
+
     async def close(self) -> None:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -164,3 +168,52 @@ class Pool:
         for conn in list(self._conns.values()):
             await conn.close()
         self._conns.clear()
+
+
+class Lanes:
+    """Connections that carry one long-polling request at a time (the receives' NOTIFICATIONs).
+
+    A broker parks a notification until a message arrives and then wakes only one of the parked
+    notifications of the group and topic: the one that expires last (``PopLongPollingService``,
+    ``notifyLast``), skipping those whose connection is closed.  A notification still parked when
+    its receive has ended would take that wake-up from a live receive of the group (of this or
+    another proxy process) whose notification expires earlier, and the live receive would wait
+    for the next message or end empty.  So a request cancelled or failed before its answer closes
+    its connection (the broker then skips it), and a connection comes back for reuse only after
+    its request was answered.
+    """
+
+    def __init__(self, connect_timeout: float = 3.0, max_idle: int = 64) -> None:
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self._idle: dict[str, list[Connection]] = {}
+        self.opened = self.dropped = 0  # connections opened, closed with a request outstanding
+
+    async def request(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"", *,
+                      timeout: float = 3.0) -> RemotingCommand:
+        idle = self._idle.get(addr) or []
+        conn = None
+        while idle and conn is None:
+            c = idle.pop()
+            conn = None if c.closed else c
+        if conn is None:
+            conn = await Connection.open(addr, self.connect_timeout)
+            self.opened += 1
+        answered = False
+        try:
+            resp = await conn.request(code, ext, body, timeout=timeout)
+            answered = True
+            return resp
+        finally:
+            if answered and not conn.closed and len(self._idle.setdefault(addr, [])) < self.max_idle:
+                self._idle[addr].append(conn)
+            else:
+                if not answered:
+                    self.dropped += 1
+                conn.abort()
+
+    async def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                await conn.close()
+        self._idle.clear()
