@@ -5,12 +5,13 @@ Two real RocketMQ 5.3.3 masters (one name server) hold the topic.  Two ``rmqfast
 each) run the gRPC front: ``notify`` (pop with notify) and ``single`` (``[grpc] notify = false``:
 one pop long-polling on the broker the receive names, as Apache's proxy does); ``apache`` is
 Apache's ``rocketmq-proxy`` 5.3.3 (cluster mode, its gRPC port) in front of the same brokers.
-One real Python 5.x SimpleConsumer per proxy (its own group, so each sees every message) receives
-in a loop with a 20 s long poll (the client names its assignments' brokers in turn) and acks.  A
-producer sends one message every ``--interval`` seconds straight to a random broker (Remoting).
+One real Python 5.x SimpleConsumer per proxy (``--consumers N``: N of them sharing the proxy's
+group; each proxy has its own group, so each sees every message) receives in a loop with a 20 s
+long poll (the client names its assignments' brokers in turn) and acks.  A producer sends one
+message every ``--interval`` seconds straight to a random broker (Remoting).
 
 Printed per mode: receives, empty receives, false empties (an empty answer while a message sent
-before the receive started was not yet received by that consumer), send-to-receive latency p50/p90/p99
+before the receive started was not yet received by a consumer of the group), send-to-receive latency p50/p90/p99
 and max, and the same from the broker's send answer (``stored_*``: the part the proxy and the broker's
 wake-up and pop can influence; the time the broker takes to store the message is left out).  A
 measurement, not a test::
@@ -47,10 +48,10 @@ LONG_POLL = 20
 class Consumer(threading.Thread):
     """The real Python 5.x SimpleConsumer (``rocketmq-python-client``): receive with a 20 s long poll, ack."""
 
-    def __init__(self, addr: str, group: str, sent: dict[str, float]) -> None:
+    def __init__(self, addr: str, group: str, sent: dict[str, float], got: dict[str, float]) -> None:
         super().__init__(daemon=True)
         self.addr, self.group, self.sent = addr, group, sent
-        self.got: dict[str, float] = {}
+        self.got = got  # shared by the consumers of the group
         self.receives = self.empty = self.false_empty = self.errors = 0
         self.error_kinds: dict[str, int] = {}
         self.stop = False
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=20)
     ap.add_argument("--interval", type=float, default=2.0)
     ap.add_argument("--no-apache", action="store_true", help="without Apache's proxy (rocketmq-proxy 5.3.3)")
+    ap.add_argument("--consumers", type=int, default=1, help="consumers per group (each its own client)")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
         a, b = two_masters(ensure_jars(), stack)
@@ -138,24 +140,33 @@ def main() -> None:
         run = uuid.uuid4().hex[:8]
         sent: dict[str, float] = {}
         stored: dict[str, float] = {}
-        consumers = {m: Consumer(addr, f"bench_{m}_{run}", sent) for m, addr in fronts.items()}
-        for c in consumers.values():
+        got: dict[str, dict[str, float]] = {m: {} for m in fronts}
+        consumers = {m: [Consumer(addr, f"bench_{m}_{run}", sent, got[m]) for _ in range(args.consumers)]
+                     for m, addr in fronts.items()}
+        for c in (c for cs in consumers.values() for c in cs):
             c.start()
-        for c in consumers.values():
+        for c in (c for cs in consumers.values() for c in cs):
             c.ready.wait(120)
         time.sleep(3)  # the groups' first receives (subscriptions made) before the first message
         asyncio.run(produce(addrs, args.messages, args.interval, sent, run, stored))
         deadline = time.time() + LONG_POLL + 10
-        while time.time() < deadline and any(len(c.got) < len(sent) for c in consumers.values()):
+        while time.time() < deadline and any(len(g) < len(sent) for g in got.values()):
             time.sleep(0.2)
         out = {}
-        for m, c in consumers.items():
-            c.stop = True
-            lat = [(c.got[k] - sent[k]) * 1000 for k in sent if k in c.got]
-            from_stored = [(c.got[k] - stored[k]) * 1000 for k in sent if k in c.got]
-            out[m] = {"messages": len(sent), "received": len(c.got), "receives": c.receives, "empty": c.empty,
-                      "errors": c.errors, "error_kinds": c.error_kinds,
-                      "false_empty": c.false_empty, "latency_ms_p50": round(pct(lat, 50), 1),
+        for m, cs in consumers.items():
+            for c in cs:
+                c.stop = True
+            kinds: dict[str, int] = {}
+            for c in cs:
+                for k, v in c.error_kinds.items():
+                    kinds[k] = kinds.get(k, 0) + v
+            g = got[m]
+            lat = [(g[k] - sent[k]) * 1000 for k in sent if k in g]
+            from_stored = [(g[k] - stored[k]) * 1000 for k in sent if k in g]
+            out[m] = {"messages": len(sent), "consumers": len(cs), "received": len(g),
+                      "receives": sum(c.receives for c in cs), "empty": sum(c.empty for c in cs),
+                      "errors": sum(c.errors for c in cs), "error_kinds": kinds,
+                      "false_empty": sum(c.false_empty for c in cs), "latency_ms_p50": round(pct(lat, 50), 1),
                       "latency_ms_p90": round(pct(lat, 90), 1), "latency_ms_p99": round(pct(lat, 99), 1),
                       "latency_ms_max": round(max(lat, default=0), 1),
                       "stored_ms_p50": round(pct(from_stored, 50), 1), "stored_ms_p90": round(pct(from_stored, 90), 1),
