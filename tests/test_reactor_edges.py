@@ -727,6 +727,50 @@ def test_broker_closes_after_the_frame_a_held_answer_waits_for(relayed):
     assert read_frame(r.client) is None
 
 
+def quietly(fn, *args) -> None:
+    """Run ``fn`` in a greenlet of its own; the connection it writes to may be closed under it."""
+    def run() -> None:
+        try:
+            fn(*args)
+        except OSError:
+            pass
+
+    return __import__("gevent").spawn(run)
+
+
+@pytest.mark.parametrize("waiting", ["to-write", "for-the-lock"])
+def test_close_while_a_pump_waits_for_its_destination(relayed, waiting):
+    """The client stops reading while the broker streams to it: the upstream pump waits to write
+    (or for the write lock, held by another writer waiting for the client).  Closing the session
+    (the idle sweep, a drain) then ends both directions at once: the broker's connection closes."""
+    r = relayed()
+    r.client.sendall(request_frame(5))
+    assert r.read_exactly(r.broker, len(request_frame(5))) == request_frame(5)
+    lock = r.session.client_lock
+    holder = None
+    if waiting == "for-the-lock":  # another writer waits for the client to read, holding the lock
+        holder = quietly(r.session.to_client.write, answer(6, b"h" * (8 << 20)))
+        until(lock.locked, "the other writer holds the lock")
+    sender = quietly(r.broker.sendall, answer(5, b"z" * (8 << 20)))
+    if waiting == "to-write":
+        until(lock.locked, "the upstream pump waits for the client to read (it holds the lock)")
+    else:
+        until(lambda: lock.linkcount() >= 1, "the upstream pump waits for the lock")
+    r.session.close()
+    r.runner.join(timeout=30)
+    assert r.runner.dead
+    r.broker.settimeout(30)
+    try:
+        while r.broker.recv(1 << 16):  # the proxy closed its upstream connection
+            pass
+    except ConnectionResetError:
+        pass
+    for g in (sender, holder):
+        if g is not None:
+            g.join(timeout=30)
+            assert g.dead
+
+
 LOCK_RACE = ("a local answer that waited for the client's write lock is written without checking that the stream "
              "is still at a frame boundary: the pump forwarded the head of the next frame between the lock's release "
              "and the waiter's wake-up, and the answer lands inside that frame")
