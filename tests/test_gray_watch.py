@@ -226,3 +226,24 @@ def test_backlog_scraped_over_http_and_shown_by_status(tmp_path: Path) -> None:
         assert v["groups"][0]["backlog_last_read"]["total"] == 5 and v["groups"][0]["drain"] is None
     finally:
         srv.shutdown()
+
+
+def test_supervisor_metrics_carry_the_watch_only_with_gray(tmp_path: Path) -> None:
+    import shutil
+
+    from rmqfast.server.supervisor import Supervisor
+
+    gray = {"group": [{"group": G, "topics": [T], "clients": ["*@canary*"]}]}
+    for raw, present in (({"gray": gray}, True), ({}, False)):
+        cfg = config_mod.from_dict({"namesrv": {"upstreams": ["127.0.0.1:9876"]},
+                                    "proxy": {"state_dir": str(tmp_path)}, **raw})
+        sup = Supervisor(cfg, lambda c=cfg: c)  # type: ignore[misc]
+        try:
+            write_command(tmp_path / "gray.json", G, "abort", now=1.0)  # long ago: aborted
+            s = samples(sup.metrics_text())
+            assert (("rmqfast_gray_phase", (("group", G),)) in s) is present
+            if present:
+                assert s[("rmqfast_gray_phase", (("group", G),))] == 4.0
+                assert s[("rmqfast_gray_backlog_read_age_seconds", (("group", G),))] == -1.0
+        finally:
+            shutil.rmtree(sup.runtime, ignore_errors=True)
