@@ -547,7 +547,7 @@ class Relayed:
     """One relay session between a socketpair (the client's end is ``client``) and a broker the
     test plays (``broker``: the upstream connection the session opened)."""
 
-    def __init__(self, mode: str, budget=None) -> None:
+    def __init__(self, mode: str, early: bytes | None = None) -> None:
         import gevent
         from gevent import socket as gsocket
 
@@ -561,6 +561,9 @@ class Relayed:
         listener.bind(("127.0.0.1", 0))
         listener.listen(4)
         self.client, proxy_side = gsocket.socketpair()
+        if early is not None:  # the client's bytes and its close are there before the session starts
+            self.client.sendall(early)
+            self.client.shutdown(socket.SHUT_WR)
         chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
         settings = RelaySettings(BUF, 16 << 20, 1 << 16, 5.0, 300.0)
         self.session = Session("broker", proxy_side, "test:1", [HostPort("127.0.0.1", listener.getsockname()[1])],
@@ -671,6 +674,21 @@ def test_client_half_frame_then_shutdown(relayed, lead):
             break
         got += more
     assert got == half  # relayed as it came (partial frames are forwarded), then the close
+
+
+def test_client_bytes_and_close_before_the_session_starts(relayed):
+    """Everything the client will ever send (a request, half of the next, its close) is there
+    before the session attaches its pumps (the registration's first report is the only one): the
+    bytes are relayed, then the proxy closes both connections."""
+    from rmqfast.testing.wire import read_frame
+
+    first, half = request_frame(1), request_frame(2, b"x" * 300)[:-7]
+    r = relayed(early=first + half)
+    assert r.read_exactly(r.broker, len(first)) == first
+    rest = r.read_exactly(r.broker, len(half))  # the half frame, then the proxy's close
+    assert rest == half
+    assert r.broker.recv(1) == b""
+    assert read_frame(r.client) is None
 
 
 @pytest.mark.parametrize("how", ["answer-and-close", "answer-split-then-close", "answer-then-reset"])
