@@ -910,8 +910,9 @@ def test_close_while_connecting_upstream(monkeypatch):
         runner.join()
         try:
             assert raised == []
-            broker.settimeout(20)
-            assert broker.recv(1) == b""  # the upstream connection was closed
+            # the runner has ended: a closed upstream connection shows at once (5 s: a loaded machine)
+            broker.settimeout(5)
+            assert broker.recv(1) == b""
         finally:
             broker.close()
             listener.close()
