@@ -69,9 +69,17 @@ def test_send_queue_active_keeps_each_side_on_its_share() -> None:
     assert send_queue(5, 4, 1, True, Phase.ACTIVE) == 3  # queue id out of range still lands in the gray share
 
 
-@pytest.mark.parametrize("ph", [Phase.PROMOTING, Phase.ABORTING, Phase.ABORTED])
-def test_send_queue_switch_back_keeps_gray_queues_empty(ph: Phase) -> None:
+@pytest.mark.parametrize("ph", [Phase.ABORTING, Phase.ABORTED])
+def test_send_queue_abort_keeps_gray_queues_empty(ph: Phase) -> None:
     assert all(send_queue(q, 8, 2, gray, ph) < 6 for q in range(8) for gray in (True, False))
+
+
+def test_send_queue_promote_drain_keeps_each_side_on_its_share() -> None:
+    """Until a promote ends the gray version alone consumes the gray queues: its sends keep going there
+    (on a normal queue the old version would skip a tag only the gray version subscribes to)."""
+    for q in range(8):
+        assert send_queue(q, 8, 2, True, Phase.PROMOTING) == send_queue(q, 8, 2, True, Phase.ACTIVE) in (6, 7)
+        assert send_queue(q, 8, 2, False, Phase.PROMOTING) == send_queue(q, 8, 2, False, Phase.ACTIVE) < 6
 
 
 def test_send_queue_promoted_and_too_few_queues_unchanged() -> None:
@@ -317,7 +325,7 @@ def send(qid: int, props: dict[str, str], pgroup: str = "pg", v2: bool = True) -
 
 @pytest.mark.parametrize("v2", [True, False])
 def test_sends_rewritten_to_their_share(v2: bool) -> None:
-    f, _, cmds = make_filter(k=1, queues=4)
+    f, clock, cmds = make_filter(k=1, queues=4)
     s = FakeSession()
     key = "e" if v2 else "queueId"
     fr = send(3, {"KEYS": "k1"}, v2=v2)  # a normal send to the gray queue: moved to a normal one
@@ -334,6 +342,13 @@ def test_sends_rewritten_to_their_share(v2: bool) -> None:
     fr = send(2, {}, v2=v2)  # a normal send to a normal queue: the frame is untouched
     data = fr.data
     assert f.on_request(s, fr) is None and fr.data is data
+    cmds.cmds[G] = ("promote", clock.t - 1)  # a promote's drain: gray sends stay on the gray queue
+    fr = send(1, {"gray": "true"}, v2=v2)
+    f.on_request(s, fr)
+    assert f.phase(G) is Phase.PROMOTING and decode_frame(fr.data).ext_fields[key] == "3"  # type: ignore[index]
+    fr = send(3, {}, v2=v2)
+    f.on_request(s, fr)
+    assert decode_frame(fr.data).ext_fields[key] == "0"  # type: ignore[index]
     cmds.cmds[G] = ("abort", 0.0)  # after an abort gray sends go to normal queues
     fr = send(1, {"gray": "true"}, v2=v2)
     f.on_request(s, fr)

@@ -1,5 +1,6 @@
 """Gray releases: the supervisor's backlog watch (rmqfast.gray.watch): the backlog metric, a promote
-ended by its drain (backlog 0) or by the drain timeout, the outcome in the state file, the status and
+ended by its drain (the committed offsets of the gray queues at the marks taken when it was seen, while
+the gray producers keep sending) or by the drain timeout, the outcome in the state file, the status and
 over HTTP."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rmqfast.errors import ConfigError
 from rmqfast.gray.admin import render, view
 from rmqfast.gray.config import parse_gray
 from rmqfast.gray.rules import Phase, phase
-from rmqfast.gray.state import mark_drain, read_commands, write_command
+from rmqfast.gray.state import mark_drain, read_commands, set_marks, write_command
 from rmqfast.gray.watch import GrayWatch
 from rmqfast.server.admin import AdminServer
 
@@ -39,6 +40,7 @@ class Brokers:
 
     def __init__(self) -> None:
         self.backlog = {("broker-a", 3): 5, ("broker-b", 3): 0}
+        self.max: dict[tuple[str, int], int] = {}  # max offset per queue (default 100)
         self.error: str | None = None
         self.reads = 0
 
@@ -47,7 +49,8 @@ class Brokers:
         assert namesrvs == ["127.0.0.1:9876"] and grp.group == G
         if self.error:
             return {"error": self.error, "queues": []}
-        rows = [{"topic": T, "broker": b, "queue": q, "max": 100, "committed": 100 - n, "backlog": n}
+        rows = [{"topic": T, "broker": b, "queue": q, "max": self.max.get((b, q), 100),
+                 "committed": self.max.get((b, q), 100) - n, "backlog": n}
                 for (b, q), n in sorted(self.backlog.items())]
         return {"queues": rows, "total": sum(self.backlog.values())}
 
@@ -93,23 +96,36 @@ def test_backlog_metric_per_group_topic_broker_queue(tmp_path: Path) -> None:
     assert w.view(G) == {"queues": w.view(G)["queues"], "total": 5, "age": 2.0}  # type: ignore[index]
 
 
-def test_promote_ends_when_the_gray_queues_are_drained(tmp_path: Path) -> None:
+def test_promote_ends_when_the_commits_reach_the_marks_while_gray_sends_go_on(tmp_path: Path) -> None:
     cfg, w, clock, brokers = make(tmp_path)
     path = tmp_path / "gray.json"
     write_command(path, G, "promote", now=clock.t)
     at = clock.t
-    brokers.backlog = {("broker-a", 3): 0, ("broker-b", 3): 0}
-    clock.t = at + 1  # backlog 0 within the settle does not count: sends may still land there
+    brokers.error = "cannot connect"  # no complete read: no marks yet
+    clock.t = at + 0.5
     assert w.step() == 1.0  # a drain under way: read every second
-    assert "drain" not in read_commands(path)[G]
+    assert "marks" not in read_commands(path)[G]
+    brokers.error = None
+    brokers.backlog = {("broker-a", 3): 0, ("broker-b", 3): 0}
+    clock.t = at + 1  # the first complete read: each gray queue's max offset is its mark
+    w.step()
+    c = read_commands(path)[G]
+    assert c["marks"] == [{"topic": T, "broker": "broker-a", "queue": 3, "offset": 100},
+                          {"topic": T, "broker": "broker-b", "queue": 3, "offset": 100}]
+    assert "drain" not in c  # at the marks, but within the settle
     assert samples(w.metrics_text())[("rmqfast_gray_drain", (("group", G),))] == 1.0
     assert samples(w.metrics_text())[("rmqfast_gray_phase", (("group", G),))] == 1.0  # promoting
-    brokers.backlog = {("broker-a", 3): 2, ("broker-b", 3): 0}
+    brokers.max = {("broker-a", 3): 103, ("broker-b", 3): 100}  # the gray producers go on sending
+    brokers.backlog = {("broker-a", 3): 5, ("broker-b", 3): 0}  # committed 98 < mark 100
     clock.t = at + 6
     w.step()
     c = read_commands(path)[G]
     assert "drain" not in c and phase("promote", at, clock.t, 5, None, 60) is Phase.PROMOTING  # past the settle
-    brokers.backlog = {("broker-a", 3): 0, ("broker-b", 3): 0}
+    v = view(cfg, now=clock.t, watch=w)["groups"][0]
+    assert v["drain"] == "draining" and v["drain_left"] == 2 and v["drain_marks"] == c["marks"]
+    assert "2 message(s) below the marks not committed" in render(view(cfg, now=clock.t, watch=w))
+    brokers.max = {("broker-a", 3): 110, ("broker-b", 3): 104}
+    brokers.backlog = {("broker-a", 3): 9, ("broker-b", 3): 4}  # never 0 while sends go on: committed 101, 100
     clock.t = at + 9
     w.step()
     c = read_commands(path)[G]
@@ -122,6 +138,24 @@ def test_promote_ends_when_the_gray_queues_are_drained(tmp_path: Path) -> None:
     assert v["phase"] == "promoted" and v["drain"] == "drained" and v["drained_after"] == 9.0
     assert "drained after 9.0 s" in render(view(cfg, now=at + 9.5, watch=w))
     assert w.step() == 10.0  # nothing under way any more
+
+
+def test_a_marked_queue_not_read_holds_the_drain(tmp_path: Path) -> None:
+    cfg, w, clock, brokers = make(tmp_path)
+    path = tmp_path / "gray.json"
+    write_command(path, G, "promote", now=clock.t)
+    at = clock.t
+    brokers.backlog = {("broker-a", 3): 0, ("broker-b", 3): 0}
+    clock.t = at + 1
+    w.step()
+    del brokers.backlog[("broker-b", 3)]  # broker-b's queue missing from a read: not known to be committed
+    clock.t = at + 6
+    w.step()
+    assert "drain" not in read_commands(path)[G]
+    brokers.backlog = {("broker-a", 3): 0, ("broker-b", 3): 0, ("broker-c", 3): 7}  # a queue added later
+    clock.t = at + 7
+    w.step()
+    assert read_commands(path)[G]["drain"] == "drained"  # its messages came after the marks
 
 
 def test_promote_ends_at_the_drain_timeout_with_the_backlog_reported(tmp_path: Path) -> None:
@@ -169,6 +203,15 @@ def test_a_newer_command_is_not_marked_by_an_older_drain(tmp_path: Path) -> None
     assert mark_drain(path, G, "promote", 200.0, "timeout", 330.0, 4)
     assert not mark_drain(path, G, "promote", 200.0, "drained", 331.0, 0)  # an outcome stays
     assert read_commands(path)[G] == {"action": "promote", "at": 200.0, "drain": "timeout", "backlog": 4}
+    mark = [{"topic": T, "broker": "broker-a", "queue": 3, "offset": 7}]
+    assert not set_marks(path, G, "promote", 200.0, mark)  # an outcome stays
+    write_command(path, G, "promote", now=300.0)
+    assert not set_marks(path, G, "promote", 200.0, mark)  # another promote
+    assert set_marks(path, G, "promote", 300.0, mark)
+    assert not set_marks(path, G, "promote", 300.0, [{**mark[0], "offset": 9}])  # marks are taken once
+    assert read_commands(path)[G] == {"action": "promote", "at": 300.0, "marks": mark}
+    path.write_text(json.dumps({"groups": {G: {"action": "promote", "at": 300.0, "marks": [{"topic": T}]}}}))
+    assert read_commands(path)[G] == {"action": "promote", "at": 300.0}  # damaged marks: taken again
     with pytest.raises(ValueError, match="unknown drain outcome"):
         mark_drain(path, G, "promote", 200.0, "done", 1.0)
 

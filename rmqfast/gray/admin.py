@@ -20,7 +20,7 @@ from typing import Any
 from rmqfast.gray.config import GraySection
 from rmqfast.gray.rules import phase
 from rmqfast.gray.state import read_commands, state_path, write_command
-from rmqfast.gray.watch import GrayWatch, drain_state
+from rmqfast.gray.watch import GrayWatch, behind_marks, drain_state
 
 ACTIONS = {"promote": "promote", "abort": "abort", "reset": None}
 
@@ -65,8 +65,12 @@ def view(cfg: Any, metrics_text: bytes | None = None, now: float | None = None,
                 row["drained_after"] = round(c["drained_at"] - at, 1)
             if "backlog" in c:
                 row["drain_backlog"] = c["backlog"]
+            if "marks" in c:
+                row["drain_marks"] = c["marks"]
         if watch is not None:
-            row["backlog_last_read"] = watch.view(grp.group)
+            row["backlog_last_read"] = last = watch.view(grp.group)
+            if c is not None and "marks" in c and "drain" not in c and last is not None:
+                row["drain_left"] = behind_marks(c["marks"], last)  # below the marks, not committed yet
         if backlog:
             from rmqfast.gray.backlog import gray_backlog
 
@@ -127,7 +131,9 @@ def render(v: dict[str, Any], only: str = "") -> str:
         extra = f", {g['settle_left']} s of settle left" if g["settle_left"] else ""
         drain = g.get("drain")
         if drain == "draining":
-            extra += f", draining ({g.get('drain_timeout_left', 0)} s to the drain timeout)"
+            left = g.get("drain_left")
+            below = f"; {left} message(s) below the marks not committed" if left is not None else ""
+            extra += f", draining ({g.get('drain_timeout_left', 0)} s to the drain timeout{below})"
         elif drain == "drained":
             extra += f", drained after {g.get('drained_after', 0)} s"
         elif drain == "timeout":

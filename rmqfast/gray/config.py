@@ -27,7 +27,7 @@ class GrayGroup:
 class GraySection:
     settle: float = 8.0  # seconds from promote/abort to the gray queues changing hands (a promote: at least)
     grace: float = 30.0  # seconds without a live gray consumer before normal consumers take the gray queues
-    drain_timeout: float = 120.0  # a promote waits for the gray queues' backlog to reach 0, at most this long
+    drain_timeout: float = 120.0  # a promote waits for its drain (committed offsets at its marks), at most this long
     backlog_interval: float = 5.0  # seconds between backlog reads (metric, drains); 0: none (drains by time)
     state_file: str = ""  # promote/abort commands shared by the workers; default <state_dir>/gray.json
     groups: list[GrayGroup] = field(default_factory=list)
@@ -116,7 +116,7 @@ def parse_gray(raw: Any) -> GraySection:
         out.drain_timeout = _seconds("gray.drain_timeout", raw["drain_timeout"])
     if out.drain_timeout < out.settle:
         raise ConfigError(f"gray.drain_timeout: {out.drain_timeout:g} is not allowed; expected at least "
-                          f"gray.settle ({out.settle:g} s): a promote waits for the backlog after the settle")
+                          f"gray.settle ({out.settle:g} s): a promote waits for its drain after the settle")
     if "backlog_interval" in raw:
         out.backlog_interval = _seconds("gray.backlog_interval", raw["backlog_interval"])
         if 0 < out.backlog_interval < 0.2:

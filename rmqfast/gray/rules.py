@@ -29,7 +29,7 @@ NOBODY = "nobody"  # nobody pulls (an abort's settle: the gray side's last commi
 
 class Phase(Enum):
     ACTIVE = "active"  # gray clients on gray queues, normal clients on normal queues
-    PROMOTING = "promoting"  # promote given: no new message lands on a gray queue; gray consumers drain them
+    PROMOTING = "promoting"  # promote given: as ACTIVE until the gray version has consumed its queues up to the marks
     PROMOTED = "promoted"  # one group again: every queue, every member
     ABORTING = "aborting"  # abort given: gray consumers stopped; their last offset commits are taken
     ABORTED = "aborted"  # normal consumers on every queue; gray consumers get nothing
@@ -39,8 +39,9 @@ def phase(action: str | None, at: float, now: float, settle: float, drained_at: 
           drain_timeout: float | None = None) -> Phase:
     """The phase of a group ``now``, given its last command (``promote``/``abort``/None) given at ``at``.
 
-    A promote ends when its gray queues were seen drained (``drained_at``: backlog 0, seen no earlier
-    than ``settle`` after the command) or, at the latest, ``drain_timeout`` after it; without a
+    A promote ends when its drain was seen over (``drained_at``: the group's committed offsets of the gray
+    queues reached the marks, their max offsets read when the promote was first seen; no earlier than
+    ``settle`` after the command) or, at the latest, ``drain_timeout`` after it; without a
     ``drain_timeout`` it ends ``settle`` after the command.  An abort hands the gray queues over
     ``settle`` after the command (the gray side's last offset commits), whatever their backlog."""
     if action == "promote":
@@ -147,13 +148,16 @@ def may_commit(side: str, ph: Phase, gray_queue: bool, gray_alive: bool) -> bool
 def send_queue(queue_id: int, queues: int, k: int, gray: bool, ph: Phase) -> int:
     """The queue id a send to a topic with ``queues`` queues on its broker goes to.
 
-    ACTIVE: gray sends to ``n-k + queue_id % k``, normal sends keep a normal queue id and a gray
-    one becomes ``queue_id % (n-k)``.  PROMOTING, ABORTING, ABORTED: every send to a normal queue
-    (the gray queues drain).  PROMOTED: unchanged.  A broker with no more than ``k`` queues: unchanged.
+    ACTIVE and PROMOTING: gray sends to ``n-k + queue_id % k``, normal sends keep a normal queue id and
+    a gray one becomes ``queue_id % (n-k)``: until a promote ends, only the gray version consumes the
+    gray queues, so a gray send placed there is consumed with the gray version's subscription (a tag only
+    it subscribes to would be skipped by the old version on a normal queue).  ABORTING, ABORTED: every
+    send to a normal queue (the normal version is the one kept).  PROMOTED: unchanged.  A broker with no
+    more than ``k`` queues: unchanged.
     """
     if ph is Phase.PROMOTED or queues <= k or queue_id < 0:
         return queue_id
     normal = queues - k
-    if gray and ph is Phase.ACTIVE:
+    if gray and ph in (Phase.ACTIVE, Phase.PROMOTING):
         return normal + queue_id % k
     return queue_id if queue_id < normal else queue_id % normal

@@ -4,9 +4,12 @@
 derive the phase from it (:func:`rmqfast.gray.rules.phase`) and look at the file's modification
 time at most once a second, so a command applies in every worker within about a second.
 
-The backlog watch of the supervisor (:mod:`rmqfast.gray.watch`) adds the outcome of a command's
-drain: ``"drain": "drained" | "timeout"``, ``"drained_at"`` (when the gray queues' backlog was seen
-at 0; a promote ends then) and ``"backlog"`` (what was left at a timeout).
+The backlog watch of the supervisor (:mod:`rmqfast.gray.watch`) adds a promote's marks,
+``"marks": [{"topic", "broker", "queue", "offset"}]`` (each gray queue's max offset when the watch
+first saw the promote), and the outcome of a command's drain: ``"drain": "drained" | "timeout"``,
+``"drained_at"`` (when a promote's committed offsets were seen at its marks, or an abort's gray queues
+at backlog 0; a promote ends then) and ``"backlog"`` (what was left at a timeout: a promote's messages
+below its marks not yet committed, an abort's backlog).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def read_commands(path: Path) -> dict[str, dict[str, Any]]:
     for g, c in groups.items():
         if isinstance(c, dict) and c.get("action") in ACTIONS and isinstance(c.get("at"), int | float):
             cmd: dict[str, Any] = {"action": c["action"], "at": float(c["at"])}
+            marks = _marks(c.get("marks"))
+            if marks is not None:
+                cmd["marks"] = marks
             if c.get("drain") in DRAIN_OUTCOMES:
                 cmd["drain"] = c["drain"]
                 if isinstance(c.get("drained_at"), int | float) and not isinstance(c["drained_at"], bool):
@@ -55,6 +61,18 @@ def read_commands(path: Path) -> dict[str, dict[str, Any]]:
                 if isinstance(c.get("backlog"), int) and not isinstance(c["backlog"], bool):
                     cmd["backlog"] = c["backlog"]
             out[str(g)] = cmd
+    return out
+
+
+def _marks(raw: Any) -> list[dict[str, Any]] | None:
+    if not isinstance(raw, list):
+        return None
+    out = []
+    for m in raw:
+        if not (isinstance(m, dict) and isinstance(m.get("topic"), str) and isinstance(m.get("broker"), str)
+                and all(isinstance(m.get(k), int) and not isinstance(m.get(k), bool) for k in ("queue", "offset"))):
+            return None  # damaged: the watch takes the marks again (later, so no smaller)
+        out.append({"topic": m["topic"], "broker": m["broker"], "queue": m["queue"], "offset": m["offset"]})
     return out
 
 
@@ -80,10 +98,25 @@ def write_command(path: Path, group: str, action: str | None, now: float | None 
         return cur.get(group, {})
 
 
+def set_marks(path: Path, group: str, action: str, at: float, marks: list[dict[str, Any]]) -> bool:
+    """Record a promote's marks (each gray queue's max offset: ``topic``, ``broker``, ``queue``, ``offset``).
+    Nothing is written (False) when the command in the file is another one by now or has marks already."""
+    with open(path.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cur = read_commands(path)
+        c = cur.get(group)
+        if c is None or c["action"] != action or c["at"] != at or "marks" in c or "drain" in c:
+            return False
+        c["marks"] = [{"topic": str(m["topic"]), "broker": str(m["broker"]), "queue": int(m["queue"]),
+                       "offset": int(m["offset"])} for m in marks]
+        _write(path, cur)
+        return True
+
+
 def mark_drain(path: Path, group: str, action: str, at: float, outcome: str, when: float,
                backlog: int | None = None) -> bool:
     """Record the outcome of the drain of ``group``'s command (``action`` given at ``at``): ``drained``
-    (backlog 0 seen at ``when``) or ``timeout``.  Nothing is written (False) when the command in the
+    (seen at ``when``) or ``timeout``.  Nothing is written (False) when the command in the
     file is another one by now (a newer command, a reset) or already has an outcome."""
     if outcome not in DRAIN_OUTCOMES:
         raise ValueError(f"unknown drain outcome {outcome!r}; expected one of {', '.join(DRAIN_OUTCOMES)}")

@@ -9,12 +9,17 @@ minus the group's committed offset) and
   ``rmqfast_gray_backlog_read_errors_total{group}`` and ``rmqfast_gray_drain{group}`` (0 no command,
   1 draining, 2 drained, 3 timed out); also ``rmqfast_gray_phase{group}``, from the command file when
   scraped (the phase every worker is in, give or take the second they take to read the file);
-* ends drains: a promote whose gray queues are seen at backlog 0 (no earlier than ``settle`` after the
-  command, when every worker places sends off the gray queues) is marked ``drained`` in the state file,
-  and the workers end the promote then (:func:`rmqfast.gray.rules.phase`); past ``drain_timeout`` it is
-  marked ``timeout`` with the backlog left (the workers end it at that time anyway, logged as an
-  error).  An abort's drain (normal consumers taking the gray queues after the settle) is watched the
-  same way and reported; it changes nothing.
+* ends drains.  The first complete read after a promote records each gray queue's max offset as the
+  promote's marks (in the state file): the gray version keeps its queues during the drain and its
+  producers keep sending to them (a tag only the gray version subscribes to is consumed by nobody
+  else), so the drain cannot wait for a backlog of 0; it is over once the group's committed offsets of
+  the gray queues reach the marks (everything on them when the promote was seen is consumed and
+  committed), no earlier than ``settle`` after the command.  Then the promote is marked ``drained`` in
+  the state file and the workers end it (:func:`rmqfast.gray.rules.phase`); past ``drain_timeout`` it
+  is marked ``timeout`` with the messages below the marks not committed (the workers end it at that
+  time anyway, logged as an error).  An abort's drain (normal consumers taking the gray queues after
+  the settle; every send goes to a normal queue) is over at backlog 0; it is reported and changes
+  nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 
 from rmqfast.gray.backlog import gray_backlog
 from rmqfast.gray.rules import Phase, phase
-from rmqfast.gray.state import mark_drain, read_commands, state_path
+from rmqfast.gray.state import mark_drain, read_commands, set_marks, state_path
 from rmqfast.log import ctx
 
 log = logging.getLogger("rmqfast.gray")
@@ -37,6 +42,21 @@ PHASE_VALUE = {Phase.ACTIVE: 0, Phase.PROMOTING: 1, Phase.PROMOTED: 2, Phase.ABO
 BUSY_INTERVAL = 1.0  # seconds between reads while a drain is under way
 
 Backlog = Callable[[Any, list[str]], dict[str, Any]]
+
+
+def behind_marks(marks: list[dict[str, Any]] | None, res: dict[str, Any]) -> int | None:
+    """Messages below a promote's marks the group has not committed (None: no marks yet, or a marked
+    queue not read).  A gray queue that is not marked (added after the marks) holds only later messages."""
+    if marks is None:
+        return None
+    committed = {(r["topic"], r["broker"], r["queue"]): r["committed"] for r in res.get("queues", [])}
+    left = 0
+    for m in marks:
+        done = committed.get((m["topic"], m["broker"], m["queue"]))
+        if done is None:
+            return None
+        left += max(0, m["offset"] - done)
+    return left
 
 
 def drain_state(cmd: dict[str, Any] | None) -> str | None:
@@ -101,18 +121,30 @@ class GrayWatch:
                    settle: float, drain_timeout: float) -> None:
         action, at = cmd["action"], cmd["at"]
         waited = now - at
-        total = None if "error" in res or any(r["backlog"] is None for r in res["queues"]) else res["total"]
-        # a promote's gray queues count from the settle on (every worker places sends off them by then);
-        # an abort's drain starts when the normal side takes them, the settle after the command
-        if total == 0 and waited >= settle:
+        complete = "error" not in res and all(r["backlog"] is not None for r in res["queues"])
+        if action == "promote":
+            marks = cmd.get("marks")
+            if marks is None and complete:
+                # the gray version goes on consuming (and its producers sending to) the gray queues: the
+                # drain is over once everything on them when the promote was seen is committed
+                marks = [{"topic": r["topic"], "broker": r["broker"], "queue": r["queue"], "offset": r["max"]}
+                         for r in res["queues"]]
+                if set_marks(path, group, action, at, marks):
+                    log.info("gray: promote seen; drain marks taken",
+                             extra=ctx(group=group, marks={f"{m['broker']}:{m['topic']}:{m['queue']}": m["offset"]
+                                                           for m in marks}))
+            left = behind_marks(marks, res) if complete else None
+        else:  # an abort's drain starts when the normal side takes the gray queues, the settle after the command
+            left = res["total"] if complete else None
+        if left == 0 and waited >= settle:
             if mark_drain(path, group, action, at, "drained", now, 0):
                 log.info("gray: gray queues drained", extra=ctx(group=group, action=action, seconds=round(waited, 1)))
         elif waited >= drain_timeout:
-            if mark_drain(path, group, action, at, "timeout", now, total):
+            if mark_drain(path, group, action, at, "timeout", now, left):
                 log.error("gray: gray queues not drained in time; the "
-                          + ("promote ends with messages left on them" if action == "promote"
+                          + ("promote ends with messages below its marks not committed" if action == "promote"
                              else "abort's normal consumers are still behind"),
-                          extra=ctx(group=group, action=action, backlog=total, drain_timeout=drain_timeout))
+                          extra=ctx(group=group, action=action, backlog=left, drain_timeout=drain_timeout))
 
     # Thread ---------------------------------------------------------------------------------------
 
