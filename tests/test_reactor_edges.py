@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import select
 import socket
+import ssl
 import struct
 
 import pytest
@@ -917,3 +918,66 @@ def test_close_while_connecting_upstream(monkeypatch):
             broker.close()
             listener.close()
             client.close()
+
+
+TLS_EOF_AFTER_DATA = ("a TLS peer's close_notify read in the same receive as a full record of data is consumed "
+                      "and the short count taken for 'drained': the Python pump waits for readability that never "
+                      "comes while the peer keeps its TCP side open (it waits for the proxy's close_notify)")
+
+
+@pytest.mark.parametrize("full_record", [True, False], ids=["full-record", "short-record"])
+def test_tls_close_notify_right_after_the_last_record(tmp_path, full_record, request):
+    """A TLS client sends the head of a frame and its close_notify at once, keeping its TCP side
+    open (an SSL_shutdown that waits for the proxy's close_notify): the proxy reads both in one
+    receive and must close the connection, not wait for bytes that will never come."""
+    pytest.importorskip("cryptography")
+    import os
+
+    import gevent
+    from gevent import socket as gsocket
+    from gevent.server import StreamServer
+
+    from rmqfast.codec import codes as C
+    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+    from rmqfast.proxy.relay import RelaySettings, Session
+    from rmqfast.proxy.tls import TlsContexts, parse_tls
+    from rmqfast.testing.tlscerts import make_certs
+    from tests.test_relay import FakeBroker, send_frame
+    from tests.test_tls import Events as TlsEvents
+    from tests.test_tls import _listen, tls_client
+
+    if full_record:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=TLS_EOF_AFTER_DATA))
+    certs = make_certs(tmp_path)
+    tls = TlsContexts(parse_tls({"listen": _listen(certs)}))
+    events = TlsEvents(tls)
+    broker = FakeBroker()
+    chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
+    settings = RelaySettings(256 * 1024, 16 << 20, 1 << 16, 5.0, 300.0)  # the default buffer: > one record
+
+    def handle(sock, addr) -> None:
+        sock = tls.accept("broker", sock, "test:1")
+        if sock is not None:
+            Session("broker", sock, "test:1", [broker.addr], chain, codec.ScanStats(), settings, events).run()
+
+    server = StreamServer(("127.0.0.1", 0), handle)
+    server.start()
+    c = tls_client(server.server_port, certs)
+    raw = None
+    try:
+        frame = send_frame(1, b"b" * 40000)
+        head = frame[:16384] if full_record else frame[:1000]  # one TLS record: full, or short
+        c.sendall(head)  # the proxy runs only when this greenlet waits: both arrive before it reads
+        with pytest.raises(ssl.SSLWantReadError):
+            c._sslobj.shutdown()  # close_notify sent; the reply would be awaited
+        raw = gsocket.socket(fileno=os.dup(c.fileno()))
+        # in-process: a proxy that saw the end closes at once (5 s: a loaded machine)
+        with gevent.Timeout(5, AssertionError("the proxy did not close the connection")):
+            while raw.recv(65536):  # the proxy's close_notify, then its close
+                pass
+    finally:
+        for s in (raw, c):
+            if s is not None:
+                s.close()
+        server.stop(timeout=2)
+        broker.server.stop(timeout=2)
