@@ -819,8 +819,12 @@ def test_an_answer_waiting_for_the_lock_lands_at_a_boundary(relayed, request):
     r.broker.sendall(ans[:2000])
     # the head is at the proxy (a blocking select: the hub does not run meanwhile)
     assert select.select([r.session.upstream.fileno()], [], [], 20)[0]
+    # In the next loop iteration the hub handles the epoll set's report before the lock's wake-up
+    # (both are hub callbacks, run in order): the reactor steps the pump with the lock free.
+    hub = gevent.get_hub()
+    hub.loop.run_callback(relay.reactor_of(hub).turn)
     lock.release()
-    relay.reactor_of(gevent.get_hub()).turn()  # the hub handles the epoll set's report first
+    until(lambda: not lock.locked() and lock.linkcount() == 0, "the answer was written or queued")
     r.broker.sendall(ans[2000:])
     r.broker.shutdown(socket.SHUT_WR)
     stream = bytearray()
