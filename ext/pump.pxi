@@ -305,11 +305,12 @@ cdef class Pump:
         return self._step(may_send)
 
     cdef int _step(self, bint may_send) except -1:
-        self._take_buffer()
-        try:
-            return self._work(may_send)
-        finally:
-            self._give_back()
+        cdef int st
+        if self.buf == NULL:
+            self._take_buffer()
+        st = self._work(may_send)  # raising, it keeps its buffer (given back at the next step or the end)
+        self._give_back()
+        return st
 
     cdef int _work(self, bint may_send) except -1:
         cdef tuple t
