@@ -225,10 +225,13 @@ def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
     sent(40)
     command("promote")
     sent(15)
-    # the promote ends when the gray consumers have drained the gray queues (the supervisor's backlog watch)
+    # the promote ends when the group's commits of the gray queues reach the marks the supervisor's backlog
+    # watch took when it saw the promote; the gray producers go on sending to the gray queues meanwhile
     promoted = wait_until(lambda: (g := _status(proxy, group))["drain"] != "draining" and g, BOUND, "promote drained")
     assert promoted["drain"] == "drained" and promoted["phase"] == "promoted", promoted
-    wait_until(lambda: time.time() > marks[-1][2] + SETTLE + 1, BOUND, "promote settled")
+    end = promoted["since"] + promoted["drained_after"]  # rounded to 0.1 s
+    marks.append(("promoted", end - 0.1, end))
+    wait_until(lambda: time.time() > end + 1.5, BOUND, "every worker past the promote's end")
     sent(15)
     consumed_all()
     command("reset")  # 4. a canary again; then both gray consumers die
@@ -276,20 +279,23 @@ def _queue_ok(phase: tuple[str, float], gray_side: bool, q: int, t: float, kill_
         if consumer:
             return not gray_side and (not on_gray or t > at + SETTLE)
         return not on_gray
-    # promote: nothing stored on gray queues and normal consumers keep off them until the settle is over
-    return not on_gray or t > at + SETTLE - 0.5 or (consumer and gray_side)
+    if name == "promoted":  # one group again
+        return True
+    # promote, until it ends by its drain: as a running canary (gray sends on the gray queues, which only
+    # gray consumers take)
+    return on_gray == gray_side
 
 
 def _judge(producers: list[Producer], consumers: list[Consumer],
            marks: list[tuple[str, float, float]]) -> dict[str, Any]:
     """Per acknowledged message: where it was stored, consumed or not, by which side.
 
-    Stored: while a canary runs, gray messages on gray queues and normal ones on normal queues; after an
-    abort, and during a promote's settle, none on a gray queue.  Consumed: while a canary runs, gray
-    queues by gray consumers only, normal queues by normal consumers only (after the kill of both gray
-    consumers and the grace period, normal ones take the gray queues too); after an abort gray consumers
-    take nothing; during a promote's settle normal consumers take no gray queue.  Moments within a
-    command's way to the workers are not judged (see :func:`_phase_at`).
+    Stored: while a canary runs and until a promote ends by its drain, gray messages on gray queues and
+    normal ones on normal queues; after an abort none on a gray queue.  Consumed: while a canary runs and
+    until a promote ends, gray queues by gray consumers only, normal queues by normal consumers only
+    (after the kill of both gray consumers and the grace period, normal ones take the gray queues too);
+    after an abort gray consumers take nothing; after a promote ended, one group.  Moments within a
+    command's (or the promote's end's) way to the workers are not judged (see :func:`_phase_at`).
     """
     kill_at = next((after for n, _, after in marks if n == "kill"), 0.0)
     sent_by: dict[str, tuple[bool, float, int]] = {}
@@ -424,15 +430,23 @@ producer_groups = ["pg-canary*"]
             req = urllib.request.Request(f"{proxy.admin_url}/gray/promote?group={group}", data=b"", method="POST")
             urllib.request.urlopen(req, timeout=BOUND).close()
             since = _status(proxy, group)["since"]
+            # 3. both producers send during the drain (the gray one TagC only, here and below)
+            drain_batches = [(_produce(jars4, ns, topic, tmp_path, "d0", 12, gray_tags="TagC"), time.time())]
             wait_until(lambda: time.time() > since + TAG_SETTLE + 2, BOUND, "past the settle")
             st = _status(proxy, group)
             m = proxy.metrics()
-            held = (st["phase"], st["drain"], m.get(("rmqfast_gray_drain", (("group", group),))))
-            for pid in gray_pids:  # 3. the gray version resumes and drains its queues
+            held = (st["phase"], st["drain"], m.get(("rmqfast_gray_drain", (("group", group),))), st.get("drain_left"))
+            for pid in gray_pids:  # 4. the gray version resumes and drains its queues; its producer goes on
                 _signal_group(pid, signal.SIGCONT)
+            while _status(proxy, group)["drain"] == "draining" and len(drain_batches) < 20:
+                drain_batches.append((_produce(jars4, ns, topic, tmp_path, f"d{len(drain_batches)}", 6,
+                                               normal=False, gray_tags="TagC"), time.time()))
             st = wait_until(lambda: (s := _status(proxy, group))["drain"] != "draining" and s, BOUND,
                             "the promote's drain over")
-            wait_until(lambda: _consumed_all(traces, sent), BOUND, "batch 2 consumed")
+            for batch, _ in drain_batches:
+                sent.update(batch)
+            wait_until(lambda: _consumed_all(traces, sent), BOUND, "batches 2 and d consumed")
+            wait_until(lambda: _backlog_sum(proxy, group) == 0, BOUND, "the gray queues committed")
             m = proxy.metrics()
             after = (st, _backlog_sum(proxy, group), m.get(("rmqfast_gray_drain", (("group", group),))),
                      m.get(("rmqfast_gray_phase", (("group", group),))))
@@ -450,11 +464,22 @@ producer_groups = ["pg-canary*"]
             go.kill()
             with contextlib.suppress(OSError):
                 shutil.copy(proxy.log_path, tmp_path / "proxy.log")
+    promoted_at = st["since"] + st["drained_after"]
+    # a batch acknowledged before the promote ended was sent during the drain; the last one may straddle its end
+    straddled = {k for batch, ended in drain_batches if ended >= promoted_at - 0.1 for k in batch}
     res = _judge_tags(sent, _deliveries(results, go_trace), {n: g for n, (g, _) in java.items()} | {"canary-go": True},
-                      st["since"] + st["drained_after"])
+                      promoted_at, straddled)
+    drain_tagc = [k for batch, ended in drain_batches if ended < promoted_at - 0.1
+                  for k, (gray, tag, _) in batch.items() if gray and tag == "TagC"]
     with capsys.disabled():
-        print(f"\ngray tags: {res}\npromote held: {held}\nafter: {after}")
-    assert held == ("promoting", "draining", 1.0), held  # past its settle, gray messages still waiting
+        shown = {k: v for k, v in res.items() if k != "gray_consumed"}
+        print(f"\ngray tags: {shown}\npromote held: {held}\nafter: {after}\ndrain batches (messages, s after "
+              f"the promote): {[(len(b), round(e - st['since'], 1)) for b, e in drain_batches]}; gray TagC sent "
+              f"during the drain {len(drain_tagc)}, consumed by the gray version "
+              f"{sum(1 for k in drain_tagc if k in res['gray_consumed'])}")
+    assert held[:3] == ("promoting", "draining", 1.0) and held[3], held  # past its settle, gray messages waiting
+    # every TagC message the gray producer sent during the drain, consumed by the gray version
+    assert len(drain_tagc) >= 4 and all(k in res["gray_consumed"] for k in drain_tagc), (drain_tagc, res)
     assert st["drain"] == "drained" and st["phase"] == "promoted", st
     assert TAG_SETTLE + 2 < st["drained_after"] < DRAIN_TIMEOUT, st  # ended by the drain, not by time
     assert after[1] == 0 and after[2] == 2.0 and after[3] == 2.0, after
@@ -469,14 +494,16 @@ producer_groups = ["pg-canary*"]
     assert res["by_consumer"]["app-n2"] > 0 and res["by_consumer"]["canary-j4"] > 0, res
 
 
-def _produce(jars: JarPaths, ns: str, topic: str, work: Path, batch: str,
-             count: int) -> dict[str, tuple[bool, str, int]]:
+def _produce(jars: JarPaths, ns: str, topic: str, work: Path, batch: str, count: int, normal: bool = True,
+             gray_tags: str = "TagA,TagB,TagC") -> dict[str, tuple[bool, str, int]]:
     """A normal (Java 5) and a gray (Java 4.9.4, producer group pg-canary-1) producer, concurrently, tags
-    TagA, TagB, TagC round robin: {run:idx: (gray, tag, queue id)} of every acknowledged message."""
-    procs = [(False, f"n{batch}", "5", "pg-app"), (True, f"g{batch}", "4", "pg-canary-1")]
+    TagA, TagB, TagC round robin (the gray one ``gray_tags``): {run:idx: (gray, tag, queue id)} of every
+    acknowledged message."""
+    procs = [(False, f"n{batch}", "5", "pg-app", "TagA,TagB,TagC")] if normal else []
+    procs.append((True, f"g{batch}", "4", "pg-canary-1", gray_tags))
     running = [(gray, run, start_driver("produce", ns, client, jars=jars, log_dir=work, topic=topic, count=count,
-                                        mode="sync", tags="TagA,TagB,TagC", group=pg, run_id=run))
-               for gray, run, client, pg in procs]
+                                        mode="sync", tags=tags, group=pg, run_id=run))
+               for gray, run, client, pg, tags in procs]
     out: dict[str, tuple[bool, str, int]] = {}
     for gray, run, p in running:
         for r in p.result(BOUND)["sent"]:
@@ -511,9 +538,11 @@ def _deliveries(results: dict[str, dict[str, Any]], go_trace: str) -> list[tuple
 
 
 def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[str, str, bool, int, float]],
-                gray_of: dict[str, bool], promoted_at: float) -> dict[str, Any]:
+                gray_of: dict[str, bool], promoted_at: float, straddled: set[str]) -> dict[str, Any]:
     """Per acknowledged message: until the promote ended (``promoted_at``), consumed by the side of its
-    producer only (a retry too), and only by a consumer subscribing to its tag; after it one group."""
+    producer only (a retry too), and only by a consumer subscribing to its tag; after it one group.
+    ``straddled``: messages that may have been sent after the promote ended (placed as the producer chose;
+    a gray TagC message on a queue an old-version consumer owns is then skipped): reported apart."""
     acked: dict[str, list[str]] = defaultdict(list)
     wrong, unwanted, cross_after = [], [], []
     retried: Counter[str] = Counter()
@@ -530,7 +559,8 @@ def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[s
         if ack:
             acked[key].append(name)
     wanted = [k for k, (gray, tag, _) in sent.items() if tag in SUBS[gray]]
-    lost = [k for k in wanted if k not in acked]
+    only_gray = [k for k in wanted if k in straddled and sent[k][0] and sent[k][1] not in SUBS[False]]
+    lost = [k for k in wanted if k not in acked and k not in only_gray]
     return {"sent": {"gray": sum(1 for v in sent.values() if v[0]),
                      "normal": sum(1 for v in sent.values() if not v[0])},
             "wanted": len(wanted), "lost": len(lost), "lost_keys": lost[:10],
@@ -538,7 +568,11 @@ def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[s
             "wrong_side": wrong[:5], "wrong_side_count": len(wrong), "unwanted": unwanted[:5],
             "other_side_after_promote": len(cross_after),
             "normal_tagc_consumed": sum(1 for k in acked if not sent[k][0] and sent[k][1] == "TagC"),
-            "stored_wrong_share": [(k, q) for k, (gray, _, q) in sent.items() if (q == QUEUES - 1) != gray][:5],
+            "stored_wrong_share": [(k, q) for k, (gray, _, q) in sent.items()
+                                   if (q == QUEUES - 1) != gray and k not in straddled][:5],
+            "gray_consumed": {k for k, names in acked.items() if any(gray_of[n] for n in names)},
+            "straddled_gray_tagc": {"sent": len(only_gray), "consumed": sum(1 for k in only_gray if k in acked),
+                                    "on_gray_queue": sum(1 for k in only_gray if sent[k][2] == QUEUES - 1)},
             "gray_tagc_by_gray": sum(1 for k, names in acked.items() if sent[k][0] and sent[k][1] == "TagC"
                                      and any(gray_of[n] for n in names)),
             "retries": dict(retried),
