@@ -10,8 +10,13 @@ round robin; if it comes back empty and long-poll time remains, a NOTIFICATION (
 the remaining time) goes to every broker of the topic, at most ``max_fanout``, and the first that
 answers ``hasMsg`` is popped (``bornTime`` refreshed).  If that pop finds nothing (another consumer
 was faster) and time remains, the notifications start over; when every notification has timed out
-the receive ends empty.  The outstanding notifications of a receive that got its messages are
-left to time out on the brokers (their answers are dropped).
+the receive ends empty.  Each notification travels on a connection of its own
+(:class:`~rmqfast.grpcfront.upstream.Lanes`): those still parked when their receive ends are closed,
+so the broker skips them when it picks the one notification a message wakes.
+
+Transactions (:mod:`rmqfast.grpcfront.transaction`): half messages, EndTransaction to the broker
+named in the transaction id the front gave, check-back relayed over a producer's Telemetry stream.
+FIFO: a group with ``consumeMessageOrderly`` gets orderly pops and notifications.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Two masters of the session's name server hold the topic: the session broker (bro
 second one started here (broker-b).  The real Python 5.x client (``rocketmq-python-client``) sends
 with a Producer and receives and acks with a SimpleConsumer through rmqfast; the pop-with-notify
 check puts a message on broker-b only and asks the front to pop broker-a first: the receive must
-return that message well before its long poll ends (no false empty).
+return that message well before its long poll ends (no false empty).  The real Java 5.x client
+(``java/grpcclient``) sends with message groups and transactions (commit, rollback, check-back) and
+receives with a SimpleConsumer, orderly for a group with ``consumeMessageOrderly``.
 """
 
 from __future__ import annotations
