@@ -367,10 +367,13 @@ def test_gray_version_with_other_tags_java4_java5_go_and_a_drained_promote(
     4.9.4, Go v2 2.1.2) to ``TagA || TagB || TagC``, one group.  A normal producer (Java 5) and a gray one
     (Java 4.9.4, by producer group) send TagA, TagB, TagC round robin.  Then the gray consumers are paused
     (SIGSTOP), more gray messages wait on the gray queues (the backlog metric shows them), ``promote`` is
-    given: it stays ``promoting`` past its settle until the resumed gray consumers have drained the gray
-    queues, then ends (``drained``), before its drain timeout.  Per message: which side consumed it, lost,
-    duplicates.  The gray consumers refuse the first delivery of every tenth message (RECONSUME_LATER): it
-    must come back to the gray side, not through the retry topic to the normal side."""
+    given: it stays ``promoting`` past its settle until the resumed gray consumers have committed the gray
+    queues up to the marks taken when the promote was seen, then ends (``drained``), before its drain
+    timeout.  The gray producer sends TagC throughout the drain (while the gray version is paused and after
+    it resumes): every such message must be consumed by a gray-version consumer.  Per message: which side
+    consumed it, lost, duplicates.  The gray consumers refuse the first delivery of every tenth message
+    (RECONSUME_LATER): until the promote ends it must come back to the gray side, not through the retry
+    topic to the normal side."""
     import signal
 
     from rmqfast.testing.goclient import start_godriver
