@@ -439,6 +439,14 @@ def test_java_client_fifo_group_order(front: str, java_driver: str,
     the Java SimpleConsumer holds back the first message of group g0 (invisible 2 s, not acked); no
     later g0 message comes before its redelivery (attempt 2), and each message group comes in send
     order.  (Plain pops would hand out the later g0 messages at once.)"""
+    got, run = _fifo_run(front, java_driver, two_brokers, "fifo")
+    _assert_group_order(got.events("RECV"), run)
+
+
+def _fifo_run(front: str, java_driver: str, two_brokers: tuple[RocketMQCluster, RocketMQCluster],
+              mode: str) -> tuple[Any, str]:
+    """6 messages in message groups g0 and g1 (Java Producer), then the driver's ``mode`` consuming them
+    as a new group created with consumeMessageOrderly on both brokers."""
     import json
 
     from rmqfast.testing.grpcclient import run_driver
@@ -446,7 +454,7 @@ def test_java_client_fifo_group_order(front: str, java_driver: str,
 
     topic = "grpc_fifo_topic"
     _topic_on_both(two_brokers, topic)
-    run = f"fifo{uuid.uuid4().hex[:8]}"
+    run = f"{mode}{uuid.uuid4().hex[:8]}"
     group = f"grpc_fifo_{run}"
     body = json.dumps({"groupName": group, "consumeMessageOrderly": True, "consumeEnable": True,
                        "retryMaxTimes": 16}).encode()
@@ -455,12 +463,25 @@ def test_java_client_fifo_group_order(front: str, java_driver: str,
         assert r.code == 0, (r.code, r.remark)
     sent = run_driver(java_driver, "produce", front, topic, run, "6", "2")
     assert sent.lines[-1] == "DONE 6", sent.lines
-    got = run_driver(java_driver, "fifo", front, topic, group, run, "6", "60", timeout=120)
+    got = run_driver(java_driver, mode, front, topic, group, run, "6", "60", timeout=120)
     assert got.lines[-1] == "DONE 6", (got.lines, got.stderr[-2000:])
-    recv = got.events("RECV")  # id group attempt body, in arrival order
+    return got, run
+
+
+def _assert_group_order(recv: list[list[str]], run: str) -> None:
+    """``recv``: (id, group, attempt, body) in arrival order; run-0 (group g0) was held back once."""
     for g, bodies in (("g0", [f"{run}-0", f"{run}-0", f"{run}-2", f"{run}-4"]),
                       ("g1", [f"{run}-1", f"{run}-3", f"{run}-5"])):
         seq = [e for e in recv if e[1] == g]
         assert [e[3] for e in seq] == bodies, recv
     first, again = [e for e in recv if e[3] == f"{run}-0"]
-    assert (first[2], again[2]) == ("1", "2"), recv  # the broker's delivery count of an orderly pop
+    assert (first[2], again[2]) == ("1", "2"), recv
+
+
+def test_java_push_consumer_fifo(front: str, java_driver: str,
+                                 two_brokers: tuple[RocketMQCluster, RocketMQCluster]) -> None:
+    """The Java 5.0.7 PushConsumer of a consumeMessageOrderly group (the front's settings answer says
+    fifo): a listener that fails the first delivery of g0's first message gets it again (attempt 2)
+    before any later g0 message, though it consumes with 4 threads; each group in send order."""
+    got, run = _fifo_run(front, java_driver, two_brokers, "pushfifo")
+    _assert_group_order(got.events("RECV"), run)

@@ -10,6 +10,7 @@ import java.util.concurrent.TimeUnit;
 import org.apache.rocketmq.client.apis.ClientConfiguration;
 import org.apache.rocketmq.client.apis.ClientServiceProvider;
 import org.apache.rocketmq.client.apis.consumer.FilterExpression;
+import org.apache.rocketmq.client.apis.consumer.ConsumeResult;
 import org.apache.rocketmq.client.apis.consumer.FilterExpressionType;
 import org.apache.rocketmq.client.apis.consumer.SimpleConsumer;
 import org.apache.rocketmq.client.apis.message.Message;
@@ -30,6 +31,9 @@ import org.apache.rocketmq.client.apis.producer.TransactionResolution;
  *   fifo ENDPOINT TOPIC GROUP PREFIX COUNT SECONDS      SimpleConsumer receiving one message at a time; the
  *                                                        first delivery of PREFIX-0 is not acked (its invisible
  *                                                        duration is changed to 2 s), every other one is
+ *   pushfifo ENDPOINT TOPIC GROUP PREFIX COUNT SECONDS  PushConsumer (4 threads): the first delivery of PREFIX-0
+ *                                                        fails, every other one succeeds; until COUNT bodies
+ *                                                        starting with PREFIX succeeded, or SECONDS passed
  *   transaction ENDPOINT TOPIC PREFIX SECONDS           transactional sends: PREFIX-commit (committed),
  *                                                        PREFIX-rollback (rolled back), PREFIX-check (left open;
  *                                                        the checker commits it when the proxy asks); then a
@@ -47,6 +51,8 @@ public final class GrpcDriver {
             produce(provider, cc, args[2], args[3], Integer.parseInt(args[4]), args.length > 5 ? Integer.parseInt(args[5]) : 0);
         } else if ("transaction".equals(args[0])) {
             transaction(provider, cc, args[2], args[3], Integer.parseInt(args[4]));
+        } else if ("pushfifo".equals(args[0])) {
+            pushFifo(provider, cc, args[2], args[3], args[4], Integer.parseInt(args[5]), Integer.parseInt(args[6]));
         } else if ("fifo".equals(args[0])) {
             fifo(provider, cc, args[2], args[3], args[4], Integer.parseInt(args[5]), Integer.parseInt(args[6]));
         } else {
@@ -157,6 +163,37 @@ public final class GrpcDriver {
             }
         }
         System.out.println("DONE " + acked.size());
+    }
+
+    private static void pushFifo(ClientServiceProvider provider, ClientConfiguration cc, String topic, String group,
+                                 String prefix, int count, int seconds) throws Exception {
+        FilterExpression all = new FilterExpression("*", FilterExpressionType.TAG);
+        Set<String> ok = java.util.concurrent.ConcurrentHashMap.newKeySet();
+        CountDownLatch done = new CountDownLatch(count);
+        java.util.concurrent.atomic.AtomicBoolean failed = new java.util.concurrent.atomic.AtomicBoolean();
+        // not closed: close() waits for the receives in flight (a long poll of up to 30 s); the JVM exits
+        provider.newPushConsumerBuilder().setClientConfiguration(cc)
+            .setConsumerGroup(group).setConsumptionThreadCount(4)
+            .setSubscriptionExpressions(Collections.singletonMap(topic, all))
+            .setMessageListener(v -> {
+                String b = body(v);
+                if (!b.startsWith(prefix)) {
+                    return ConsumeResult.SUCCESS;
+                }
+                synchronized (GrpcDriver.class) {
+                    System.out.println("RECV " + v.getMessageId() + " " + v.getMessageGroup().orElse("-") + " "
+                        + v.getDeliveryAttempt() + " " + b);
+                }
+                if (b.equals(prefix + "-0") && failed.compareAndSet(false, true)) {
+                    return ConsumeResult.FAILURE;
+                }
+                if (ok.add(b)) {
+                    done.countDown();
+                }
+                return ConsumeResult.SUCCESS;
+            }).build();
+        done.await(seconds, TimeUnit.SECONDS);
+        System.out.println("DONE " + ok.size());
     }
 
     private static void consume(ClientServiceProvider provider, ClientConfiguration cc, String topic, String group,
