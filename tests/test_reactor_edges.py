@@ -790,10 +790,6 @@ def test_close_while_a_pump_waits_for_its_destination(relayed, waiting):
             assert g.dead
 
 
-LOCK_RACE = ("a local answer that waited for the client's write lock is written without checking that the stream "
-             "is still at a frame boundary: the pump forwarded the head of the next frame between the lock's release "
-             "and the waiter's wake-up, and the answer lands inside that frame")
-
 
 def test_an_answer_waiting_for_the_lock_lands_at_a_boundary(relayed, request):
     """Another writer holds the client's write lock (an answer written while the client reads
@@ -808,7 +804,6 @@ def test_an_answer_waiting_for_the_lock_lands_at_a_boundary(relayed, request):
     r = relayed()
     if r.mode != "reactor":
         pytest.skip("the ordering is driven through the reactor's turn")
-    request.applymarker(pytest.mark.xfail(strict=True, reason=LOCK_RACE))
     r.client.sendall(request_frame(5))
     assert r.read_exactly(r.broker, len(request_frame(5))) == request_frame(5)
     lock = r.session.client_lock
@@ -837,9 +832,6 @@ def test_an_answer_waiting_for_the_lock_lands_at_a_boundary(relayed, request):
     assert answered_first or answered_after, f"the answer was written inside the response (near byte {where})"
 
 
-HEARD_KEEPS_PUMP = ("the session's ``heard`` (a _Received) keeps the upstream pump, and with it its buffers and "
-                    "its grown buffer's share of the worker's budget, until the closed session is collected")
-
 
 def test_a_closed_session_gives_its_budget_share_back(relayed, monkeypatch, request):
     """A frame the broker sends is held whole (its header is larger than the buffer) when the
@@ -850,8 +842,6 @@ def test_a_closed_session_gives_its_budget_share_back(relayed, monkeypatch, requ
     budget = relay.BufferBudget(1 << 30) if compiled else relay.PyBufferBudget(1 << 30)
     monkeypatch.setattr(relay, "BUDGET", budget)
     r = relayed()
-    if r.mode == "reactor":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=HEARD_KEEPS_PUMP))
     r.client.sendall(request_frame(5))
     assert r.read_exactly(r.broker, len(request_frame(5))) == request_frame(5)
     header = b'{"code":0,"flag":1,"opaque":5,"remark":"' + b"r" * (6 * BUF) + b'"}'
@@ -864,12 +854,7 @@ def test_a_closed_session_gives_its_budget_share_back(relayed, monkeypatch, requ
     assert budget.used == 0
 
 
-CLOSE_IN_CONNECT = ("a session closed while it connects upstream (a drain, the idle sweep) goes on once the connect "
-                    "returns: run() makes watchers for the closed client socket (ValueError: fd -1, the greenlet "
-                    "dies with a traceback) and the new upstream connection is left open")
 
-
-@pytest.mark.xfail(strict=True, reason=CLOSE_IN_CONNECT)
 def test_close_while_connecting_upstream(monkeypatch):
     """The session is closed while its upstream connect is under way (slow on a loaded machine): it
     ends quietly and the upstream connection it then gets is closed."""
@@ -924,10 +909,6 @@ def test_close_while_connecting_upstream(monkeypatch):
             client.close()
 
 
-TLS_EOF_AFTER_DATA = ("a TLS peer's close_notify read in the same receive as a full record of data is consumed "
-                      "and the short count taken for 'drained': the Python pump waits for readability that never "
-                      "comes while the peer keeps its TCP side open (it waits for the proxy's close_notify)")
-
 
 @pytest.mark.parametrize("full_record", [True, False], ids=["full-record", "short-record"])
 def test_tls_close_notify_right_after_the_last_record(tmp_path, full_record, request):
@@ -950,8 +931,6 @@ def test_tls_close_notify_right_after_the_last_record(tmp_path, full_record, req
     from tests.test_tls import Events as TlsEvents
     from tests.test_tls import _listen, tls_client
 
-    if full_record:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=TLS_EOF_AFTER_DATA))
     certs = make_certs(tmp_path)
     tls = TlsContexts(parse_tls({"listen": _listen(certs)}))
     events = TlsEvents(tls)

@@ -69,6 +69,12 @@ class Writer:
     def at_boundary(self) -> bool:
         return self.pump is None or bool(self.pump.at_boundary)
 
+    def write_at_boundary(self, data: Any) -> bool:
+        """Write a frame the proxy made itself at the boundary the caller found; False when the
+        stream left that boundary before the write could start (the caller queues it instead)."""
+        self.write(data)
+        return True
+
 
 class SessionCore:
     """A client connection and its upstream connection, as the filters and the drain see them.
@@ -169,8 +175,7 @@ class SessionCore:
     def answer(self, out: Writer, data: bytes, request: bool) -> None:
         """A frame the proxy makes itself: written now if the stream to ``out`` is at a frame
         boundary, else queued for the next one (the pump writing there stops at it)."""
-        if not out.queue and out.at_boundary():
-            out.write(data)
+        if not out.queue and out.at_boundary() and out.write_at_boundary(data):
             if request:
                 self.local_answers += 1
             return

@@ -168,6 +168,32 @@ class _Out(Writer):
         self.lock = lock
         self.session = session
 
+    def write_at_boundary(self, data: Any) -> bool:
+        """Write a frame the proxy made itself, for which the caller found the stream at a frame
+        boundary; False (nothing written) when another writer held the lock and the pump
+        forwarding into this socket left the boundary before the lock came free: the lock's
+        release does not stop the pump (``locked()`` is False before a waiter wakes), so it may
+        send the head of its next frame first.  The caller then queues the frame for the next
+        boundary (``hold``)."""
+        lock = self.lock
+        if not lock.locked():
+            self.write(data)  # a write that must wait keeps the lock from its first byte on
+            return True
+        with lock:
+            if not self.at_boundary():
+                return False
+            raw = self.sock._sock
+            wwatch = self.session._watcher(self.sock, 1)
+            rest = memoryview(data)
+            while rest:
+                try:
+                    n = raw.send(rest)
+                except BlockingIOError:
+                    self.session.hub.wait(wwatch)
+                    continue
+                rest = rest[n:]
+        return True
+
     def write(self, data: Any) -> None:
         """Write all of ``data``; greenlets writing the same socket never interleave.
 
@@ -332,6 +358,9 @@ class Session(SessionCore):
             pin_mmap_threshold()
             upstream = self._connect()
             if upstream is None:
+                return
+            if self.closed:  # closed while the connect was under way (a drain, the idle sweep)
+                upstream.close()
                 return
             self.upstream = upstream
             self._setup(upstream)
@@ -532,7 +561,7 @@ class Session(SessionCore):
             self.close()
             out = self._outs.get(dst)
             if out is not None:
-                out.pump = None  # its buffers (and budget share) go now, not when the session is collected
+                self._forget_pump(out)  # its buffers (and budget share) go now, not when the session is collected
 
     def _ended_by(self, exc: OSError, side: str) -> None:
         if self.closed or exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, errno.ENOTCONN, None):
@@ -540,6 +569,14 @@ class Session(SessionCore):
                                                      error=str(exc)))
         else:
             log.info("connection error", extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc)))
+
+    def _forget_pump(self, out: _Out) -> None:
+        """The pump writing to ``out`` ended: its buffers (and budget share) go now, not when the
+        session is collected; ``heard`` keeps the upstream pump's last receive, not the pump."""
+        heard = self.heard
+        if isinstance(heard, _Received) and heard.pump is out.pump:
+            self.heard = [heard[0]]
+        out.pump = None
 
     def _upstream_lost(self) -> None:
         """The upstream connection ended first: the worker hears of it (broker health) and may answer
@@ -731,7 +768,7 @@ class Session(SessionCore):
             if not job.from_client and not self.closed:
                 self._upstream_lost()
             self.close()
-            job.out.pump = None
+            self._forget_pump(job.out)
         finally:
             self._live -= 1
             if self._live == 0 and self._on_end is not None:
@@ -785,7 +822,7 @@ class Session(SessionCore):
                     return
                 # A short read drained the socket: wait for readiness first next time (saves a
                 # failing recv per message when clients send one request at a time).
-                readable = n == len(rb.buf) - rb.filled
+                readable = n == len(rb.buf) - rb.filled or getattr(src._sock, "eof_pending", False)
                 now = monotonic_ns()
                 self.last_activity = heard[0] = now / 1e9
                 state.stalled_since = 0

@@ -534,11 +534,16 @@ class _TlsIO:
     """What the relay's Python pump calls on ``sock._sock``: non-blocking ``recv_into`` and
     ``send`` that raise BlockingIOError when the TLS layer must wait for the socket."""
 
-    __slots__ = ("_ssl", "_fd")
+    __slots__ = ("_ssl", "_fd", "eof_pending")
 
     def __init__(self, sslobj: Any, fd: int) -> None:
         self._ssl = sslobj
         self._fd = fd
+        # The end of the stream (close_notify, or TCP EOF) was read right after data that this
+        # call returns: the next call returns 0 without reading.  The pump must not take this
+        # short count for "drained": the socket may never be readable again (a peer that sends
+        # close_notify and keeps its TCP side open, waiting for ours).
+        self.eof_pending = False
 
     def recv_into(self, buf: Any) -> int:
         """Plaintext into ``buf``: TLS records until ``buf`` is full, the socket has no more, or a
@@ -549,6 +554,8 @@ class _TlsIO:
         readiness after it. 0 is the end of the stream (close_notify, or the peer closed the
         TCP connection).
         """
+        if self.eof_pending:
+            return 0
         view = memoryview(buf)
         total = len(view)
         n = 0
@@ -568,6 +575,7 @@ class _TlsIO:
             except ssl.SSLError as exc:
                 raise OSError(errno.EPROTO, f"TLS error: {exc.reason or exc}") from None
             if got == 0:
+                self.eof_pending = n > 0
                 return n
             n += got
             if got < _FULL_RECORD and not self._ssl.pending():
