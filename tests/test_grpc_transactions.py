@@ -328,3 +328,30 @@ def test_ended_receive_leaves_no_notification_to_take_a_wake_up(pb: Any) -> None
                 broker.server.close()
 
     asyncio.run(go())
+
+
+def test_notification_connections_are_bounded() -> None:
+    """Past ``max_busy`` notifications in flight to one broker, further ones share one connection."""
+    from rmqfast.grpcfront.upstream import Lanes, Pool
+
+    async def go() -> None:
+        broker = ParkingBroker()
+        addr = await broker.start()
+        shared = Pool()
+        lanes = Lanes(max_busy=2, shared=shared)
+        ext = {"bornTime": "0", "pollTime": str(1 << 40)}
+        calls = [asyncio.ensure_future(lanes.request(addr, C.NOTIFICATION, ext, timeout=5)) for _ in range(4)]
+        try:
+            await broker.until(lambda: len(broker._live()) == 4)
+            assert lanes.opened == 2  # two of their own, two over the shared connection
+            assert len({id(w) for _, w, _ in broker.parked}) == 3
+        finally:
+            for c in calls:
+                c.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            await lanes.close()
+            await shared.close()
+            assert broker.server is not None
+            broker.server.close()
+
+    asyncio.run(go())

@@ -130,7 +130,7 @@ class MessagingService:
         self.cfg = settings
         self.pool = Pool(settings.connect_timeout, self._broker_request)
         #: notifications: one connection each, closed when its receive ends first (see :class:`Lanes`)
-        self.lanes = Lanes(settings.connect_timeout)
+        self.lanes = Lanes(settings.connect_timeout, shared=self.pool)
         self._routes: dict[str, Route] = {}
         self._groups: dict[str, tuple[bool, float]] = {}  # group -> (consumeMessageOrderly, expires)
         self._rr = itertools.count()

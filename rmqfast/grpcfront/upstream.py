@@ -180,17 +180,33 @@ class Lanes:
     another proxy process) whose notification expires earlier, and the live receive would wait
     for the next message or end empty.  So a request cancelled or failed before its answer closes
     its connection (the broker then skips it), and a connection comes back for reuse only after
-    its request was answered.
+    its request was answered.  With ``max_busy`` requests in flight to one address, further ones
+    go over ``shared`` (one multiplexed connection) instead: descriptors stay bounded, and only those
+    requests keep the old behaviour.
     """
 
-    def __init__(self, connect_timeout: float = 3.0, max_idle: int = 64) -> None:
+    def __init__(self, connect_timeout: float = 3.0, max_idle: int = 64, max_busy: int = 1024,
+                 shared: Pool | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
+        self.max_busy = max_busy
+        self.shared = shared
         self._idle: dict[str, list[Connection]] = {}
+        self._busy: dict[str, int] = {}
         self.opened = self.dropped = 0  # connections opened, closed with a request outstanding
 
     async def request(self, addr: str, code: int, ext: dict[str, str], body: bytes = b"", *,
                       timeout: float = 3.0) -> RemotingCommand:
+        if self.shared is not None and self._busy.get(addr, 0) >= self.max_busy:
+            return await self.shared.request(addr, code, ext, body, timeout=timeout)
+        self._busy[addr] = self._busy.get(addr, 0) + 1
+        try:
+            return await self._request(addr, code, ext, body, timeout)
+        finally:
+            self._busy[addr] -= 1
+
+    async def _request(self, addr: str, code: int, ext: dict[str, str], body: bytes,
+                       timeout: float) -> RemotingCommand:
         idle = self._idle.get(addr) or []
         conn = None
         while idle and conn is None:
