@@ -1,121 +1,150 @@
-"""gRPC sends per proxy core: rmqfast's gRPC front beside Apache's proxy, same broker, same client.
+"""gRPC sends and receives per proxy core: rmqfast's gRPC front beside Apache's proxy, same broker,
+same client.
 
-One real RocketMQ 5.3.3 name server + broker; ``rmqfast serve`` (1 worker, so one gRPC front
-process) and Apache's ``rocketmq-proxy`` 5.3.3 (cluster mode, its gRPC port) in front of it.  A
-``grpc.aio`` client (the 5.x clients' metadata headers) keeps ``--inflight`` SendMessage calls of
-``--body`` bytes in flight for ``--duration`` seconds against each proxy in turn (``--rounds``
-times, the order rotating).  Printed per run: sends/s, p99 and the proxy's CPU seconds per 1000
-sends (user + system from /proc: the rmqfast gRPC front process, the Apache proxy JVM), then the
-medians.  A measurement, not a test::
+One real RocketMQ 5.3.3 name server + broker; ``rmqfast serve`` (``--workers`` workers, each with
+its gRPC front process) and Apache's ``rocketmq-proxy`` 5.3.3 (cluster mode, its gRPC port, C2 on)
+in front of it.  The load is the real Java 5.x client (``rocketmq-client-java`` 5.0.7,
+``GrpcDriver throughput`` in ``java/grpcclient``, one JVM per run): a Producer keeps ``--inflight``
+async sends of ``--body`` bytes in flight for ``--duration`` seconds to a fresh topic; then
+``--consumers`` SimpleConsumers of a fresh group (one thread each, batches of 32, acks async)
+receive and ack every message that was sent.  Each proxy is driven in turn, ``--rounds`` times, the
+order rotating, after a warm-up run each (JIT, connections, routes).
 
-    .venv/bin/python bench/grpc_send.py [--rounds 3] [--duration 5] [--inflight 32]
+CPU: user + system seconds from /proc of the proxy's processes, read when a phase starts and when
+it ends (the clients are built before): rmqfast's supervisor, workers and gRPC front processes;
+Apache's proxy JVM.  Printed per run and phase: messages/s, proxy CPU seconds per 1,000 messages,
+messages per proxy CPU second (= per core fully used), the load average; then the medians and
+the ratios rmqfast / Apache.  A measurement, not a test::
+
+    .venv/bin/python bench/grpc_send.py [--rounds 3] [--duration 10] [--inflight 64] [--consumers 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
-import uuid
+from collections.abc import Callable
 
 import grpc
 
 from rmqfast.bench.procfs import children, total_cpu
-from rmqfast.grpcfront import protos
 from rmqfast.testing import RocketMQCluster, ensure_jars
 from rmqfast.testing.apacheproxy import ApacheProxy
+from rmqfast.testing.grpcclient import ensure_grpc_driver
 from rmqfast.testing.ports import reserve
 from rmqfast.testing.proxy import ProxyProcess
+from rmqfast.testing.tools import java_executable
 
-TOPIC = "GrpcSendBench"
 
+def drive(classpath: str, addr: str, topic: str, group: str, args: argparse.Namespace,
+          pids_of: Callable[[], list[int]]) -> dict[str, float]:
+    """One ``GrpcDriver throughput`` run against ``addr``; the proxy's CPU read around each phase."""
+    cmd = [java_executable(), "-Xmx512m", "-cp", classpath, "GrpcDriver", "throughput", addr, topic, group,
+           str(int(args.duration)), str(args.inflight), str(args.body), str(args.consumers)]
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        assert p.stdin is not None and p.stdout is not None
 
-async def load(pb, addr: str, seconds: float, inflight: int, body: bytes) -> tuple[int, list[float], int]:  # type: ignore[no-untyped-def]
-    md = (("x-mq-client-id", f"bench@{uuid.uuid4().hex[:8]}"), ("x-mq-language", "JAVA"),
-          ("x-mq-client-version", "5.0.7"), ("x-mq-protocol", "v2"))
-    async with grpc.aio.insecure_channel(addr) as ch:
-        send = ch.unary_unary(f"/{pb.service.full_name}/SendMessage",
-                              request_serializer=pb.SendMessageRequest.SerializeToString,
-                              response_deserializer=pb.SendMessageResponse.FromString)
-        lat: list[float] = []
-        fails = 0
-        stop = time.monotonic() + seconds
+        def expect(word: str) -> list[str]:
+            line = p.stdout.readline()  # type: ignore[union-attr]
+            if not line.startswith(word):
+                p.kill()
+                err.seek(0)
+                raise RuntimeError(f"GrpcDriver: expected {word}, got {line!r}: {err.read()[-3000:]!r}")
+            return line.split()[1:]
 
-        async def one() -> None:
-            nonlocal fails
-            while time.monotonic() < stop:
-                req = pb.SendMessageRequest()
-                m = req.messages.add(body=body)
-                m.topic.name = TOPIC
-                m.system_properties.message_id = uuid.uuid4().hex.upper()
-                m.system_properties.tag = "b"
-                m.system_properties.message_type = pb.MessageType.NORMAL
-                m.system_properties.born_timestamp.GetCurrentTime()
-                t0 = time.monotonic()
-                r = await send(req, timeout=10, metadata=md)
-                if r.status.code == pb.Code.OK:
-                    lat.append(time.monotonic() - t0)
-                else:
-                    fails += 1
+        def go() -> None:
+            p.stdin.write("\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
 
-        await asyncio.gather(*(one() for _ in range(inflight)))
-        return len(lat), lat, fails
+        try:
+            expect("READY")
+            pids = pids_of()
+            c0 = sum(total_cpu(pids))
+            go()
+            sent, send_ms, send_failed = (int(x) for x in expect("SENT"))
+            c1 = sum(total_cpu(pids))
+            go()
+            got, recv_ms, deliveries, ack_failed = (int(x) for x in expect("RECV"))
+            c2 = sum(total_cpu(pids))
+            expect("DONE")
+            p.wait(60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    send_cpu, recv_cpu = c1 - c0, c2 - c1
+    return {
+        "sent": sent, "send_failed": send_failed, "sends_per_s": round(sent / (send_ms / 1000)),
+        "send_cpu_s_per_1000": round(send_cpu / max(1, sent) * 1000, 3),
+        "sends_per_cpu_s": round(sent / send_cpu) if send_cpu else 0,
+        "received": got, "deliveries": deliveries, "ack_failed": ack_failed,
+        "receives_per_s": round(got / (max(1, recv_ms) / 1000)),
+        "recv_cpu_s_per_1000": round(recv_cpu / max(1, got) * 1000, 3),
+        "receives_per_cpu_s": round(got / recv_cpu) if recv_cpu else 0,
+        "load_average": round(os.getloadavg()[0], 1),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=5.0)
-    ap.add_argument("--inflight", type=int, default=32)
+    ap.add_argument("--duration", type=int, default=10, help="seconds of sends per run")
+    ap.add_argument("--inflight", type=int, default=64, help="async sends in flight")
     ap.add_argument("--body", type=int, default=1024)
+    ap.add_argument("--consumers", type=int, default=2, help="SimpleConsumers (one thread each)")
+    ap.add_argument("--workers", type=int, default=1, help="rmqfast workers (one gRPC front process each)")
+    ap.add_argument("--queues", type=int, default=8, help="queues of each topic")
     args = ap.parse_args()
-    pb = protos.load()
-    body = b"x" * args.body
+    classpath = ensure_grpc_driver()
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(RocketMQCluster(jars=ensure_jars(), fast_start=False))
-        cluster.create_topic(TOPIC, 4)
         lease = reserve([0])
         stack.callback(lease.release)
         extra = f'\n[grpc]\nenabled = true\nlisten = "127.0.0.1:{lease.base}"\n'
-        rmq = stack.enter_context(ProxyProcess([cluster.namesrv_addr], workers=1, extra_config=extra))
+        rmq = stack.enter_context(ProxyProcess([cluster.namesrv_addr], workers=args.workers, extra_config=extra))
         apx = stack.enter_context(ApacheProxy(cluster.namesrv_addr, cluster_name=cluster.cluster_name,
                                               fast_start=False))
         ch = grpc.insecure_channel(f"127.0.0.1:{lease.base}")
         grpc.channel_ready_future(ch).result(timeout=60)
         ch.close()
         assert rmq.proc is not None and apx.pid is not None
+        sup = rmq.proc.pid
 
         def rmq_pids() -> list[int]:
-            pids = []
-            for w in children(rmq.proc.pid):  # type: ignore[union-attr]
-                pids += children(w)  # each worker's gRPC front
-            return pids
+            workers = children(sup)
+            return [sup, *workers, *(f for w in workers for f in children(w))]
 
-        targets = {"rmqfast": (f"127.0.0.1:{lease.base}", rmq_pids), "apache": (apx.grpc_addr, lambda: [apx.pid])}
-        for addr, _ in targets.values():  # warm-up (JIT, connections, routes)
-            asyncio.run(load(pb, addr, 3.0, args.inflight, body))
+        targets: dict[str, tuple[str, Callable[[], list[int]]]] = {
+            "rmqfast": (f"127.0.0.1:{lease.base}", rmq_pids), "apache": (apx.grpc_addr, lambda: [apx.pid])}  # type: ignore[list-item]
+        tag = os.urandom(3).hex()
+        for name, (addr, pids_of) in targets.items():  # warm-up
+            topic = f"GrpcBenchWarm_{name}_{tag}"
+            cluster.create_topic(topic, args.queues)
+            row = drive(classpath, addr, topic, f"warm_{name}_{tag}", args, pids_of)
+            print(f"warm-up  {name:8s} {json.dumps(row)}", flush=True)
         results: dict[str, list[dict[str, float]]] = {k: [] for k in targets}
         order = list(targets)
         for r in range(args.rounds):
             for name in order[r % 2:] + order[: r % 2]:
                 addr, pids_of = targets[name]
-                pids = pids_of()
-                u0, s0 = total_cpu(pids)
-                t0 = time.monotonic()
-                n, lat, fails = asyncio.run(load(pb, addr, args.duration, args.inflight, body))
-                took = time.monotonic() - t0
-                u1, s1 = total_cpu(pids)
-                lat.sort()
-                row = {"sends_per_s": round(n / took), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1000, 1),
-                       "cpu_s_per_1000": round((u1 - u0 + s1 - s0) / max(1, n) * 1000, 3), "failed": fails}
+                topic = f"GrpcBench{r}_{name}_{tag}"
+                cluster.create_topic(topic, args.queues)
+                row = drive(classpath, addr, topic, f"bench{r}_{name}_{tag}", args, pids_of)
                 results[name].append(row)
-                print(f"round {r} {name:8s} {json.dumps(row)}", flush=True)
-        for name, rows in results.items():
-            med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
-            print(f"median {name:8s} {json.dumps(med)}", flush=True)
+                print(f"round {r}  {name:8s} {json.dumps(row)}", flush=True)
+        med = {name: {k: statistics.median(x[k] for x in rows) for k in rows[0]} for name, rows in results.items()}
+        for name, m in med.items():
+            print(f"median   {name:8s} {json.dumps(m)}", flush=True)
+        ratio = {k: round(med["rmqfast"][k] / med["apache"][k], 2) for k in
+                 ("sends_per_s", "sends_per_cpu_s", "receives_per_s", "receives_per_cpu_s") if med["apache"][k]}
+        print(f"ratio    rmqfast/apache {json.dumps(ratio)}", flush=True)
 
 
 if __name__ == "__main__":

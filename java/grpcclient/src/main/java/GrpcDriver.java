@@ -39,6 +39,16 @@ import org.apache.rocketmq.client.apis.producer.TransactionResolution;
  *                                                        the checker commits it when the proxy asks); then a
  *                                                        SimpleConsumer of group PREFIX receives until the
  *                                                        committed two came and one more empty receive
+ *   throughput ENDPOINT TOPIC GROUP SECONDS INFLIGHT BODY CONSUMERS
+ *                                                        the benchmark load (bench/grpc_send.py): a Producer
+ *                                                        and CONSUMERS SimpleConsumers are built, "READY" is
+ *                                                        printed and a line is read from stdin; then INFLIGHT
+ *                                                        async sends of BODY bytes are kept in flight for
+ *                                                        SECONDS ("SENT n millis failed"); a line is read again;
+ *                                                        then the consumers (one thread each) receive (batches
+ *                                                        of 32) and ack (async, at most 256 in flight) until
+ *                                                        the n sent messages came, or 120 s passed ("RECV
+ *                                                        unique millis-to-the-last deliveries ackfailed")
  * </pre>
  * One line per event on stdout: "SENT id body", "RECV id group attempt body", "CHECK id body", "DONE n".
  */
@@ -47,7 +57,10 @@ public final class GrpcDriver {
         ClientServiceProvider provider = ClientServiceProvider.loadService();
         ClientConfiguration cc = ClientConfiguration.newBuilder().setEndpoints(args[1]).enableSsl(false)
             .setRequestTimeout(Duration.ofSeconds(10)).build();
-        if ("produce".equals(args[0])) {
+        if ("throughput".equals(args[0])) {
+            throughput(provider, cc, args[2], args[3], Integer.parseInt(args[4]), Integer.parseInt(args[5]),
+                Integer.parseInt(args[6]), Integer.parseInt(args[7]));
+        } else if ("produce".equals(args[0])) {
             produce(provider, cc, args[2], args[3], Integer.parseInt(args[4]), args.length > 5 ? Integer.parseInt(args[5]) : 0);
         } else if ("transaction".equals(args[0])) {
             transaction(provider, cc, args[2], args[3], Integer.parseInt(args[4]));
@@ -221,5 +234,89 @@ public final class GrpcDriver {
             }
         }
         System.out.println("DONE " + got);
+    }
+
+    private static void throughput(ClientServiceProvider provider, ClientConfiguration cc, String topic, String group,
+                                   int seconds, int inflight, int size, int consumers) throws Exception {
+        FilterExpression all = new FilterExpression("*", FilterExpressionType.TAG);
+        java.io.BufferedReader in = new java.io.BufferedReader(new java.io.InputStreamReader(System.in));
+        byte[] payload = new byte[size];
+        java.util.Arrays.fill(payload, (byte) 'x');
+        java.util.List<SimpleConsumer> cs = new java.util.ArrayList<>();
+        try (Producer producer = provider.newProducerBuilder().setClientConfiguration(cc).setTopics(topic).build()) {
+            for (int i = 0; i < consumers; i++) {
+                cs.add(provider.newSimpleConsumerBuilder().setClientConfiguration(cc).setConsumerGroup(group)
+                    .setAwaitDuration(Duration.ofSeconds(2))
+                    .setSubscriptionExpressions(Collections.singletonMap(topic, all)).build());
+            }
+            System.out.println("READY");
+            System.out.flush();
+            in.readLine();
+            java.util.concurrent.Semaphore window = new java.util.concurrent.Semaphore(inflight);
+            java.util.concurrent.atomic.AtomicLong sent = new java.util.concurrent.atomic.AtomicLong();
+            java.util.concurrent.atomic.AtomicLong failed = new java.util.concurrent.atomic.AtomicLong();
+            long t0 = System.nanoTime();
+            long stop = t0 + seconds * 1_000_000_000L;
+            while (System.nanoTime() < stop) {
+                window.acquire();
+                Message m = provider.newMessageBuilder().setTopic(topic).setTag("b").setBody(payload).build();
+                producer.sendAsync(m).whenComplete((r, e) -> {
+                    (e == null ? sent : failed).incrementAndGet();
+                    window.release();
+                });
+            }
+            window.acquire(inflight);
+            long sendMillis = (System.nanoTime() - t0) / 1_000_000;
+            long n = sent.get();
+            System.out.println("SENT " + n + " " + sendMillis + " " + failed.get());
+            System.out.flush();
+            in.readLine();
+            Set<String> got = java.util.concurrent.ConcurrentHashMap.newKeySet();
+            java.util.concurrent.atomic.AtomicLong deliveries = new java.util.concurrent.atomic.AtomicLong();
+            java.util.concurrent.atomic.AtomicLong ackFailed = new java.util.concurrent.atomic.AtomicLong();
+            java.util.concurrent.Semaphore acks = new java.util.concurrent.Semaphore(256);
+            long deadline = System.nanoTime() + 120_000_000_000L;
+            long r0 = System.nanoTime();
+            java.util.concurrent.atomic.AtomicLong lastNew = new java.util.concurrent.atomic.AtomicLong(r0);
+            List<Thread> threads = new java.util.ArrayList<>();
+            for (SimpleConsumer c : cs) {
+                Thread t = new Thread(() -> {
+                    while (got.size() < n && System.nanoTime() < deadline) {
+                        List<MessageView> views;
+                        try {
+                            views = c.receive(32, Duration.ofSeconds(30));
+                        } catch (Exception e) {
+                            continue;
+                        }
+                        for (MessageView v : views) {
+                            deliveries.incrementAndGet();
+                            if (got.add(v.getMessageId().toString())) {
+                                lastNew.set(System.nanoTime());
+                            }
+                            acks.acquireUninterruptibly();
+                            c.ackAsync(v).whenComplete((x, e) -> {
+                                if (e != null) {
+                                    ackFailed.incrementAndGet();
+                                }
+                                acks.release();
+                            });
+                        }
+                    }
+                });
+                t.start();
+                threads.add(t);
+            }
+            for (Thread t : threads) {
+                t.join();
+            }
+            acks.acquireUninterruptibly(256);
+            long recvMillis = (lastNew.get() - r0) / 1_000_000;  // not the consumers' last (empty) long polls
+            System.out.println("RECV " + got.size() + " " + recvMillis + " " + deliveries.get() + " " + ackFailed.get());
+            System.out.flush();
+            for (SimpleConsumer c : cs) {
+                c.close();
+            }
+        }
+        System.out.println("DONE");
     }
 }
