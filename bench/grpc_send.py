@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 
 import grpc
