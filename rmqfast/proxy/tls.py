@@ -18,7 +18,9 @@ side runs the Python pump over :class:`TlsSocket` (OpenSSL encrypts and decrypts
 scanner, compiled or pure, scans the plaintext exactly as without TLS).
 
 Only the standard library is imported at module level: the configuration is validated in
-processes that never load gevent (``rmqfast check-config``, the supervisor).
+processes that never load gevent (``rmqfast check-config``, the supervisor).  ``ssl`` itself is
+imported when the first context is built (:func:`_load_ssl`): OpenSSL's libraries add ~4 MiB to
+every process that loads them, and a worker with no TLS configured never needs them.
 """
 
 from __future__ import annotations
@@ -27,13 +29,17 @@ import errno
 import logging
 import os
 import socket as _stdsocket
-import ssl
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
+
+if TYPE_CHECKING:
+    import ssl
+else:
+    ssl = None  # the module once _load_ssl() ran: every context is built after it, every TLS socket from one
 
 log = logging.getLogger("rmqfast.tls")
 
@@ -260,6 +266,15 @@ def describe_tls(sec: TlsSection) -> str:
 # SSL contexts --------------------------------------------------------------------------------
 
 
+def _load_ssl() -> None:
+    """Import ``ssl`` into this module (once; before any context is built)."""
+    global ssl
+    if ssl is None:
+        import ssl as module
+
+        ssl = module
+
+
 def _load_chain(ctx: ssl.SSLContext, prefix: str, cert: str, key: str, password: str) -> None:
     _check_pem(f"{prefix}.cert", cert, b"CERTIFICATE-----", "a certificate")
     _check_pem(f"{prefix}.key", key, b"PRIVATE KEY-----", "a private key")
@@ -293,6 +308,7 @@ def _harden(ctx: ssl.SSLContext) -> None:
 
 def server_context(sec: TlsListenSection) -> ssl.SSLContext:
     """The listeners' context, built from the files now (ConfigError naming the key on failure)."""
+    _load_ssl()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     _harden(ctx)
     _load_chain(ctx, "tls.listen", sec.cert, sec.key, sec.key_password)
@@ -305,6 +321,7 @@ def server_context(sec: TlsListenSection) -> ssl.SSLContext:
 
 def client_context(sec: TlsUpstreamSection) -> ssl.SSLContext:
     """The upstream connections' context (ConfigError naming the key on failure)."""
+    _load_ssl()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     _harden(ctx)
     if sec.verify:
@@ -332,6 +349,7 @@ def probe_tls(sec: TlsSection) -> tuple[ssl.SSLContext, str] | None:
     up = sec.upstream
     if not up.enabled_for("namesrv"):
         return None
+    _load_ssl()
     key = repr(up)
     context = _probe_cache.get(key)
     if context is None:
