@@ -164,10 +164,12 @@ cdef class Pump:
     cdef public bint hold           # a local answer waits: stop at the next frame boundary
     # Reactor (see below): the source became readable while the pump was not parked; the
     # parked pump's wake-up (a gevent Waiter, None while its greenlet runs); ``locked`` of the
-    # destination's write lock (the pump sends only when no one else is mid-write).
+    # destination's write lock (the pump sends only when no one else is mid-write), None while
+    # the destination has no lock yet (the relay makes it when a write first has to wait, and
+    # sets ``locked`` then, before anyone holds it).
     cdef bint ready_in
     cdef object waiter
-    cdef object locked
+    cdef public object locked
     cdef bint attached
 
     def __cinit__(self, FrameScanner scanner not None, int src_fd, int dst_fd, Py_ssize_t size,

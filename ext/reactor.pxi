@@ -76,9 +76,10 @@ cdef class Reactor:
     def __len__(self):
         return len(self.pumps)
 
-    def attach(self, Pump pump not None, object locked not None):
+    def attach(self, Pump pump not None, object locked):
         """Watch ``pump``'s source from now on; ``locked()`` says whether its destination's
-        write lock is held (then the pump must not send)."""
+        write lock is held (then the pump must not send); None: no lock yet (the relay sets
+        ``pump.locked`` when it makes one)."""
         cdef epoll_event ev
         if pump.attached:
             raise RuntimeError("pump already attached")
@@ -117,7 +118,7 @@ cdef class Reactor:
         while pump.ready_in:
             pump.ready_in = False
             self.steps += 1
-            st = pump._step(not pump.locked())
+            st = pump._step(pump.locked is None or not pump.locked())
             if st != PS_WAIT_READ:
                 return st
         pump.waiter = waiter
@@ -148,7 +149,7 @@ cdef class Reactor:
                 continue
             self.steps += 1
             try:
-                st = pump._step(not pump.locked())
+                st = pump._step(pump.locked is None or not pump.locked())
             except BaseException:
                 st = PS_YIELD  # the greenlet steps again itself and meets the error there
             if st == PS_WAIT_READ:

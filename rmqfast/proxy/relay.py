@@ -158,15 +158,33 @@ def _skip_reader(scanner: Any) -> Callable[[Any], int]:
 
 class _Out(Writer):
     """The one writer of a socket (:class:`rmqfast.proxy.core.Writer`): ``lock`` is held by
-    whoever must wait in the middle of a write."""
+    whoever must wait in the middle of a write.  It is made when first asked for (most
+    connections never have a write that waits: ~230 bytes per connection for the two locks and
+    the reactor's view of them); until then no one holds it."""
 
-    __slots__ = ("sock", "lock", "session")
+    __slots__ = ("sock", "_lock", "session")
 
-    def __init__(self, sock: socket.socket, lock: Semaphore, session: Session) -> None:
+    def __init__(self, sock: socket.socket, session: Session) -> None:
         super().__init__()
         self.sock = sock
-        self.lock = lock
+        self._lock: Semaphore | None = None
         self.session = session
+
+    @property
+    def lock(self) -> Semaphore:
+        """The write lock, made on first use.  A compiled pump forwarding into this socket is told
+        at once (``pump.locked``; it checks before every send), before anyone can hold it."""
+        lock = self._lock
+        if lock is None:
+            lock = self._lock = Semaphore()
+            pump = self.pump
+            if pump is not None and not isinstance(pump, PumpState):
+                pump.locked = lock.locked
+        return lock
+
+    def locked(self) -> bool:
+        lock = self._lock
+        return lock is not None and lock.locked()
 
     def write_at_boundary(self, data: Any) -> bool:
         """Write a frame the proxy made itself, for which the caller found the stream at a frame
@@ -175,8 +193,8 @@ class _Out(Writer):
         release does not stop the pump (``locked()`` is False before a waiter wakes), so it may
         send the head of its next frame first.  The caller then queues the frame for the next
         boundary (``hold``)."""
-        lock = self.lock
-        if not lock.locked():
+        lock = self._lock
+        if lock is None or not lock.locked():
             self.write(data)  # a write that must wait keeps the lock from its first byte on
             return True
         with lock:
@@ -201,8 +219,8 @@ class _Out(Writer):
         one yields, so the lock is taken only when a write must wait for buffer space.
         """
         raw = self.sock._sock
-        lock = self.lock
-        if not lock.locked():
+        lock = self._lock
+        if lock is None or not lock.locked():
             try:
                 n = raw.send(data)
             except BlockingIOError:
@@ -212,7 +230,7 @@ class _Out(Writer):
             data = memoryview(data)[n:]
         session = self.session
         wwatch = session._watcher(self.sock, 1)
-        with lock:
+        with self.lock:
             while data:
                 try:
                     n = raw.send(data)
@@ -304,8 +322,8 @@ class Session(SessionCore):
     # Slots for the socket side's own attributes: with SessionCore's and those filters add, an
     # instance dict would pass the 30 keys CPython shares between instances and cost ~1.6 KB
     # per connection instead of its inline values.
-    __slots__ = ("client", "upstreams", "settings", "events", "upstream", "last_activity", "heard", "client_lock",
-                 "upstream_lock", "conn_id", "hub", "_watchers", "_outs", "_reactor", "_parked", "_live", "_on_end")
+    __slots__ = ("client", "upstreams", "settings", "events", "upstream", "last_activity", "heard", "conn_id", "hub",
+                 "_watchers", "_reactor", "_parked", "_live", "_on_end")
 
     def __init__(
         self,
@@ -328,18 +346,44 @@ class Session(SessionCore):
         # when bytes last came from the upstream (broker health: hangs), in a list the pumps store into
         # without a branch
         self.heard = [self.last_activity]
-        self.client_lock = Semaphore()
-        self.upstream_lock = Semaphore()
         self.conn_id = 0  # set by the worker; carried into sampled request records
         self.hub = gevent.get_hub()
-        # socket -> (read watcher, write watcher), on the raw file descriptors
-        self._watchers: dict[socket.socket, tuple[Any, Any]] = {}
-        # socket -> its one writer (the pump forwarding into it and the local answers it waits for)
-        self._outs: dict[socket.socket, _Out] = {}
+        # socket -> (read watcher, write watcher), on the raw file descriptors (a dict from the first one on)
+        self._watchers: dict[socket.socket, tuple[Any, Any]] | None = None
         self._reactor: Any = None  # the reactor the compiled pumps wait in (set by _pump_c)
         self._parked: list[Any] = []  # pumps attached to it
         self._live = 0  # pumps serving without a greenlet that have not ended (serve)
         self._on_end: Callable[[], None] | None = None
+
+    @property
+    def client_lock(self) -> Semaphore:
+        """The client socket's write lock (made on first use; the session must be set up)."""
+        out = self.to_client
+        assert isinstance(out, _Out)
+        return out.lock
+
+    @property
+    def upstream_lock(self) -> Semaphore:
+        """The upstream socket's write lock (made on first use; the session must be set up)."""
+        out = self.to_upstream
+        assert isinstance(out, _Out)
+        return out.lock
+
+    def _out_of(self, sock: socket.socket | None) -> _Out | None:
+        """The one writer of ``sock`` (the pump forwarding into it and the local answers it waits
+        for), once the session set them up."""
+        if sock is None:
+            return None
+        if sock is self.client:
+            return self.to_client  # type: ignore[return-value]
+        if sock is self.upstream:
+            return self.to_upstream  # type: ignore[return-value]
+        return None
+
+    @property
+    def _outs(self) -> dict[socket.socket, _Out]:
+        """socket -> its writer (a view for inspection; the relay uses :meth:`_out_of`)."""
+        return {sock: out for sock in (self.client, self.upstream) if (out := self._out_of(sock)) is not None}
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -413,8 +457,8 @@ class Session(SessionCore):
             direction=1,
         )
         self.u2c.conn_id = self.conn_id
-        self.to_client = self._outs[self.client] = _Out(self.client, self.client_lock, self)
-        self.to_upstream = self._outs[upstream] = _Out(upstream, self.upstream_lock, self)
+        self.to_client = _Out(self.client, self)
+        self.to_upstream = _Out(upstream, self)
 
     def close(self) -> None:
         """Close both connections; a pump waiting on one of them wakes with EBADF and ends."""
@@ -425,8 +469,8 @@ class Session(SessionCore):
             self.inflight.abandon(self.stats)  # what was not answered by now never will be
         self.chain.on_close(self)
         self._detach_pumps()
-        watchers = [w for pair in self._watchers.values() for w in pair]
-        self._watchers.clear()
+        watchers = [w for pair in self._watchers.values() for w in pair] if self._watchers else []
+        self._watchers = None
         # Thrown into a pump waiting on one of these watchers (a fresh one: it carries a traceback).
         closed = OSError(errno.EBADF, "connection closed by the other side of the relay")
         self.hub.cancel_waits_close_and_then(watchers, closed, self._close_sockets)
@@ -461,7 +505,7 @@ class Session(SessionCore):
         """(side, seconds) of the longest wait for the rest of a frame a peer started sending."""
         worst, side = 0.0, ""
         for name, sock in (("client", self.upstream), ("upstream", self.client)):  # the pump writing to sock
-            out = self._outs.get(sock) if sock is not None else None
+            out = self._out_of(sock)
             since = out.pump.stalled_since if out is not None and out.pump is not None else 0
             if since > 0 and (now_ns - since) / 1e9 > worst:
                 worst, side = (now_ns - since) / 1e9, name
@@ -546,7 +590,7 @@ class Session(SessionCore):
         from_client: bool,
     ) -> None:
         try:
-            out = self._outs.get(dst)
+            out = self._out_of(dst)
             if self.closed or out is None:
                 return  # closed before this pump started (a connect-and-close health probe)
             if Pump is not None and codec.is_compiled(scanner) and not (is_tls(src) or is_tls(dst)):
@@ -559,7 +603,7 @@ class Session(SessionCore):
             if not from_client and not self.closed:
                 self._upstream_lost()
             self.close()
-            out = self._outs.get(dst)
+            out = self._out_of(dst)
             if out is not None:
                 self._forget_pump(out)  # its buffers (and budget share) go now, not when the session is collected
 
@@ -611,11 +655,14 @@ class Session(SessionCore):
         reactor needs none)."""
         if self.closed:  # close() dropped them: the file descriptor may already be someone else's
             raise OSError(errno.EBADF, "connection closed by the other side of the relay")
-        w = self._watchers.get(sock)
+        watchers = self._watchers
+        if watchers is None:
+            watchers = self._watchers = {}
+        w = watchers.get(sock)
         if w is None:
             fd = sock.fileno()
             loop = self.hub.loop
-            w = self._watchers[sock] = (loop.io(fd, 1), loop.io(fd, 2))
+            w = watchers[sock] = (loop.io(fd, 1), loop.io(fd, 2))
         return w[kind]
 
     def _pump_c(
@@ -686,7 +733,8 @@ class Session(SessionCore):
 
     def _launch(self, src: socket.socket, dst: socket.socket, scanner: Any, side: str, from_client: bool) -> None:
         """Start one direction parked in the reactor (never raises: a failure ends it)."""
-        out = self._outs[dst]
+        out = self._out_of(dst)
+        assert out is not None
         job = _Parked(self, None, scanner, side, out, from_client)
         if self.closed:  # the other direction failed to start: attach nothing any more
             self._pump_done(job)
@@ -694,7 +742,8 @@ class Session(SessionCore):
         try:
             job.pump = pump = Pump(scanner, src.fileno(), dst.fileno(), self.settings.buffer_size, BUDGET)
             out.pump = pump
-            self._reactor.attach(pump, out.lock.locked)
+            lock = out._lock  # None: the pump sends freely until a lock is made (_Out.lock tells it)
+            self._reactor.attach(pump, lock.locked if lock is not None else None)
             self._parked.append(pump)
             if not from_client:
                 self.heard = _Received(pump, self.heard[0])
@@ -725,8 +774,7 @@ class Session(SessionCore):
     def _drive_loop(self, job: _Parked, st: int) -> bool:
         """``_pump_c``'s loop for a pump in the reactor; True when it is parked again."""
         pump, out = job.pump, job.out
-        dst_lock = out.lock
-        locked = dst_lock.locked
+        locked = out.locked  # the lock may be made in this loop (a write that waits)
         step = pump.step
         park = self._reactor.park
         while not self.closed:
@@ -737,7 +785,7 @@ class Session(SessionCore):
                 continue
             if st == P_WAIT_WRITE or st == P_WAIT_LOCK:
                 wwatch = self._watcher(out.sock, 1)
-                with dst_lock:
+                with out.lock:
                     while not self.closed:
                         st = step(True)
                         if st != P_WAIT_WRITE:
