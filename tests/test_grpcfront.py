@@ -369,3 +369,59 @@ def test_keeper_goes_on_when_the_front_cannot_be_started(tmp_path: Any, monkeypa
     finally:
         k._stopped = True
         k._close_lifeline()
+
+
+def test_upstream_frames_of_one_loop_turn_go_out_in_one_write() -> None:
+    """Requests queued in one turn of the loop are written together, in order, as whole frames;
+    their answers still reach each caller."""
+    from rmqfast.codec.command import decode_frame, encode
+    from rmqfast.grpcfront.upstream import Connection
+
+    async def go() -> None:
+        got: list[bytes] = []
+        done = asyncio.Event()
+
+        async def broker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            frames = []
+            while len(frames) < 3:
+                data = await reader.read(65536)
+                got.append(data)
+                buf = b"".join(got)
+                frames = []
+                while len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "big"):
+                    n = 4 + int.from_bytes(buf[:4], "big")
+                    frames.append(decode_frame(buf[:n]))
+                    buf = buf[n:]
+            for f in frames:
+                if f.code != 99:  # the one-way frame gets no answer
+                    writer.write(encode(RemotingCommand(code=0, opaque=f.opaque, flag=1, remark=str(f.code))))
+            await writer.drain()
+            await done.wait()
+            writer.close()
+
+        server = await asyncio.start_server(broker, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = await Connection.open(f"127.0.0.1:{port}", 3.0)
+        writes: list[int] = []
+        real_write = conn._writer.write
+        conn._writer.write = lambda data: (writes.append(len(data)), real_write(data))[1]  # type: ignore[method-assign]
+        a = asyncio.ensure_future(conn.request(10, {"k": "a"}, timeout=5))
+        b = asyncio.ensure_future(conn.request(11, {"k": "b"}, b"body", timeout=5))
+        await asyncio.sleep(0)  # both requests queue their frames (the first one schedules the write)
+        conn.oneway(99, {"k": "c"})  # same turn: after theirs, in the same write
+        ra, rb = await asyncio.gather(a, b)
+        assert (ra.remark, rb.remark) == ("10", "11")
+        assert len(writes) == 1  # one write (one system call) for the three frames
+        codes = []
+        buf = got[0]
+        while buf:
+            n = 4 + int.from_bytes(buf[:4], "big")
+            codes.append(decode_frame(buf[:n]).code)
+            buf = buf[n:]
+        assert codes == [10, 11, 99]
+        done.set()
+        await conn.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(go())

@@ -46,8 +46,10 @@ class Connection:
         self._reader = reader
         self._writer = writer
         self._pending: dict[int, asyncio.Future[RemotingCommand]] = {}
+        self._out: list[bytes] | None = None  # frames written in this turn of the loop, sent at its end
         self.closed = False
-        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._read_loop())
 
     @classmethod
     async def open(cls, addr: str, timeout: float, on_request: OnRequest | None = None) -> Connection:
@@ -85,6 +87,20 @@ class Connection:
         finally:
             self._fail(error)
 
+    def _send(self, frame: bytes) -> None:
+        """Queue a whole frame; the frames queued in one turn of the event loop go out in one write
+        (one system call for the requests of many concurrent gRPC calls), in order."""
+        if self._out is None:
+            self._out = [frame]
+            self._loop.call_soon(self._flush)
+        else:
+            self._out.append(frame)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, None
+        if out and not self.closed:
+            self._writer.write(out[0] if len(out) == 1 else b"".join(out))
+
     def _fail(self, error: Exception) -> None:
         self.closed = True
         for fut in self._pending.values():
@@ -99,8 +115,8 @@ class Connection:
         opaque = next(self._opaques) & 0x7FFFFFFF
         fut: asyncio.Future[RemotingCommand] = asyncio.get_running_loop().create_future()
         self._pending[opaque] = fut
-        self._writer.write(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque,
-                                                  ext_fields=ext, body=body)))
+        self._send(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque, ext_fields=ext,
+                                          body=body)))
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -113,8 +129,8 @@ class Connection:
         if self.closed:
             raise UpstreamError(f"connection to {self.addr} is closed")
         opaque = next(self._opaques) & 0x7FFFFFFF
-        self._writer.write(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque,
-                                                  flag=FLAG_ONEWAY, ext_fields=ext, body=body)))
+        self._send(encode(RemotingCommand(code=code, version=CLIENT_VERSION, opaque=opaque,
+                                          flag=FLAG_ONEWAY, ext_fields=ext, body=body)))
 
     def abort(self) -> None:
         """Close now (the read loop ends; requests still waiting fail)."""
