@@ -14,7 +14,6 @@ import ipaddress
 import json
 import os
 import re
-import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -813,6 +812,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
             f"config file {str(p)!r}: byte 0x{data[exc.start]:02x} at line {line}, column {col} is not valid "
             "UTF-8 (TOML files must be UTF-8, comments included); re-save the file as UTF-8"
         ) from None
+    import tomllib  # here: a worker reads its configuration as JSON and never needs it
+
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -98,3 +98,33 @@ def test_aclsign_signs_with_hashlib_imported_on_use() -> None:
     import hmac
 
     assert sig == base64.b64encode(hmac.new(b"secret", b"12body", hashlib.sha1).digest()).decode()
+
+
+def test_spill_dir_is_the_spill_stores_worker_dir(tmp_path: Path) -> None:
+    from rmqfast.server.worker import spill_dir
+    from rmqfast.spill.store import worker_dir
+
+    for index in (0, 3, 17):
+        assert spill_dir(tmp_path, index) == worker_dir(tmp_path, index)
+        assert spill_dir(str(tmp_path), index) == worker_dir(str(tmp_path), index)
+
+
+def test_worker_without_spill_or_records_loads_neither(tmp_path: Path) -> None:
+    """A worker with no [delay], replication, shape rule, records or spill directory does not import
+    the spill, the shaper or the records (they load when configured: tests of those sections)."""
+    got = _run(
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from rmqfast.metrics import light_prometheus\n"
+        "light_prometheus()\n"
+        "from rmqfast import config\n"
+        "from rmqfast.server.worker import Worker\n"
+        f"state = Path({str(tmp_path)!r}) / 'state'\n"
+        "cfg = config.from_dict({'namesrv': {'listen': '127.0.0.1:1', 'upstreams': ['127.0.0.1:9876']},"
+        " 'proxy': {'state_dir': str(state)}})\n"
+        "w = Worker(cfg, 0, lambda m: None, None)\n"
+        "print(json.dumps({m: m in sys.modules for m in ('rmqfast.spill', 'rmqfast.limits.shaper',"
+        " 'rmqfast.records', 'ssl')}))",
+        env_dir=tmp_path,
+    )
+    assert got == {"rmqfast.spill": False, "rmqfast.limits.shaper": False, "rmqfast.records": False, "ssl": False}

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gevent
 import gevent.event
@@ -56,12 +56,19 @@ from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRou
 from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
 from rmqfast.proxy.tls import TlsContexts
-from rmqfast.records import StatsDelta, TrafficRecorder
 from rmqfast.server.fdlimit import raise_nofile
+
+if TYPE_CHECKING:
+    from rmqfast.records import TrafficRecorder
 
 log = logging.getLogger("rmqfast.worker")
 
 EXIT_FATAL = 3  # startup failed for a reason a restart will not fix (bind error, bad state)
+
+
+def spill_dir(state_dir: str | Path, index: int) -> Path:
+    """``rmqfast.spill.store.worker_dir`` without importing the spill (a test keeps them equal)."""
+    return Path(state_dir) / "spill" / f"worker-{index}"
 
 
 def bind_reuseport(hp: HostPort, backlog: int = 1024) -> socket.socket:
@@ -93,6 +100,20 @@ class RelayServer(StreamServer):
             kept.discard(sock)
             return
         super().do_close(sock, *args)
+
+
+class _SessionEnd:
+    """``Worker._ended(session)`` as the session's end hook: 48 bytes, where a closure over the
+    session took ~300 per connection (function, cells, their tuple)."""
+
+    __slots__ = ("worker", "session")
+
+    def __init__(self, worker: Worker, session: Session) -> None:
+        self.worker = worker
+        self.session = session
+
+    def __call__(self) -> None:
+        self.worker._ended(self.session)
 
 
 class Listener:
@@ -131,6 +152,8 @@ class Worker:
         self._closed_ids: list[int] = []
         self._next_conn = 0
         if cfg.records.enabled:
+            from rmqfast.records import StatsDelta, TrafficRecorder  # here: ~0.5 MiB a worker without records skips
+
             self.records = TrafficRecorder(cfg.records, index)
             self.record_deltas = [StatsDelta(role, st) for role, st in self.stats.items()]
             if cfg.records.sample_rate > 0:  # the scanners pick one request in N, in C
@@ -255,12 +278,11 @@ class Worker:
             self.delay.reconfigure(self.cfg.delay)
             return
         self.delay: Any = None
-        from rmqfast.spill.store import SpillStore, worker_dir
-
         repl = getattr(self, "replication", None)
-        if not self.cfg.delay.enabled and repl is None and not worker_dir(self.cfg.proxy.state_dir,
-                                                                          self.index).exists():
+        if not self.cfg.delay.enabled and repl is None and not spill_dir(self.cfg.proxy.state_dir, self.index).exists():
             return
+        from rmqfast.spill.store import SpillStore, worker_dir  # here: ~0.6 MiB a worker without a spill skips
+
         try:
             spill = repl.replicator.store if repl is not None else getattr(self, "own_spill", None)
             if spill is None:
@@ -287,9 +309,13 @@ class Worker:
         """
         if self.limits is None or self.shaper is not None:
             return
+        repl = getattr(self, "replication", None)
+        if (repl is None and getattr(self, "own_spill", None) is None and not any(
+                r.mode == "shape" for r in self.cfg.limits.rules)
+                and not spill_dir(self.cfg.proxy.state_dir, self.index).exists()):
+            return  # shaping_wanted's answer without importing the shaper and the spill (~1 MiB)
         from rmqfast.limits.shaper import Shaper, shaping_wanted
 
-        repl = getattr(self, "replication", None)
         if not shaping_wanted(self.cfg, self.index, repl.replicator.store if repl is not None
                               else getattr(self, "own_spill", None)):
             return
@@ -359,6 +385,8 @@ class Worker:
         self._listen("broker", ep.listen, ep.upstream)
 
     def _handler(self, role: str, upstream: HostPort | None) -> Callable[[socket.socket, tuple], None]:
+        only = [upstream] if upstream is not None else []  # shared by this listener's sessions (read only)
+
         def handle(sock: socket.socket, addr: tuple) -> None:
             if self.draining:
                 sock.close()
@@ -369,7 +397,7 @@ class Worker:
             if sock is None:
                 return
             if upstream is not None:
-                ups = [upstream]
+                ups = only
             else:
                 lst = self.cfg.namesrv.upstreams
                 k = self.ns_preferred % len(lst)
@@ -379,26 +407,27 @@ class Worker:
             session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self)
             self._next_conn += 1
             session.conn_id = self._next_conn
-            self.clients[session.conn_id] = client
+            if self.records is not None:  # sampled request records name the client (_record_samples)
+                self.clients[session.conn_id] = client
             self.metrics.connections.labels(role).inc()
-            gauge = self.metrics.connections_active.labels(role)
-            gauge.inc()
+            self.metrics.connections_active.labels(role).inc()
             self.sessions.add(session)
-
-            def ended() -> None:
-                self.sessions.discard(session)
-                if upstream is not None and not session.upstream_addr:  # the connect failed: probe now
-                    self.health.suspect(str(upstream), "a client's upstream connect failed")
-                self._closed_ids.append(session.conn_id)
-                gauge.dec()
-
             # Returns once the session's pumps are parked in the reactor (no greenlet waits for an
-            # idle connection); ``ended`` runs when both directions have ended.
-            session.serve(ended)
+            # idle connection); ``_ended`` runs when both directions have ended.
+            session.serve(_SessionEnd(self, session))
             if not session.closed:
                 self._kept.add(sock)  # the session closes it (RelayServer)
 
         return handle
+
+    def _ended(self, session: Session) -> None:
+        """A session's both directions have ended."""
+        self.sessions.discard(session)
+        if session.role == "broker" and session.upstreams and not session.upstream_addr:  # connect failed: probe now
+            self.health.suspect(str(session.upstreams[0]), "a client's upstream connect failed")
+        if self.records is not None:
+            self._closed_ids.append(session.conn_id)
+        self.metrics.connections_active.labels(session.role).dec()
 
     def _serve_failover(self, sock: socket.socket, client: str, upstream: HostPort) -> bool:
         """Serve a client of a broker seen dead: its sends are moved (rmqfast.proxy.failover)."""
