@@ -297,15 +297,22 @@ class _Parked:
     greenlet needs when the reactor hands it a status that needs Python.  The reactor calls
     :meth:`switch` (in the hub) where it would wake a parked greenlet's Waiter."""
 
-    __slots__ = ("session", "pump", "scanner", "side", "out", "from_client")
+    __slots__ = ("session", "pump", "out", "from_client")  # two per idle connection: what it needs, no more
 
-    def __init__(self, session: Session, pump: Any, scanner: Any, side: str, out: _Out, from_client: bool) -> None:
+    def __init__(self, session: Session, pump: Any, out: _Out, from_client: bool) -> None:
         self.session = session
         self.pump = pump
-        self.scanner = scanner
-        self.side = side
         self.out = out
         self.from_client = from_client
+
+    @property
+    def scanner(self) -> Any:
+        return self.session.c2u if self.from_client else self.session.u2c
+
+    @property
+    def side(self) -> str:
+        """The side this pump reads from (as ``_pump``'s ``side``)."""
+        return "client" if self.from_client else "upstream"
 
     def switch(self, st: int) -> None:
         """A status for Python: a greenlet runs the pump from it until the pump parks again or ends
@@ -735,7 +742,8 @@ class Session(SessionCore):
         """Start one direction parked in the reactor (never raises: a failure ends it)."""
         out = self._out_of(dst)
         assert out is not None
-        job = _Parked(self, None, scanner, side, out, from_client)
+        job = _Parked(self, None, out, from_client)
+        assert job.scanner is scanner and job.side == side
         if self.closed:  # the other direction failed to start: attach nothing any more
             self._pump_done(job)
             return
