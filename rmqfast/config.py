@@ -25,6 +25,7 @@ from rmqfast.errors import ConfigError
 from rmqfast.gray.config import GraySection, parse_gray
 from rmqfast.grpcfront.settings import KEYS as GRPC_KEYS
 from rmqfast.grpcfront.settings import GrpcSection, parse_grpc
+from rmqfast.grpcfront.settings import check_tls as check_grpc_tls
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
 from rmqfast.proxy.health import FailoverSection, parse_failover
@@ -628,6 +629,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
     with errs.check():
         if "grpc" in raw:
             cfg.grpc = parse_grpc(raw["grpc"])
+            if not errs.any_under("tls"):  # the listener certificate of [tls.listen], read above
+                check_grpc_tls(cfg.grpc, cfg.tls)
 
     # cross-field checks only on values that parsed (else they would report the defaults)
     if not errs.any_under("namesrv.listen", "brokers", "admin.listen", "proxy.advertise_host"):

@@ -425,3 +425,40 @@ def test_upstream_frames_of_one_loop_turn_go_out_in_one_write() -> None:
         await server.wait_closed()
 
     asyncio.run(go())
+
+
+def test_grpc_tls_settings(tmp_path: Any) -> None:
+    """``[grpc] tls = true`` takes ``[tls.listen]``'s certificate; what grpc cannot do is a config error."""
+    from rmqfast import config as config_mod
+    from rmqfast.testing.tlscerts import make_certs
+
+    c = make_certs(tmp_path)
+    base = {"namesrv": {"listen": "127.0.0.1:1", "upstreams": ["127.0.0.1:2"]}}
+
+    def cfg(grpc: dict[str, Any], listen: dict[str, Any] | None = None) -> Any:
+        raw = dict(base, grpc={"enabled": True, **grpc})
+        if listen is not None:
+            raw["tls"] = {"listen": listen}
+        return config_mod.from_dict(raw)
+
+    ok = cfg({"tls": True}, {"cert": str(c.server_cert), "key": str(c.server_key)})
+    assert ok.grpc.tls and ok.tls.listen.mode == "disabled"  # the Remoting listeners stay plain
+    assert config_mod.from_json(ok.to_json()).grpc.tls  # as the front process reads it
+    assert not cfg({}).grpc.tls
+    for grpc_tls, listen, msg in (
+        ({"tls": True}, None, "needs tls.listen.cert"),
+        ({"tls": True}, {"cert": str(c.server_cert), "key": str(c.server_key), "key_password": "x"}, "unencrypted"),
+        ({"tls": True}, {"cert": str(c.server_cert), "key": str(c.server_key), "verify_client": "optional"},
+         "optional"),
+        ({"tls": True}, {"cert": str(c.server_cert), "key": str(c.server_key), "verify_client": "require"},
+         "needs tls.listen.ca"),
+        ({"tls": True}, {"cert": str(c.server_cert), "key": str(c.client_key)}, "tls.listen"),  # key of another cert
+        ({"tls": "yes"}, None, "grpc.tls"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            cfg(grpc_tls, listen)
+    required = cfg({"tls": True}, {"cert": str(c.server_cert), "key": str(c.server_key), "ca": str(c.ca),
+                                   "verify_client": "require"})
+    from rmqfast.grpcfront.settings import server_credentials
+
+    assert server_credentials(required.tls) is not None

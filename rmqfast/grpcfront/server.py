@@ -41,7 +41,8 @@ def send_limiter(runtime: Path, limits: Any) -> Any:
     return lim
 
 
-async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limiter: Any = None) -> None:
+async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limiter: Any = None,
+                tls: Any = None) -> None:
     import grpc
 
     from rmqfast.grpcfront import protos
@@ -52,11 +53,16 @@ async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limite
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length",
                                                                   settings.max_body_size + (1 << 20))])
     server.add_generic_rpc_handlers((svc.handler(),))
-    port = server.add_insecure_port(settings.listen)
+    if settings.tls:
+        from rmqfast.grpcfront.settings import server_credentials
+
+        port = server.add_secure_port(settings.listen, server_credentials(tls))
+    else:
+        port = server.add_insecure_port(settings.listen)
     if port == 0:
         raise OSError(f"cannot bind {settings.listen}")
     await server.start()
-    log.info("gRPC front listening on %s (pid %d)", settings.listen, os.getpid())
+    log.info("gRPC front listening on %s%s (pid %d)", settings.listen, " (TLS)" if settings.tls else "", os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     namesrvs = [f"{u.host}:{u.port}" for u in cfg.namesrv.upstreams]
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(namesrvs, cfg.grpc, args.lifeline, send_limiter(Path(args.runtime), cfg.limits)))
+            runner.run(serve(namesrvs, cfg.grpc, args.lifeline, send_limiter(Path(args.runtime), cfg.limits),
+                             cfg.tls))
     except OSError as exc:
         log.error("gRPC front cannot start: %s", exc)
         return 3

@@ -25,6 +25,7 @@ class GrpcSection:
     route_ttl: float = 5.0  # s a topic's route is cached
     default_invisible: float = 60.0  # s, for receives that name no invisible duration
     max_body_size: int = 4 * 1024 * 1024
+    tls: bool = False  # the listener serves TLS only, with [tls.listen]'s cert, key, ca and verify_client
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -33,7 +34,7 @@ class GrpcSection:
 _FLOATS = {"min_poll": (0.01, 60.0), "long_poll_reserve": (0.0, 10.0), "request_timeout": (0.1, 60.0),
            "connect_timeout": (0.1, 60.0), "route_ttl": (0.1, 3600.0), "default_invisible": (1.0, 43200.0)}
 _INTS = {"max_fanout": (1, 256), "max_body_size": (1, 1 << 30)}
-KEYS = {"enabled", "notify", "listen", *_FLOATS, *_INTS}
+KEYS = {"enabled", "notify", "tls", "listen", *_FLOATS, *_INTS}
 
 
 def parse_grpc(raw: Any) -> GrpcSection:
@@ -43,7 +44,7 @@ def parse_grpc(raw: Any) -> GrpcSection:
     if unknown:
         raise ConfigError(f"grpc: unknown key(s) {', '.join(sorted(unknown))}")
     s = GrpcSection()
-    for k in ("enabled", "notify"):
+    for k in ("enabled", "notify", "tls"):
         if k in raw:
             if not isinstance(raw[k], bool):
                 raise ConfigError(f"grpc.{k}: must be true or false")
@@ -67,3 +68,44 @@ def parse_grpc(raw: Any) -> GrpcSection:
                 raise ConfigError(f"grpc.{k}: expected an integer in [{lo}, {hi}], got {v!r}")
             setattr(s, k, v)
     return s
+
+
+def check_tls(s: GrpcSection, tls: Any) -> None:
+    """``[grpc] tls = true`` takes the listener certificate of ``[tls.listen]`` (a ``TlsSection``; its
+    ``mode`` is the Remoting listeners' and may stay "disabled"): ``cert`` and ``key`` must be set;
+    grpc takes the key unencrypted (no ``key_password``) and either asks for no client certificate
+    (``verify_client = "none"``) or requires one chaining to ``ca`` (``"require"``): it cannot ask
+    for an optional one."""
+    if not s.tls:
+        return
+    L = tls.listen
+    if not L.cert or not L.key:
+        raise ConfigError("grpc.tls: needs tls.listen.cert and tls.listen.key (the listener certificate)")
+    if L.key_password:
+        raise ConfigError("grpc.tls: the gRPC listener takes an unencrypted key (tls.listen.key_password is set)")
+    if L.verify_client == "optional":
+        raise ConfigError('grpc.tls: tls.listen.verify_client = "optional" is not possible with gRPC '
+                          '(use "none" or "require")')
+    if L.verify_client == "require" and not L.ca:
+        raise ConfigError('grpc.tls: tls.listen.verify_client = "require" needs tls.listen.ca')
+    from rmqfast.proxy.tls import server_context
+
+    server_context(L)  # the files read and the key checked against the certificate now, not at the front's start
+
+
+def server_credentials(tls: Any) -> Any:
+    """grpc's server credentials from ``[tls.listen]`` (see :func:`check_tls`)."""
+    import grpc
+
+    L = tls.listen
+    with open(L.cert, "rb") as f:
+        cert = f.read()
+    with open(L.key, "rb") as f:
+        key = f.read()
+    ca = None
+    if L.ca:
+        with open(L.ca, "rb") as f:
+            ca = f.read()
+    require = L.verify_client == "require"
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca if require else None,
+                                       require_client_auth=require)

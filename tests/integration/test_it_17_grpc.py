@@ -485,3 +485,93 @@ def test_java_push_consumer_fifo(front: str, java_driver: str,
     before any later g0 message, though it consumes with 4 threads; each group in send order."""
     got, run = _fifo_run(front, java_driver, two_brokers, "pushfifo")
     _assert_group_order(got.events("RECV"), run)
+
+
+_TLS_CLIENT = """
+import json, sys, time
+from rocketmq import ClientConfiguration, Credentials, FilterExpression, Message, Producer, SimpleConsumer
+addr, topic, run = sys.argv[1:4]
+cfg = ClientConfiguration(addr, Credentials())
+producer = Producer(cfg, (topic,), tls_enable=True)
+producer.startup()
+sent = {}
+try:
+    for i in range(5):
+        m = Message()
+        m.topic, m.body, m.tag = topic, f"{run}-{i}".encode(), "tls"
+        sent[producer.send(m).message_id] = m.body.decode()
+finally:
+    producer.shutdown()
+consumer = SimpleConsumer(cfg, f"grpc_tls_{run}", {topic: FilterExpression("tls")}, await_duration=5, tls_enable=True)
+consumer.startup()
+got = {}
+try:
+    deadline = time.monotonic() + 60
+    while len(got) < len(sent) and time.monotonic() < deadline:
+        for msg in consumer.receive(16, 30) or []:
+            if msg.body.decode().startswith(run):
+                got[msg.message_id] = msg.body.decode()
+            consumer.ack(msg)
+finally:
+    consumer.shutdown()
+print(json.dumps({"sent": sent, "got": got}))
+"""
+
+
+def test_tls_listener_with_the_python_client(two_brokers: tuple[RocketMQCluster, RocketMQCluster],
+                                             tmp_path: Any) -> None:
+    """``[grpc] tls = true`` with ``[tls.listen]``'s certificate (the Remoting listeners stay plain):
+    the real Python 5.x client with TLS on, checking the certificate against the test CA and the
+    address 127.0.0.1, sends 5 messages and receives and acks them; a plaintext gRPC call to the
+    listener fails; a TLS client that does not trust the CA fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from rmqfast.testing.tlscerts import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    a, _ = two_brokers
+    lease = reserve([0])
+    addr = f"127.0.0.1:{lease.base}"
+    extra = (f'\n[grpc]\nenabled = true\ntls = true\nlisten = "{addr}"\n'
+             f'\n[tls.listen]\ncert = "{certs.server_cert}"\nkey = "{certs.server_key}"\n')
+    pb = _pb()
+    with contextlib.ExitStack() as stack:
+        stack.callback(lease.release)
+        stack.enter_context(ProxyProcess([a.namesrv_addr], workers=1, extra_config=extra))
+        creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
+        channel = grpc.secure_channel(addr, creds)
+        grpc.channel_ready_future(channel).result(timeout=BOUND)
+        channel.close()
+        run = f"tls-{uuid.uuid4().hex[:8]}"
+        env = dict(os.environ, GRPC_DEFAULT_SSL_ROOTS_FILE_PATH=str(certs.ca))  # the client's trust store
+        p = subprocess.run([sys.executable, "-c", _TLS_CLIENT, addr, TOPIC, run], capture_output=True, text=True,
+                           timeout=180, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        assert len(out["sent"]) == 5 and out["got"] == out["sent"], out
+
+        def query_route(channel: Any) -> Any:
+            call = channel.unary_unary(f"/{pb.service.full_name}/QueryRoute",
+                                       request_serializer=pb.QueryRouteRequest.SerializeToString,
+                                       response_deserializer=pb.QueryRouteResponse.FromString)
+            req = pb.QueryRouteRequest()
+            req.topic.name = TOPIC
+            return call(req, timeout=5)
+
+        plain = grpc.insecure_channel(addr)
+        with pytest.raises(grpc.RpcError) as exc:
+            query_route(plain)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        plain.close()
+        other = make_certs(tmp_path / "other", prefix="other-")
+        untrusted = grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=other.ca.read_bytes()))
+        with pytest.raises(grpc.RpcError) as exc:
+            query_route(untrusted)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        untrusted.close()
+        trusted = grpc.secure_channel(addr, creds)
+        assert query_route(trusted).status.code == pb.Code.OK
+        trusted.close()
