@@ -394,7 +394,9 @@ class Releaser:
         self.dropped = 0
         self.dead_letters = 0
         self.recheck_found = 0
-        self.lateness_ms: deque[int] = deque(maxlen=200_000)  # recent lateness samples (tests, bench)
+        # the latest lateness samples (tests): a few thousand, not more (an int object each: 200,000
+        # cost a worker up to 7 MB)
+        self.lateness_ms: deque[int] = deque(maxlen=4096)
         self._greenlet: Any = None
         self._lane_greenlets: dict[tuple[str, str, int], Any] = {}
         # Messages due before this run started that may have been sent just before a crash: the
