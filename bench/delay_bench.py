@@ -425,10 +425,15 @@ def release(args: argparse.Namespace, tools: Tools, px: Proxy, rec: Recorder, ac
     the slice was accepted."""
     n = int(args.release_rate * args.release_seconds)
     label = "4. load" if plain_rate else "3. release"
-    # due from a moment after the last is accepted (the slice goes through the proxy's accept path,
-    # from a Python client: planned at a third of the load generator's delayed rate, or of what the
-    # previous slice reached; a loaded machine can be slower still, which the output says)
-    lead = 3000 + int(n / max(accept_rate, 100) * 1000)
+    # due from a moment after the last is accepted (the slice goes through the proxy's accept path):
+    # the accept rate right now is probed with a few delayed sends due in a day (they join the
+    # pending bulk), and the slice is planned at 60% of it; a machine that gets busier meanwhile
+    # can still be slower, which the output says
+    probe = max(500, n // 50)
+    t0 = time.monotonic()
+    send_slice(px.ep2, probe, int(time.time() * 1000) + FAR_MS, args.release_rate, args.body)
+    rate_now = probe / (time.monotonic() - t0)
+    lead = 2000 + int(n / max(min(rate_now * 0.6, accept_rate * 3), 100) * 1000)
     start = int(time.time() * 1000) + lead
     rec.reset()
     t0 = time.monotonic()
@@ -526,9 +531,9 @@ def main() -> int:
             if not {"accept", "release", "load"} <= skip:
                 px = Proxy(work, state, addr, rec.addr, args.queue_window)
                 try:
-                    rate = accept(args, tools, px) / 3 if "accept" not in skip else 1000.0
+                    rate = accept(args, tools, px) if "accept" not in skip else 1000.0
                     if "release" not in skip:
-                        rate = release(args, tools, px, rec, rate, 0) / 3
+                        rate = release(args, tools, px, rec, rate, 0)
                     if "load" not in skip:
                         release(args, tools, px, rec, rate, args.plain_rate)
                 finally:
@@ -537,9 +542,9 @@ def main() -> int:
                       flush=True)
     finally:
         rec.close()
-        if not args.keep:
+        if not args.keep or args.reuse is not None:  # a reused state directory lies outside work
             shutil.rmtree(work, ignore_errors=True)
-        else:
+        if args.keep:
             print(f"kept {state}")
     print_summary()
     return 0
