@@ -448,7 +448,13 @@ producer_groups = ["pg-canary*"]
                             "the promote's drain over")
             for batch, _ in drain_batches:
                 sent.update(batch)
-            wait_until(lambda: _consumed_all(traces, sent), BOUND, "batches 2 and d consumed")
+            promoted_at = st["since"] + st["drained_after"]
+            # a batch acknowledged before the promote ended was sent during the drain; the last one may
+            # straddle its end: its TagC messages on a queue an old-version instance owns after the
+            # hand-over are skipped by that instance (documented), so they are judged apart, not awaited
+            straddled = {k for batch, ended in drain_batches if ended >= promoted_at - 0.1 for k in batch}
+            awaited = {k: v for k, v in sent.items() if k not in straddled}
+            wait_until(lambda: _consumed_all(traces, awaited), BOUND, "batches 2 and d consumed")
             wait_until(lambda: _backlog_sum(proxy, group) == 0, BOUND, "the gray queues committed")
             m = proxy.metrics()
             after = (st, _backlog_sum(proxy, group), m.get(("rmqfast_gray_drain", (("group", group),))),
@@ -467,9 +473,6 @@ producer_groups = ["pg-canary*"]
             go.kill()
             with contextlib.suppress(OSError):
                 shutil.copy(proxy.log_path, tmp_path / "proxy.log")
-    promoted_at = st["since"] + st["drained_after"]
-    # a batch acknowledged before the promote ended was sent during the drain; the last one may straddle its end
-    straddled = {k for batch, ended in drain_batches if ended >= promoted_at - 0.1 for k in batch}
     res = _judge_tags(sent, _deliveries(results, go_trace), {n: g for n, (g, _) in java.items()} | {"canary-go": True},
                       promoted_at, straddled)
     drain_tagc = [k for batch, ended in drain_batches if ended < promoted_at - 0.1
