@@ -129,16 +129,6 @@ def test_receives_in_the_reactor_count_as_activity(proxy):
         assert session.idle_for(time.monotonic()) < 100
 
 
-class Wake:
-    """Stands in for a parked greenlet's Waiter: records the status the reactor hands it."""
-
-    def __init__(self) -> None:
-        self.got: list[int] = []
-
-    def switch(self, status: int) -> None:
-        self.got.append(status)
-
-
 @pytest.mark.parametrize("cut", [0, 7, 40], ids=["no-bytes", "half-head", "half-frame"])
 def test_a_close_that_arrives_with_the_last_bytes_is_seen(cut):
     """Edge-triggered: when the peer's last bytes and its close arrive before one turn, that turn
@@ -146,6 +136,7 @@ def test_a_close_that_arrives_with_the_last_bytes_is_seen(cut):
     read for "drained" (it then waited forever for an edge that never comes)."""
     from rmqfast._speedups import P_EOF, Reactor
     from tests.test_pump import actions, nonblocking_pair
+    from tests.test_reactor_edges import Wake
 
     scanner = codec.FrameScannerC(codec.ScanStatsC(), actions=actions())
     src_peer, src = nonblocking_pair()

@@ -24,7 +24,7 @@ import struct
 import pytest
 
 from rmqfast import codec
-from tests.test_pump import actions, nonblocking_pair
+from tests.test_pump import actions, drain, nonblocking_pair
 from tests.test_scan import json_frame, send_v2
 
 compiled = codec.Pump is not None and codec.is_compiled(codec.FrameScanner)
@@ -66,17 +66,6 @@ class Wake:
 
     def switch(self, status: int) -> None:
         self.got.append(status)
-
-
-def drain(sock: socket.socket, into: bytearray) -> None:
-    while True:
-        try:
-            chunk = sock.recv(1 << 20)
-        except BlockingIOError:
-            return
-        if not chunk:
-            return
-        into += chunk
 
 
 class Greenlet:
