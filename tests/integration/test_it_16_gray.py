@@ -121,12 +121,9 @@ class Consumer:
 def test_gray_consumers_and_producers_abort_promote_kill(
         jars4: JarPaths, pair: tuple[RocketMQCluster, RocketMQCluster], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    a, b = pair
+    a, _ = pair
     topic, group = unique("gray"), unique("graycg")
-    for c in (a, b):
-        c.create_topic(topic, QUEUES)
-    wait_until(lambda: {q.get("brokerName") for q in (a.topic_route(topic) or {}).get("queueDatas", [])}
-               >= {"broker-a", "broker-b"}, BOUND, "the route names both brokers")
+    _topic_on_both(pair, topic)
     extra = f"""
 [gray]
 settle = {SETTLE}
@@ -378,12 +375,9 @@ def test_gray_version_with_other_tags_java4_java5_go_and_a_drained_promote(
 
     from rmqfast.testing.goclient import start_godriver
 
-    a, b = pair
+    a, _ = pair
     topic, group = unique("graytag"), unique("graytagcg")
-    for c in (a, b):
-        c.create_topic(topic, QUEUES)
-    wait_until(lambda: {q.get("brokerName") for q in (a.topic_route(topic) or {}).get("queueDatas", [])}
-               >= {"broker-a", "broker-b"}, BOUND, "the route names both brokers")
+    _topic_on_both(pair, topic)
     extra = f"""
 [gray]
 settle = {TAG_SETTLE}
@@ -498,6 +492,15 @@ producer_groups = ["pg-canary*"]
     assert res["stored_wrong_share"] == [], res
     assert res["gray_tagc_by_gray"] > 0 and res["by_consumer"]["canary-go"] > 0, res
     assert res["by_consumer"]["app-n2"] > 0 and res["by_consumer"]["canary-j4"] > 0, res
+
+
+def _topic_on_both(pair: tuple[RocketMQCluster, RocketMQCluster], topic: str) -> None:
+    """Creates ``topic`` with QUEUES queues on both brokers and waits until the route names both."""
+    a, b = pair
+    for c in (a, b):
+        c.create_topic(topic, QUEUES)
+    wait_until(lambda: {q.get("brokerName") for q in (a.topic_route(topic) or {}).get("queueDatas", [])}
+               >= {"broker-a", "broker-b"}, BOUND, "the route names both brokers")
 
 
 def _produce(jars: JarPaths, ns: str, topic: str, work: Path, batch: str, count: int, normal: bool = True,
