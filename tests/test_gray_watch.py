@@ -22,17 +22,10 @@ from rmqfast.gray.rules import Phase, phase
 from rmqfast.gray.state import mark_drain, read_commands, set_marks, write_command
 from rmqfast.gray.watch import GrayWatch
 from rmqfast.server.admin import AdminServer
+from tests.test_gray import Clock
 
 G = "orders-cg"
 T = "orders"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Brokers:
