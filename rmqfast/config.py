@@ -453,7 +453,7 @@ _KNOWN = {
         "topic",
     },
     "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"},
-    "acl": {"topics", "unsigned", "other_keys"},
+    "acl": {"topics", "unsigned", "other_keys", "secret_keys", "signature_max_age"},
     "tls": {"listen", "upstream"},
     "gray": {"settle", "grace", "drain_timeout", "backlog_interval", "state_file", "group"},
     "grpc": set(GRPC_KEYS),

@@ -96,7 +96,8 @@ def test_config_toml_table_form(tmp_path: Any) -> None:
     ({"topics": ["Orders"]}, 'acl.topics: ["Orders"] is not allowed; expected a table AccessKey = [topics]'),
     ({"topics": {AK: ["A"]}, "unsigned": "yes"}, 'acl.unsigned: "yes" is not allowed; expected one of deny, allow'),
     ({"topics": {AK: ["A"]}, "other_keys": True}, "acl.other_keys: true is not allowed"),
-    ({"topics": {AK: ["A"]}, "bogus": 1}, "acl.bogus: unknown key; allowed here: other_keys, topics, unsigned"),
+    ({"topics": {AK: ["A"]}, "bogus": 1},
+     "acl.bogus: unknown key; allowed here: other_keys, secret_keys, signature_max_age, topics, unsigned"),
     ({"unsigned": "deny"}, "acl.topics: required when [acl] is present"),
     ({"topics": {"": ["A"]}}, 'acl.topics."": not allowed as an AccessKey'),
 ])
@@ -264,7 +265,8 @@ def test_on_deny_callback_counts() -> None:
 
 def test_json_dump_of_section_is_plain_data() -> None:
     cfg = config.from_dict({**BASE, "acl": {"topics": {AK: ["Orders"]}}})
-    assert json.loads(cfg.to_json())["acl"] == {"topics": {AK: ["Orders"]}, "unsigned": "deny", "other_keys": "deny"}
+    assert json.loads(cfg.to_json())["acl"] == {"topics": {AK: ["Orders"]}, "unsigned": "deny", "other_keys": "deny",
+                                                "secret_keys": {}, "signature_max_age": 900.0}
 
 
 # --------------------------------------------------------------------------- shaping and signatures

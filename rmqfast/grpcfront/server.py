@@ -42,14 +42,14 @@ def send_limiter(runtime: Path, limits: Any) -> Any:
 
 
 async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limiter: Any = None,
-                tls: Any = None) -> None:
+                tls: Any = None, acl: Any = None) -> None:
     import grpc
 
     from rmqfast.grpcfront import protos
     from rmqfast.grpcfront.service import MessagingService
 
     pb = protos.load()
-    svc = MessagingService(pb, namesrvs, settings, limiter)
+    svc = MessagingService(pb, namesrvs, settings, limiter, acl)  # acl: [acl], checked per call
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length",
                                                                   settings.max_body_size + (1 << 20))])
     server.add_generic_rpc_handlers((svc.handler(),))
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(serve(namesrvs, cfg.grpc, args.lifeline, send_limiter(Path(args.runtime), cfg.limits),
-                             cfg.tls))
+                             cfg.tls, cfg.acl))
     except OSError as exc:
         log.error("gRPC front cannot start: %s", exc)
         return 3

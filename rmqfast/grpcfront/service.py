@@ -17,6 +17,11 @@ so the broker skips them when it picks the one notification a message wakes.
 Transactions (:mod:`rmqfast.grpcfront.transaction`): half messages, EndTransaction to the broker
 named in the transaction id the front gave, check-back relayed over a producer's Telemetry stream.
 FIFO: a group with ``consumeMessageOrderly`` gets orderly pops and notifications.
+
+ACL (:mod:`rmqfast.grpcfront.auth`): with ``[acl]`` every call is authenticated from its metadata
+and the topics it names are checked against the allowlist (sends and EndTransaction: send to;
+receives, acks, invisible-time changes, dead-lettering and QueryAssignment: consume from;
+QueryRoute: any use); a refusal is the call's status (``UNAUTHORIZED`` / ``FORBIDDEN``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import grpc
 from rmqfast.codec import codes as C
 from rmqfast.codec.route import PERM_READ, PERM_WRITE, parse_route
 from rmqfast.codec.store import BodyError, decode_records
+from rmqfast.grpcfront.auth import CONSUME, ROUTE, SEND, GrpcAcl, Refused, denied_counter
 from rmqfast.grpcfront.convert import (
     BadRequest,
     ReceiptHandle,
@@ -122,8 +128,11 @@ class Stats:
 class MessagingService:
     """The handlers; ``handler()`` gives the grpc generic handler."""
 
-    def __init__(self, pb: Any, namesrvs: list[str], settings: GrpcSection, limiter: Any = None) -> None:
+    def __init__(self, pb: Any, namesrvs: list[str], settings: GrpcSection, limiter: Any = None,
+                 acl: Any = None) -> None:
         self.pb = pb
+        #: ``[acl]`` (an AclSection with topics): calls authenticated and their topics checked, else None
+        self.acl = GrpcAcl(acl, denied_counter()) if acl is not None and acl.enabled else None
         #: ``[limits]``: the send limiter over the workers' shared buckets (rmqfast.limits), or None
         self.limiter = limiter
         self.namesrvs = namesrvs
@@ -208,6 +217,17 @@ class MessagingService:
         except UpstreamError as exc:
             raise Fail("PROXY_TIMEOUT" if "did not answer" in str(exc) else "INTERNAL_SERVER_ERROR", str(exc)) from exc
 
+    def _refusal(self, ctx: Any, method: str, topics: tuple[tuple[str, str], ...] = ()) -> Any:
+        """``[acl]``: None when the call may go on, else the Status refusing it (UNAUTHORIZED: not
+        authenticated; FORBIDDEN: a topic the AccessKey may not use)."""
+        if self.acl is None:
+            return None
+        try:
+            self.acl.check(ctx.invocation_metadata(), method, topics)
+        except Refused as r:
+            return self.status(r.code, str(r))
+        return None
+
     @staticmethod
     def _peer(ctx: Any) -> str:
         p = ctx.peer() or ""
@@ -217,6 +237,9 @@ class MessagingService:
 
     async def QueryRoute(self, req: Any, ctx: Any) -> Any:
         pb = self.pb
+        refused = self._refusal(ctx, "QueryRoute", ((req.topic.name, ROUTE),))
+        if refused is not None:
+            return pb.QueryRouteResponse(status=refused)
         try:
             r = await self.route(req.topic.name)
         except Fail as f:
@@ -245,10 +268,11 @@ class MessagingService:
         return pb.QueryRouteResponse(status=self.status("OK"), message_queues=mqs)
 
     async def Heartbeat(self, req: Any, ctx: Any) -> Any:
-        return self.pb.HeartbeatResponse(status=self.status("OK"))
+        return self.pb.HeartbeatResponse(status=self._refusal(ctx, "Heartbeat") or self.status("OK"))
 
     async def NotifyClientTermination(self, req: Any, ctx: Any) -> Any:
-        return self.pb.NotifyClientTerminationResponse(status=self.status("OK"))
+        return self.pb.NotifyClientTerminationResponse(status=self._refusal(ctx, "NotifyClientTermination")
+                                                       or self.status("OK"))
 
     async def _settings_answer(self, s: Any) -> Any:
         pb = self.pb
@@ -282,8 +306,15 @@ class MessagingService:
         carries (``recover_orphaned_transaction_command``).  Other commands (thread stacks, verify
         results) are read and dropped."""
         md = dict(ctx.invocation_metadata() or ())
+        ak: str | None = None
+        if self.acl is not None:  # the stream is authenticated once, when it opens
+            try:
+                ak = self.acl.check(ctx.invocation_metadata(), "Telemetry")
+            except Refused as r:
+                yield self.pb.TelemetryCommand(status=self.status(r.code, str(r)))
+                return
         stream = Stream(str(md.get("x-mq-client-id", "")))
-        reader = asyncio.ensure_future(self._telemetry_read(requests, stream))
+        reader = asyncio.ensure_future(self._telemetry_read(requests, stream, ak))
         try:
             while not (reader.done() and stream.out.empty()):
                 get = asyncio.ensure_future(stream.out.get())
@@ -296,19 +327,41 @@ class MessagingService:
             reader.cancel()
             self._unregister(self.producers.remove(stream))
 
-    async def _telemetry_read(self, requests: AsyncIterator[Any], stream: Stream) -> None:
+    def _allowed(self, ak: str | None, topics: frozenset[str], verb: str) -> tuple[frozenset[str], Any]:
+        """``[acl]``: the topics of a client's settings that AccessKey ``ak`` may ``verb``, and the Status
+        naming the first refused one (None: all allowed)."""
+        if self.acl is None:
+            return topics, None
+        allowed, refusal = set(), None
+        for topic in sorted(topics):
+            try:
+                self.acl.authorize(ak, topic, verb)
+                allowed.add(topic)
+            except Refused as r:
+                self.acl.refused(r, "Telemetry")
+                refusal = refusal or self.status(r.code, str(r))
+        return frozenset(allowed), refusal
+
+    async def _telemetry_read(self, requests: AsyncIterator[Any], stream: Stream, ak: str | None = None) -> None:
         try:
             async for cmd in requests:
                 if not cmd.HasField("settings"):
                     continue
                 answer = await self._settings_answer(cmd.settings)
+                refusal = None
+                if cmd.settings.HasField("subscription"):
+                    _, refusal = self._allowed(ak, frozenset(s.topic.name for s in
+                                                             cmd.settings.subscription.subscriptions), CONSUME)
                 if cmd.settings.HasField("publishing"):
-                    topics = frozenset(t.name for t in cmd.settings.publishing.topics)
+                    # only topics the AccessKey may send to are registered: check-backs carry half messages
+                    topics, refused = self._allowed(ak, frozenset(t.name for t in cmd.settings.publishing.topics),
+                                                    SEND)
+                    refusal = refusal or refused
                     new, gone = self.producers.publish(stream, topics)
                     if new:
                         self._start_heartbeats()
                     self._unregister(gone)
-                await stream.out.put(self.pb.TelemetryCommand(status=self.status("OK"), settings=answer))
+                await stream.out.put(self.pb.TelemetryCommand(status=refusal or self.status("OK"), settings=answer))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client went away, or a bad command
@@ -322,9 +375,21 @@ class MessagingService:
         pb = self.pb
         if not req.messages:
             return pb.SendMessageResponse(status=self.status("BAD_REQUEST", "no message"))
+        ak: str | None = None
+        if self.acl is not None:
+            try:
+                ak = self.acl.check(ctx.invocation_metadata(), "SendMessage")
+            except Refused as r:
+                return pb.SendMessageResponse(status=self.status(r.code, str(r)))
         entries = []
         for msg in req.messages:
             try:
+                if self.acl is not None:
+                    try:
+                        self.acl.authorize(ak, msg.topic.name, SEND)
+                    except Refused as r:
+                        self.acl.refused(r, "SendMessage")
+                        raise Fail(r.code, str(r)) from None
                 entries.append(await self._send_one(msg, ctx, len(req.messages) == 1))
             except (Fail, BadRequest) as f:
                 entries.append(pb.SendResultEntry(status=self.status(f.code, str(f))))
@@ -380,6 +445,9 @@ class MessagingService:
         resolution = {pb.TransactionResolution.COMMIT: TRANSACTION_COMMIT_TYPE,
                       pb.TransactionResolution.ROLLBACK: TRANSACTION_ROLLBACK_TYPE}.get(req.resolution,
                                                                                         TRANSACTION_NOT_TYPE)
+        refused = self._refusal(ctx, "EndTransaction", ((topic, SEND),))
+        if refused is not None:
+            return pb.EndTransactionResponse(status=refused)
         try:
             tx = TxId.decode(req.transaction_id)
             r = await self.route(topic)
@@ -507,6 +575,9 @@ class MessagingService:
 
     async def QueryAssignment(self, req: Any, ctx: Any) -> Any:
         pb = self.pb
+        refused = self._refusal(ctx, "QueryAssignment", ((req.topic.name, CONSUME),))
+        if refused is not None:
+            return pb.QueryAssignmentResponse(status=refused)
         try:
             r = await self.route(req.topic.name)
         except Fail as f:
@@ -628,6 +699,9 @@ class MessagingService:
     async def _receive(self, req: Any, ctx: Any) -> list[Any]:
         pb = self.pb
         self.stats.receives += 1
+        refused = self._refusal(ctx, "ReceiveMessage", ((req.message_queue.topic.name, CONSUME),))
+        if refused is not None:
+            return [pb.ReceiveMessageResponse(status=refused)]
         long_poll = req.long_polling_timeout.seconds + req.long_polling_timeout.nanos / 1e9
         left = ctx.time_remaining()
         if left is not None:
@@ -668,6 +742,9 @@ class MessagingService:
 
     async def AckMessage(self, req: Any, ctx: Any) -> Any:
         pb = self.pb
+        refused = self._refusal(ctx, "AckMessage", ((req.topic.name, CONSUME),))
+        if refused is not None:
+            return pb.AckMessageResponse(status=refused)
         entries = []
         for e in req.entries:
             try:
@@ -685,6 +762,9 @@ class MessagingService:
     async def ChangeInvisibleDuration(self, req: Any, ctx: Any) -> Any:
         pb = self.pb
         ms = req.invisible_duration.seconds * 1000 + req.invisible_duration.nanos // 1_000_000
+        refused = self._refusal(ctx, "ChangeInvisibleDuration", ((req.topic.name, CONSUME),))
+        if refused is not None:
+            return pb.ChangeInvisibleDurationResponse(status=refused)
         try:
             handle = ReceiptHandle.decode(req.receipt_handle)
             resp = await self._handle_call(req.topic.name, req.group.name, handle, C.CHANGE_MESSAGE_INVISIBLETIME,
@@ -700,6 +780,9 @@ class MessagingService:
         receipt handle, then the message is acked there, as the Java proxy does."""
         pb = self.pb
         topic, group = req.topic.name, req.group.name
+        refused = self._refusal(ctx, "ForwardMessageToDeadLetterQueue", ((topic, CONSUME),))
+        if refused is not None:
+            return pb.ForwardMessageToDeadLetterQueueResponse(status=refused)
         try:
             handle = ReceiptHandle.decode(req.receipt_handle)
             if handle.commit_log_offset < 0:

@@ -32,6 +32,11 @@ escaped or not a string, escaped keys and the other ambiguous JSON; here a JSON 
 AccessKey that is not a string are refused too.  ROCKETMQ binary headers become a map in which
 the last duplicate wins, in Java and in the codec alike.
 
+gRPC calls (the front, :mod:`rmqfast.grpcfront.auth`) get the same allowlist; there the proxy does
+verify signatures, with ``acl.secret_keys`` (AccessKey -> secret key), since the brokers never see
+a gRPC client's signature; ``acl.signature_max_age`` bounds the signed date-time's distance from
+the proxy's clock.
+
 Cost: with an allowlist these codes leave the compiled path; measured with
 ``bench/acl_allowlist.py`` (see the README section on ACL for the figures).
 """
@@ -74,7 +79,9 @@ TOPIC_FIELDS: dict[int, tuple[str, str]] = {
 
 CHOICES = ("deny", "allow")
 _TOPIC = re.compile(r"[%|a-zA-Z0-9_-]{1,127}")  # RocketMQ's topic name rule
-_KNOWN = {"topics", "unsigned", "other_keys"}
+_KNOWN = {"topics", "unsigned", "other_keys", "secret_keys", "signature_max_age"}
+#: s: default of ``acl.signature_max_age`` (how far a gRPC request's signed date-time may be from the proxy's clock)
+SIGNATURE_MAX_AGE = 900.0
 
 
 @dataclass
@@ -84,6 +91,10 @@ class AclSection:
     topics: dict[str, list[str]] = field(default_factory=dict)
     unsigned: str = "deny"
     other_keys: str = "deny"
+    #: AccessKey -> secret key: the gRPC front verifies 5.x clients' signatures with them
+    #: (rmqfast.grpcfront.auth); Remoting signatures are the broker's to verify
+    secret_keys: dict[str, str] = field(default_factory=dict)
+    signature_max_age: float = SIGNATURE_MAX_AGE  # s; 0: the signed date-time is not checked
 
     @property
     def enabled(self) -> bool:
@@ -92,7 +103,9 @@ class AclSection:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AclSection:
         return cls(topics={k: list(v) for k, v in d.get("topics", {}).items()},
-                   unsigned=d.get("unsigned", "deny"), other_keys=d.get("other_keys", "deny"))
+                   unsigned=d.get("unsigned", "deny"), other_keys=d.get("other_keys", "deny"),
+                   secret_keys=dict(d.get("secret_keys", {})),
+                   signature_max_age=float(d.get("signature_max_age", SIGNATURE_MAX_AGE)))
 
 
 def _v(value: Any) -> str:
@@ -137,6 +150,7 @@ def parse_acl(raw: Any) -> AclSection:
                 errors.append(f"{where}[{i}]: {_v(p)} is not allowed; expected a topic name (letters, digits, "
                               "'%', '|', '_', '-'; at most 127), a prefix ending in '*', or \"*\"")
         sec.topics[ak] = good
+    _parse_secrets(raw, sec, errors)
     if not sec.topics and not errors and raw:
         errors.append("acl.topics: required when [acl] is present; name each AccessKey and the topics it "
                       "may use, e.g. topics = { \"app-orders\" = [\"Orders\"] }")
@@ -147,6 +161,34 @@ def parse_acl(raw: Any) -> AclSection:
 
         raise ConfigErrors(errors)
     return sec
+
+
+def _bad_key(ak: Any) -> bool:
+    return not isinstance(ak, str) or not ak or any(ord(ch) < 0x20 or ch == "\ufffd" for ch in ak)
+
+
+def _parse_secrets(raw: dict[str, Any], sec: AclSection, errors: list[str]) -> None:
+    """``secret_keys`` (AccessKey -> secret key, for the gRPC front) and ``signature_max_age``."""
+    secrets = raw.get("secret_keys", {})
+    if not isinstance(secrets, dict):
+        errors.append(f"acl.secret_keys: {_v(type(secrets).__name__)} is not allowed; expected a table "
+                      "AccessKey = \"secret key\", e.g. secret_keys = { \"app-orders\" = \"...\" }")
+        secrets = {}
+    for ak, sk in secrets.items():
+        if _bad_key(ak) or " " in ak or "," in ak or "/" in ak:
+            errors.append(f"acl.secret_keys.{_v(ak)}: not allowed as an AccessKey; expected a non-empty name "
+                          "without control characters, spaces, ',' or '/' (a 5.x client's Credential)")
+        elif not isinstance(sk, str) or not sk:
+            errors.append(f"acl.secret_keys.{_v(ak)}: expected the AccessKey's secret key, a non-empty string")
+        else:
+            sec.secret_keys[ak] = sk
+    if "signature_max_age" in raw:
+        v = raw["signature_max_age"]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 86400:
+            errors.append(f"acl.signature_max_age: {_v(v)} is not allowed; expected seconds in [0, 86400] "
+                          "(0: the signed date-time is not checked)")
+        else:
+            sec.signature_max_age = float(v)
 
 
 class _Patterns:
