@@ -559,7 +559,7 @@ def test_requests_held_at_once_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPa
     release = gevent.event.Event()
     busy = [0, 0]  # now, most at once
 
-    def move(cmd: RemotingCommand, dead_addr: str) -> tuple[RemotingCommand, str]:
+    def move(cmd: RemotingCommand, dead_addr: str, peer: str = "", **kw: Any) -> tuple[RemotingCommand, str]:
         busy[0] += 1
         busy[1] = max(busy)
         release.wait(timeout=30)

@@ -26,6 +26,15 @@ The connection is closed, once nothing is in flight, as soon as the broker is se
 Consumers are untouched: route healing keeps the dead broker's queues readable, so they resume
 where they were.
 
+Policy: a moved send never passed the relay's filter chain, so the service applies what that chain
+would have, toward the live master it is aimed at: ``[limits]`` (it takes tokens like any send;
+over a limit it gets SYSTEM_BUSY, over a shape rule it is shaped) and ``[delay]`` (a send asking
+for proxy-held delay is held and released to that master at its due time).  A send *resent*
+because its broker died with it in flight is not charged nor held again: it went through the chain
+when the client sent it (the scanner's limiter took its tokens; a delayed send was held then and
+never reached the broker, so it is not among the kept ones) and this is the same message reaching
+the cluster once.
+
 Routes come from :class:`RouteBook`: what the worker's route rewrites saw, else asked of the
 name servers (on this path only, never on the relay path).
 """
@@ -47,13 +56,14 @@ from gevent.lock import Semaphore
 
 from rmqfast.codec import codes as C
 from rmqfast.codec import slot_code
-from rmqfast.codec._scan_py import result_index
+from rmqfast.codec._scan_py import _count_batch, result_index
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
-from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, send_fields
+from rmqfast.codec.properties import parse_properties
+from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
 from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
-from rmqfast.proxy.policy import Filter, slots_of
+from rmqfast.proxy.policy import Filter, Frame, Kind, Verdict, slots_of
 
 log = logging.getLogger("rmqfast.failover")
 
@@ -183,6 +193,22 @@ def ordered_reason(info: SendInfo, cfg: FailoverSection) -> str | None:
     if info.sys_flag & TRANSACTION_PREPARED:
         return "a transaction half message is committed at the broker the producer chose"
     return None
+
+
+def _messages(cmd: RemotingCommand) -> int:
+    """Messages of a send, counted as the relay's scanner counts them for the limiter (a batch: the
+    records its totalSize words walk)."""
+    return _count_batch(bytes(cmd.body)) if is_batch(cmd.code, cmd.ext_fields) else 1
+
+
+class _Upstream:
+    """What :meth:`rmqfast.delay.service.DelayService.hold` reads of a session: the broker a held send
+    is released to (no ordered writer: the hold answers in its verdict once stored)."""
+
+    __slots__ = ("upstream_addr",)
+
+    def __init__(self, upstream_addr: str) -> None:
+        self.upstream_addr = upstream_addr
 
 
 def candidates(route: Route, dead: set[str], exclude_name: str | None, exclude_addr: str) -> list[tuple[str, str, int]]:
@@ -464,14 +490,25 @@ class FailoverService:
         #: [gray] (set by the worker, and on reload): ``place(cmd, broker_name, write_queues, peer_ip)``, the
         #: moved send with the queue id of its gray or normal share on that broker (rmqfast.gray.filter)
         self.place: Callable[[RemotingCommand, str, int, str], RemotingCommand] | None = None
+        #: [limits] (set by the worker, and on reload): its rmqfast.limits.worker.WorkerLimits; a moved send
+        #: takes tokens from the shared buckets like a relayed one
+        self.limits: Any = None
+        #: [delay] (set by the worker, and on reload): its rmqfast.delay.service.DelayService; a moved send that
+        #: asks for proxy-held delay is held for the live master it would have gone to
+        self.delay: Any = None
 
     # One send -----------------------------------------------------------------------------------
 
-    def move(self, cmd: RemotingCommand, dead_addr: str, peer: str = "") -> tuple[RemotingCommand, str]:
+    def move(self, cmd: RemotingCommand, dead_addr: str, peer: str = "", *, relayed: bool = False,
+             nbytes: int = 0) -> tuple[RemotingCommand, str]:
         """Send ``cmd`` (a send aimed at the dead broker ``dead_addr``, from client IP ``peer``) elsewhere.
 
+        ``relayed``: a send in flight resent (it passed the relay's filter chain, limits and delay
+        included, when the client sent it); else the send limits and proxy-held delay apply here.
+        ``nbytes``: the size of the client's frame (what the relay's limiter charges; 0: re-encoded).
+
         Returns (the answer to give the client, with its opaque; a label for logs/metrics:
-        the broker that stored it, or ``refused:<reason>``).
+        the broker that stored it, ``held`` / ``shaped`` (the proxy took it), or ``refused:<reason>``).
         """
         info = send_info(cmd)
         assert info is not None
@@ -499,6 +536,10 @@ class FailoverService:
                                 f"rmqfast: broker {dead_addr} is unreachable and no other live master holds "
                                 f"topic {info.topic}; retry later")
         start = next(self._rr)
+        if not relayed and (self.limits is not None or self.delay is not None):
+            taken = self._policy(cmd, info, cands[start % len(cands)], dead_addr, peer, nbytes)
+            if taken is not None:
+                return taken
         last: RemotingCommand | None = None
         errors = []
         for k in range(len(cands)):
@@ -525,6 +566,56 @@ class FailoverService:
         return self._refuse(cmd, dead_addr, "other_broker_unreachable",
                             f"rmqfast: broker {dead_addr} is unreachable and moving the send failed "
                             f"({'; '.join(errors)}); retry later")
+
+    def _policy(self, cmd: RemotingCommand, info: SendInfo, target: tuple[str, str, int], dead_addr: str, peer: str,
+                nbytes: int) -> tuple[RemotingCommand, str] | None:
+        """``[limits]`` and ``[delay]`` for a send about to be moved to ``target`` (name, address, write
+        queues), in the relay chain's order: the limit first (a refused send is not held), then the
+        hold.  The answer when the proxy answers the send itself; None: move it."""
+        name, addr, nq = target
+        out = retarget(cmd, info, name, nq)
+        if self.place is not None:
+            out = self.place(out, name, nq, peer)
+        limits = self.limits
+        if limits is not None:
+            lim = limits.limiter_for()
+            if lim.active:
+                tag = parse_properties(info.properties).get("TAGS") if info.properties else None
+                msgs = _messages(cmd)
+                index = lim.admit(info.topic.encode(), tag.encode() if tag is not None else None, msgs,
+                                  nbytes or len(encode(cmd)))
+                if index >= 0:
+                    return self._taken(cmd, self._over_limit(out, index, addr), dead_addr, "shaped"
+                                       if limits.is_shape(index) else "send_limit")
+        delay = self.delay
+        if delay is not None and delay.cfg.covers(info.topic):
+            v = delay.hold(_Upstream(addr), Frame(encode(out), out.code, out.flag, out.opaque), out)
+            if v is not None:
+                return self._taken(cmd, v, dead_addr, "held")
+        return None
+
+    def _over_limit(self, out: RemotingCommand, index: int, addr: str) -> Verdict:
+        from rmqfast.limits.filter import busy_answer
+        from rmqfast.proxy.policy import reply
+
+        if self.limits.is_shape(index):
+            from rmqfast.limits.shaper import shape_send  # the spill's modules load only when shaping
+
+            return shape_send(self.limits, Frame(encode(out), out.code, out.flag, out.opaque, index), index, addr)
+        return reply(busy_answer(out, f"rmqfast: {self.limits.rule_description(index)}; retry later"))
+
+    def _taken(self, cmd: RemotingCommand, v: Verdict, dead_addr: str, what: str) -> tuple[RemotingCommand, str]:
+        """The answer of a moved send the proxy answered itself (limit, shaping, hold): verdict ``v``."""
+        if v.kind is Kind.REPLY:
+            answer = replace(decode_frame(v.data), opaque=cmd.opaque)
+        else:  # a oneway send taken or dropped (its answer is never written), or an unreadable one
+            answer = make_response(cmd, C.SYSTEM_BUSY, f"rmqfast: {v.reason}")
+        if answer.code != C.SUCCESS:
+            self.refused += 1
+            if self.metrics is not None:
+                self.metrics.failover_refused.labels(dead_addr, what).inc()
+            return answer, f"refused:{what}"
+        return answer, what
 
     def _request(self, addr: str, cmd: RemotingCommand) -> RemotingCommand:
         conn = self.pool.get(addr)
@@ -555,13 +646,14 @@ class FailoverService:
             with lock:
                 client.sendall(data)
 
-        def handle(cmd: RemotingCommand) -> None:
+        def handle(cmd: RemotingCommand, size: int) -> None:
             try:
                 if cmd.code in SEND_CODES and send_info(cmd) is not None:
                     if self.place is None:
-                        answer, to = self.move(cmd, dead_addr)
+                        answer, to = self.move(cmd, dead_addr, nbytes=size)
                     else:  # [gray] markers may name client networks
-                        answer, to = self.move(cmd, dead_addr, client_addr.rpartition(":")[0].strip("[]"))
+                        answer, to = self.move(cmd, dead_addr, client_addr.rpartition(":")[0].strip("[]"),
+                                               nbytes=size)
                     log.debug("send moved", extra=ctx(broker=dead_addr, to=to, client=client_addr))
                 else:
                     remark = f"rmqfast: upstream unreachable ({dead_addr}: broker seen dead); retry later"
@@ -602,13 +694,13 @@ class FailoverService:
                 pass
 
     def _read_loop(self, client: socket.socket, in_flight: list[int], done: Any,
-                   handle: Callable[[RemotingCommand], None], last: list[float]) -> None:
+                   handle: Callable[[RemotingCommand, int], None], last: list[float]) -> None:
         buf = bytearray()
         held = [0]  # bytes of the requests being handled
 
         def sized(cmd: RemotingCommand, size: int) -> None:
             try:
-                handle(cmd)
+                handle(cmd, size + 4)  # the whole frame, as the relay's limiter charges it
             finally:
                 held[0] -= size
                 done.set()

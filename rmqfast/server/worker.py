@@ -212,6 +212,8 @@ class Worker:
         self._setup_delay()
         if self.delay is not None:  # first: a held send is answered here and not copied
             broker_filters.insert(0, self.delay.filter)
+        # sends the failover service moves take tokens and are held like relayed ones (rmqfast.proxy.failover)
+        self.failover.limits, self.failover.delay = self.limits, self.delay
         # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
         # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
@@ -468,7 +470,9 @@ class Worker:
         live master and answered with its result, the rest SYSTEM_ERROR (rmqfast.proxy.failover)."""
 
         def resend(data: bytes) -> Any:
-            answer, _to = self.failover.move(decode_frame(data), addr, session.client_addr.rpartition(":")[0])
+            # relayed: the send passed the filter chain (limits, delay) when the client sent it
+            answer, _to = self.failover.move(decode_frame(data), addr, session.client_addr.rpartition(":")[0],
+                                             relayed=True)
             return answer
 
         answered, sends, resent = answer_in_flight(session, remark, resend,
