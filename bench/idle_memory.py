@@ -118,11 +118,8 @@ def main() -> int:
                         settings, Events())
             sessions.append(s)
             s.serve(lambda: None)  # as the worker: returns once the pumps are parked in the reactor
-            if not s.closed:
-                server.kept.add(sock)
 
-        server = RelayServer(("127.0.0.1", 0), handle, backlog=1024)
-        server.kept = set()
+        server = RelayServer(("127.0.0.1", 0), handle, backlog=1024)  # plain accepted sockets, as the worker's
         server.start()
         # one warm-up connection: lazily made per-process things (reactor, pools) are not counted
         warm = subprocess.Popen([sys.executable, "-c", CLIENT, "1", str(server.server_port), HB],

@@ -24,6 +24,10 @@ Scenarios (``--scenario``, repeatable; default all):
 * ``send-delay-on``: ``send`` with proxy-held delay on for another topic (``[delay] topics``);
 * ``send-delay-topic``: ``send`` to a ``[delay]`` topic, without a delivery-time property
   (relayed to the broker as it is).
+* ``pull``: PULL_MESSAGE answered with the null broker's 16 x 1 KiB store records, with the
+  worker's message-address filter (``policy.message_addresses = "records"``, the default): every
+  record's store host is rewritten to a proxy endpoint (checked on the answers read);
+* ``pull-off``: the same pulls with ``message_addresses = "off"`` (relayed untouched).
 
     .venv/bin/python bench/relay_instructions.py [--frames 2000 12000] [--batch 32] [--scenario send]
 
@@ -51,7 +55,22 @@ import tempfile
 from pathlib import Path
 
 SCENARIOS = ("send", "send-limited", "send-busy", "denied", "send-kept", "send-kept-policy", "send-delay-on",
-             "send-delay-topic")
+             "send-delay-topic", "pull", "pull-off")
+PULL = 11
+STORE_HOST = "127.0.0.1:10911"  # what the null broker writes in its records
+ENDPOINT = "127.0.0.1:40001"  # the proxy endpoint the pull scenario maps it to
+
+
+class _Registry:
+    """The part of the endpoint registry the message-address filter asks: one broker, one endpoint."""
+
+    advertise_host = "127.0.0.1"
+
+    def advertised(self, real: str) -> str | None:
+        return ENDPOINT if real == STORE_HOST else None
+
+    def is_proxy_address(self, addr: str) -> bool:
+        return addr == ENDPOINT
 TOPIC = "BenchTopic"
 UPDATE_BROKER_CONFIG = 25
 
@@ -107,6 +126,10 @@ def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
         from rmqfast.proxy.failover import KeepSendsInFlight
 
         filters.append(KeepSendsInFlight(everything=scenario == "send-kept"))
+    if scenario.startswith("pull"):  # last but one, as in the worker's broker chain
+        from rmqfast.proxy.addresses import RewriteMessageAddresses
+
+        filters.append(RewriteMessageAddresses(_Registry(), "off" if scenario == "pull-off" else "records"))  # type: ignore[arg-type]
     chain = FilterChain(filters)
     settings = RelaySettings(65536, 16 << 20, 1 << 16, 5.0, 600.0)
     listener = gsocket.socket(gsocket.AF_INET, gsocket.SOCK_STREAM)
@@ -129,6 +152,11 @@ def frame(scenario: str, opaque: int) -> bytes:
 
     if scenario == "denied":
         return encode(RemotingCommand(code=UPDATE_BROKER_CONFIG, opaque=opaque, version=401, body=b"x=y"))
+    if scenario.startswith("pull"):  # the Java client's PullMessageRequestHeader
+        return encode(RemotingCommand(code=PULL, opaque=opaque, version=401, ext_fields={
+            "consumerGroup": "PG", "topic": TOPIC, "queueId": "0", "queueOffset": str(opaque * 16),
+            "maxMsgNums": "32", "sysFlag": "2", "commitOffset": "0", "suspendTimeoutMillis": "15000",
+            "subscription": "*", "subVersion": "0", "expressionType": "TAG"}))
     return encode(RemotingCommand(code=310, opaque=opaque, version=401, ext_fields={
         "a": "PG", "b": TOPIC, "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": "0", "h": "0",
         "i": f"TAGS\u0001TagA\u0002UNIQ_KEY\u0001U{opaque}\u0002", "j": "0", "k": "false", "m": "false"},
@@ -150,10 +178,20 @@ def drive(port: int, scenario: str, n: int, batch: int) -> dict[int, int]:
                 data = read_frame(s)
                 if data is None:
                     raise RuntimeError(f"the proxy closed the connection after {sent} frames")
-                c = decode_frame(data).code
-                codes[c] = codes.get(c, 0) + 1
+                cmd = decode_frame(data)
+                codes[cmd.code] = codes.get(cmd.code, 0) + 1
+                if sent == 0 and scenario.startswith("pull"):
+                    _check_store_hosts(cmd.body, STORE_HOST if scenario == "pull-off" else ENDPOINT)
             sent += k
     return codes
+
+
+def _check_store_hosts(body: bytes, want: str) -> None:
+    from rmqfast.codec.store import decode_records
+
+    hosts = {r.store_host for r in decode_records(body)}
+    if hosts != {want}:
+        raise RuntimeError(f"pull answers carry store hosts {sorted(hosts)}, expected {want}")
 
 
 def instructions(out_file: Path) -> int:

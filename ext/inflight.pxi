@@ -5,7 +5,7 @@ cdef struct PendingEntry:
     int64_t key          # -1: empty; else direction << 32 | (uint32) opaque
     int32_t slot
     int32_t topic        # index in the stats' topic table (-1: none), for sampled records
-    int32_t want         # a filter wants the answer (the scanner stops at it for policy)
+    int32_t want         # 1: a filter wants the answer (policy); 2: the scanner maps its records
     int64_t t_ns
     int64_t req_bytes
 
@@ -63,13 +63,13 @@ cdef class InFlight:
         return 0
 
     cdef int track_c(self, int direction, int32_t opaque, int slot, int64_t now, int64_t req_bytes=0,
-                     int32_t topic=-1, bint want=False) except -1:
+                     int32_t topic=-1, int want=0) except -1:
         """1 when tracked, 0 when the connection already tracks ``capacity`` requests."""
         cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
         cdef Py_ssize_t j = self._home(key)
         while self.tab[j].key >= 0:
             if self.tab[j].key == key:
-                self.nwant += (1 if want else 0) - (1 if self.tab[j].want else 0)
+                self.nwant += (1 if want != 0 else 0) - (1 if self.tab[j].want != 0 else 0)
                 self.tab[j].slot = slot
                 self.tab[j].t_ns = now
                 self.tab[j].req_bytes = req_bytes
@@ -91,7 +91,7 @@ cdef class InFlight:
         self.tab[j].topic = topic
         self.tab[j].want = want
         self.count += 1
-        if want:
+        if want != 0:
             self.nwant += 1
         return 1
 
@@ -104,6 +104,16 @@ cdef class InFlight:
                 return self.tab[j].want != 0
             j = (j + 1) & (self.size - 1)
         return False
+
+    cdef int want_of_c(self, int direction, int32_t opaque) noexcept:
+        """-1: not tracked; else what is wanted of its answer (0 nothing, 1 policy, 2 records)."""
+        cdef int64_t key = (<int64_t>direction << 32) | <uint32_t>opaque
+        cdef Py_ssize_t j = self._home(key)
+        while self.tab[j].key >= 0:
+            if self.tab[j].key == key:
+                return self.tab[j].want
+            j = (j + 1) & (self.size - 1)
+        return -1
 
     cdef bint take_c(self, int direction, int32_t opaque, int* slot, int64_t* t, int64_t* req_bytes=NULL,
                      int32_t* topic=NULL) noexcept:
@@ -118,7 +128,7 @@ cdef class InFlight:
                     req_bytes[0] = self.tab[j].req_bytes
                 if topic != NULL:
                     topic[0] = self.tab[j].topic
-                if self.tab[j].want:
+                if self.tab[j].want != 0:
                     self.nwant -= 1
                 # backward-shift deletion keeps every probe chain unbroken
                 k = (j + 1) & mask
@@ -135,8 +145,16 @@ cdef class InFlight:
         return False
 
     def track(self, int direction, int32_t opaque, int slot, int64_t now_ns, int64_t req_bytes=0,
-              int32_t topic=-1, bint want=False):
+              int32_t topic=-1, int want=0):
+        """``want``: 0 (or False) nothing, 1 (or True) a filter wants the answer, 2 the scanner
+        maps the store hosts of its records."""
+        if want < 0 or want > 2:
+            raise ValueError(f"want must be 0, 1 or 2, got {want}")
         return self.track_c(direction, opaque, slot, now_ns, req_bytes, topic, want) == 1
+
+    def want_of(self, int direction, int32_t opaque):
+        """-1: not tracked; else what is wanted of its answer (0 nothing, 1 policy, 2 records)."""
+        return self.want_of_c(direction, opaque)
 
     def take(self, int direction, int32_t opaque):
         cdef int slot

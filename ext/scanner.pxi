@@ -44,6 +44,8 @@ cdef class FrameScanner:
     cdef public int conn_id      # the relay's connection id, carried into sampled records
     cdef public list delay_topics  # [delay] topics (bytes; b"*" ends a prefix): their delayed sends go to policy
     cdef public list policy_topics  # topics (bytes; b"*" ends a prefix) whose every send goes to policy
+    cdef public AddressMap address_map  # store hosts of records answers (ACTION_RECORDS requests), None: policy
+    cdef public int records      # 1 when the last EV_POLICY is a records answer the scanner did not map
 
     def __init__(self, ScanStats stats not None, *, actions=None, bint response_policy=False,
                  Py_ssize_t max_frame_size=DEFAULT_MAX_FRAME,
@@ -60,6 +62,7 @@ cdef class FrameScanner:
         self.direction = direction
         self.limiter = limiter
         self.limited = -1
+        self.records = 0
         self.response_policy = response_policy
         self.max_frame_size = max_frame_size
         self.max_header_size = max_header_size
@@ -87,22 +90,29 @@ cdef class FrameScanner:
         self._actions = <const uint8_t*><const char*>table
 
     def scan(self, buf, Py_ssize_t start, Py_ssize_t end, int64_t now_ns=-1):
+        """See ``_scan_py.FrameScanner.scan``.  The store hosts of records answers are patched in
+        ``buf`` when it is writable; in a read-only buffer such an answer goes to policy."""
         cdef Py_buffer view
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        cdef bint writable = True
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+        except BufferError:
+            PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+            writable = False
         try:
             if start < 0 or end > view.len or start > end:
                 raise ValueError(f"scan range [{start}:{end}] outside a buffer of {view.len} bytes")
-            return self._scan(<const uint8_t*>view.buf, start, end, now_ns)
+            return self._scan(<uint8_t*>view.buf, start, end, now_ns, writable)
         finally:
             PyBuffer_Release(&view)
 
-    cdef tuple _scan(self, const uint8_t* p, Py_ssize_t start, Py_ssize_t end, int64_t now):
+    cdef tuple _scan(self, uint8_t* p, Py_ssize_t start, Py_ssize_t end, int64_t now, bint writable=True):
         cdef Py_ssize_t pos = start, avail, take, total
         cdef int32_t length, mark
         cdef int stype, err, slot
         cdef Py_ssize_t hlen
-        cdef bint policy, is_response, limit_check, batch
-        cdef int limited, topic_idx = -1
+        cdef bint policy, is_response, limit_check, batch, rec
+        cdef int limited, topic_idx = -1, want
         cdef Py_ssize_t ts = -1, tl = 0, ps = -1, pl = 0
         cdef bint tesc = False, pesc = False
         cdef HeaderInfo info
@@ -149,12 +159,15 @@ cdef class FrameScanner:
             is_response = info.flag & 1
             limit_check = False
             batch = False
+            rec = False
             ts = -1
             ps = -1
             if is_response:
-                policy = self.response_policy or (
-                    self.inflight is not None and self.inflight.nwant > 0
-                    and self.inflight.wants_c(self.direction ^ 1, info.opaque))
+                policy = self.response_policy
+                if self.inflight is not None and self.inflight.nwant > 0:
+                    want = self.inflight.want_of_c(self.direction ^ 1, info.opaque)
+                    policy = policy or want == 1
+                    rec = want == 2
             else:
                 # The topic and properties the broker reads for this request code.
                 # A send is a batch when its header's batch flag reads true, whatever its code
@@ -172,6 +185,24 @@ cdef class FrameScanner:
                 if ts >= 0 and tesc:
                     return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == 1
+                if self._actions[slot] == ACTION_RECORDS_C and not info.flag & 2:
+                    # the scanner maps the store hosts of the answer (records.pxi); one request per
+                    # opaque, or its answer could not be told apart
+                    if self.inflight is None:
+                        policy = True
+                    elif self.inflight.want_of_c(self.direction, info.opaque) >= 0:
+                        return self._fail(pos, f"request {info.code} reuses opaque {info.opaque} while a request "
+                                               "with it is unanswered (its answer could not be told apart and "
+                                               "its broker addresses rewritten)")
+                    elif self.inflight.count >= self.inflight.capacity:
+                        return self._fail(pos, f"more than {self.inflight.capacity} requests unanswered on one "
+                                               "connection (the answers' broker addresses could not be rewritten)")
+                    else:
+                        rec = True
+                elif self.inflight is not None and self.inflight.nwant > 0 and \
+                        self.inflight.want_of_c(self.direction, info.opaque) == 2:
+                    return self._fail(pos, f"request {info.code} reuses opaque {info.opaque} while a request "
+                                           "whose answer's broker addresses are rewritten is unanswered")
                 if not policy and ts >= 0 and self.policy_topics and info.code != PULL and info.code != LITE_PULL:
                     # every send of these topics leaves the fast path (gray releases: split topics),
                     # reply messages too (the broker stores them in the header's topic and queue)
@@ -186,7 +217,7 @@ cdef class FrameScanner:
                         info.code != PULL and info.code != LITE_PULL:  # sends and reply messages
                     # a limited send is decided whole (a rejected one is never relayed)
                     limit_check = self.limiter.applies(p + pos + 8 + ts, <int>tl)
-            if (policy or batch or limit_check) and avail < total:
+            if (policy or batch or limit_check or (rec and is_response and info.code == 0)) and avail < total:
                 return (0, pos, total)
             stats.frames += 1
             stats.bytes += total
@@ -210,9 +241,16 @@ cdef class FrameScanner:
                     total, now)
                 if limited >= 0:
                     policy = True
+            if rec and is_response and not policy and info.code == 0 and 8 + hlen < total:
+                # a records answer: its store hosts mapped in place, or the frame to policy
+                if self.address_map is None or not writable or \
+                        map_records(p, pos + 8 + hlen, pos + total, self.address_map) != RS_OK:
+                    policy = True
             if self.inflight is not None:
-                self._time(slot, info.code, info.flag, info.opaque, now, policy, total, topic_idx)
+                self._time(slot, info.code, info.flag, info.opaque, now, policy, total, topic_idx,
+                           ACTION_RECORDS_C if rec and not is_response else 0)
             if policy:
+                self.records = rec and is_response
                 self.limited = limited
                 self.code = info.code
                 self.flag = info.flag
@@ -225,7 +263,7 @@ cdef class FrameScanner:
         return (0, pos, 0)
 
     cdef void _time(self, int slot, int32_t code, int flag, int32_t opaque, int64_t now, bint policy,
-                    Py_ssize_t total, int topic_idx) except *:
+                    Py_ssize_t total, int topic_idx, int want=0) except *:
         cdef int started_slot
         cdef int32_t topic
         cdef int64_t started, req_bytes, lat
@@ -238,7 +276,7 @@ cdef class FrameScanner:
             return  # the relay tracks it if it forwards it
         elif flag & 2:
             self.stats._res[slot * NRESULTS_C + R_ONEWAY_C] += 1
-        elif not self.inflight.track_c(self.direction, opaque, slot, now, total, topic_idx):
+        elif not self.inflight.track_c(self.direction, opaque, slot, now, total, topic_idx, want):
             self.stats.untracked += 1
 
     cdef int _count_topic(self, const uint8_t* f, Py_ssize_t hlen, Py_ssize_t total, int code, Py_ssize_t s,

@@ -13,6 +13,18 @@ EV_POLICY: int
 EV_ERROR: int
 ACTION_PASS: int
 ACTION_POLICY: int
+ACTION_RECORDS: int
+REC_OK: int
+REC_MISS: int
+REC_BAD: int
+MAX_ADDRESSES: int
+RECORD_MAGIC_V1: int
+RECORD_MAGIC_V2: int
+BORNHOST_V6: int
+STOREHOST_V6: int
+MIN_RECORD: int
+SYSFLAG_POS: int
+STOREHOST_POS: int
 CODE_SLOTS: int
 OTHER_SLOT: int
 TOPIC_SLOTS: int
@@ -120,10 +132,23 @@ class InFlight:
     def __init__(self, capacity: int = ...) -> None: ...
     def __len__(self) -> int: ...
     def track(self, direction: int, opaque: int, slot: int, now_ns: int, req_bytes: int = 0, topic: int = -1,
-              want: bool = False) -> bool: ...
+              want: int = 0) -> bool: ...
+    def want_of(self, direction: int, opaque: int) -> int: ...
     def take(self, direction: int, opaque: int) -> tuple[int, int] | None: ...
     def waiting(self, direction: int) -> list[tuple[int, int]]: ...
     def abandon(self, stats: ScanStats) -> int: ...
+
+class AddressMap:
+    rewritten: int
+    walked: int
+    @property
+    def count(self) -> int: ...
+    def __len__(self) -> int: ...
+    def set(self, real: bytes, new: bytes) -> bool: ...
+    def get(self, real: bytes) -> bytes | None: ...
+
+def walk_store_hosts(buf: ReadableBuffer, start: int, end: int, amap: AddressMap,
+                     patch: bool = False) -> tuple[int, int, bool]: ...
 
 class Limiter:
     @property
@@ -149,6 +174,8 @@ class FrameScanner:
     conn_id: int
     delay_topics: list[bytes] | None
     policy_topics: list[bytes] | None
+    address_map: AddressMap | None
+    records: int
     @property
     def stats(self) -> ScanStats: ...
     @property

@@ -689,6 +689,34 @@ def test_stalled_sends_counts_only_sends_waiting_with_nothing_read_back() -> Non
         assert stalled_sends(all_, now + 0.9)["b1:1"] == pytest.approx(0.2)
 
 
+def test_stalled_sends_does_not_look_at_sessions_without_requests_in_flight() -> None:
+    """The sweep runs ten times a second over every session of the worker: sessions with no table
+    yet or an empty one are passed over without reading anything else of them."""
+    from rmqfast import codec
+    from rmqfast.codec import code_slot
+    from rmqfast.proxy.failover import stalled_sends
+
+    class Untouchable:
+        def __init__(self, inflight: Any) -> None:
+            self.inflight = inflight
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the sweep read {name} of a session with nothing in flight")
+
+    twins = [codec.InFlightPy] + ([codec.InFlightC] if codec.InFlightC is not None else [])
+    for cls in twins:
+        emptied = cls(64)
+        emptied.track(0, 1, code_slot(C.SEND_MESSAGE_V2), 0)
+        emptied.take(0, 1)
+        t = cls(64)
+        t.track(0, 2, code_slot(C.SEND_MESSAGE_V2), 0)
+        busy = type("S", (), {"role": "broker", "closed": False, "inflight": t, "upstream_addr": "b:1",
+                              "heard": [0.0]})()
+        sessions = {Untouchable(None), Untouchable(cls(64)), Untouchable(emptied), busy}
+        assert stalled_sends(sessions, 10.0) == {}
+        assert stalled_sends(sessions, 10.5) == {"b:1": 0.5}
+
+
 def test_unknown_topic_route_lookups_are_cached_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
     from rmqfast.clouds import remoting
     from rmqfast.proxy import failover as fo

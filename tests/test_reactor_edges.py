@@ -857,14 +857,14 @@ def test_close_while_connecting_upstream(monkeypatch):
     from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 
     started, gate = Event(), Event()
-    real = relay.connect_tcp
+    real = relay.connect_plain
 
     def slow_connect(host: str, port: int, timeout: float):
         started.set()
         gate.wait()
         return real(host, port, timeout)
 
-    monkeypatch.setattr(relay, "connect_tcp", slow_connect)
+    monkeypatch.setattr(relay, "connect_plain", slow_connect)
     listener = gsocket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)

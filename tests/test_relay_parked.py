@@ -112,19 +112,16 @@ class Rig:
 
         monkeypatch.setattr(Session, "_drive", counted)
 
-        def handle(sock: socket.socket, addr: tuple) -> None:
+        def handle(sock: socket.socket, addr: tuple) -> None:  # a plain socket (RelayServer)
             s = Session("broker", sock, f"{addr[0]}:{addr[1]}",
                         [HostPort("127.0.0.1", self.broker.server.server_port)], chain, stats, settings, self.events)
             self.sessions.append(s)
             if self.before_serve is not None:
                 self.before_serve.wait()
-            s.serve(lambda: self.ended.append(s))
+            s.serve(lambda: self.ended.append(s))  # the session closes the socket on every path
             self.returned.append(not s.closed)
-            if not s.closed:
-                self.server.kept.add(sock)
 
         self.server = RelayServer(("127.0.0.1", 0), handle)
-        self.server.kept = set()
         self.server.start()
         self.port = self.server.server_port
 
@@ -160,7 +157,7 @@ def test_serve_returns_with_both_pumps_parked_and_ends_once(rig):
     rig.wait_ended()
     assert rig.ended == [session] and session.closed
     assert session._parked == [] and rig.drives[0] == rig.drives[1]  # detached
-    assert rig.server.kept == set()  # the kept socket was let go when its handler returned
+    assert session.client.fileno() == -1 and session.upstream.fileno() == -1  # closed by the session
 
 
 def test_a_policy_frame_wakes_a_greenlet_that_ends_when_the_pump_parks_again(rig):
@@ -256,3 +253,28 @@ def test_a_destination_that_pushes_back_is_waited_for_by_a_greenlet(rig):
         assert rig.drives[0] == rig.drives[1]  # parked again: no greenlet left
     rig.wait_ended()
     assert bytes(rig.broker.raw) == data
+
+
+def test_the_listener_hands_over_plain_sockets_and_leaves_them_open():
+    """The worker's listener gives its handler a plain non-blocking socket (no gevent socket object
+    and its watchers) and does not close it when the handler returns: the handler closes it, or the
+    session it started does when it ends."""
+    import _socket
+
+    got: list[object] = []
+    server = RelayServer(("127.0.0.1", 0), lambda sock, addr: got.append(sock))
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=5) as c, gevent.Timeout(10):
+            while not got:
+                gevent.sleep(0.01)
+            (sock,) = got
+            assert type(sock) is _socket.socket and sock.gettimeout() == 0.0
+            gevent.sleep(0.05)  # the handler's greenlet has ended
+            assert sock.fileno() != -1
+            sock.send(b"x")
+            assert c.recv(1) == b"x"
+            sock.close()
+            assert c.recv(1) == b""
+    finally:
+        server.stop(timeout=1)

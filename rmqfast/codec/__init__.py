@@ -49,6 +49,7 @@ Pump = _speedups.Pump if _speedups is not None else None
 FrameScanner = _impl.FrameScanner
 ScanStats = _impl.ScanStats
 InFlight = _impl.InFlight
+AddressMap = _impl.AddressMap
 code_slot = _impl.code_slot
 slot_code = _impl.slot_code
 
@@ -57,6 +58,7 @@ EV_POLICY = _scan_py.EV_POLICY
 EV_ERROR = _scan_py.EV_ERROR
 ACTION_PASS = _scan_py.ACTION_PASS
 ACTION_POLICY = _scan_py.ACTION_POLICY
+ACTION_RECORDS = _scan_py.ACTION_RECORDS
 CODE_SLOTS = _scan_py.CODE_SLOTS
 OTHER_SLOT = _scan_py.OTHER_SLOT
 DEFAULT_MAX_FRAME = _scan_py.DEFAULT_MAX_FRAME
@@ -106,6 +108,17 @@ def twin_of(obj: Any, name: str) -> Any:
     return getattr(_scan_py, name)
 
 
+def twin_class(compiled: bool, name: str) -> Any:
+    """The class ``name`` of the compiled (``compiled``) or pure twin: for a part that must match
+    a scanner already made (:func:`twin_of` when no object of that twin is at hand)."""
+    if compiled:
+        mod = compiled_twin()
+        if mod is None:
+            raise ImportError(f"{_EXT_NAME} is not built")
+        return getattr(mod, name)
+    return getattr(_scan_py, name)
+
+
 _TEST_NAMES = {"FrameScannerC": "FrameScanner", "ScanStatsC": "ScanStats", "InFlightC": "InFlight"}
 
 
@@ -119,9 +132,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "ACTION_PASS", "ACTION_POLICY", "CODE_SLOTS", "DEFAULT_MAX_FRAME", "DEFAULT_MAX_HEADER",
+    "ACTION_PASS", "ACTION_POLICY", "ACTION_RECORDS", "AddressMap", "CODE_SLOTS", "DEFAULT_MAX_FRAME",
+    "DEFAULT_MAX_HEADER",
     "EV_ERROR", "EV_FORWARD", "EV_POLICY", "IMPLEMENTATION", "NO_EXTENSIONS", "OTHER_SLOT",
     "InFlight", "InFlightPy", "LATENCY_BOUNDS_NS", "LATENCY_BUCKETS", "MAX_TRACKED", "RESULTS",
     "FrameScanner", "Pump", "FrameScannerPy", "ScanStats", "ScanStatsPy",
-    "code_slot", "compiled_twin", "extension_built", "is_compiled", "slot_code", "twin_of",
+    "code_slot", "compiled_twin", "extension_built", "is_compiled", "slot_code", "twin_class", "twin_of",
 ]

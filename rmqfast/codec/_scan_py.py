@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from rmqfast._args import c_int
+from rmqfast.codec import _records_py
 from rmqfast.codec._header_py import (
     E_TOPIC_ESCAPED,
     ERRORS,
@@ -45,6 +46,17 @@ from rmqfast.codec._header_py import (
     parse_json_header,
     props_delay,
 )
+
+# Records answers (ext/records.pxi's twin), re-exported here with the scanner that runs them.
+ACTION_RECORDS = _records_py.ACTION_RECORDS
+REC_OK, REC_MISS, REC_BAD = _records_py.REC_OK, _records_py.REC_MISS, _records_py.REC_BAD
+MAX_ADDRESSES = _records_py.MAX_ADDRESSES
+RECORD_MAGIC_V1, RECORD_MAGIC_V2 = _records_py.RECORD_MAGIC_V1, _records_py.RECORD_MAGIC_V2
+BORNHOST_V6, STOREHOST_V6 = _records_py.BORNHOST_V6, _records_py.STOREHOST_V6
+MIN_RECORD, SYSFLAG_POS, STOREHOST_POS = _records_py.MIN_RECORD, _records_py.SYSFLAG_POS, _records_py.STOREHOST_POS
+AddressMap = _records_py.AddressMap
+map_records = _records_py.map_records
+walk_store_hosts = _records_py.walk_store_hosts
 
 EV_FORWARD = 0
 EV_POLICY = 1
@@ -272,7 +284,7 @@ class InFlight:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._pending: dict[tuple[int, int], tuple[int, int, int, bytes]] = {}
-        self._want: set[tuple[int, int]] = set()  # requests whose answer a filter wants
+        self._want: dict[tuple[int, int], int] = {}  # requests whose answer is wanted: 1 policy, 2 records
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -282,31 +294,44 @@ class InFlight:
         return len(self._want)
 
     def track(self, direction: int, opaque: int, slot: int, now_ns: int, req_bytes: int = 0,
-              topic: bytes = b"", want: bool = False) -> bool:
+              topic: bytes = b"", want: int = 0) -> bool:
+        """``want``: 0 (or False) nothing, 1 (or True) a filter wants the answer, 2 the scanner
+        maps the store hosts of its records."""
         # the C types of the compiled twin's arguments: the same conversions and errors
         direction, opaque = c_int("direction", direction, "int"), c_int("opaque", opaque, "int")
         slot, now_ns = c_int("slot", slot, "int"), c_int("now_ns", now_ns)
         req_bytes = c_int("req_bytes", req_bytes)
+        want = c_int("want", want, "int")
+        if not 0 <= want <= 2:
+            raise ValueError(f"want must be 0, 1 or 2, got {want}")
         key = (direction, opaque)
         if len(self._pending) >= self.capacity and key not in self._pending:
             return False
         self._pending[key] = (slot, now_ns, req_bytes, topic)
         if want:
-            self._want.add(key)
+            self._want[key] = want
         else:
-            self._want.discard(key)
+            self._want.pop(key, None)
         return True
 
     def wants(self, direction: int, opaque: int) -> bool:
         """Whether a filter wants the answer to this request (the entry stays)."""
         return (direction, opaque) in self._want
 
+    def want_of(self, direction: int, opaque: int) -> int:
+        """-1: not tracked; else what is wanted of its answer (0 nothing, 1 policy, 2 records)."""
+        direction, opaque = c_int("direction", direction, "int"), c_int("opaque", opaque, "int")
+        key = (direction, opaque)
+        if key not in self._pending:
+            return -1
+        return self._want.get(key, 0)
+
     def take(self, direction: int, opaque: int) -> tuple[int, int] | None:
         e = self.take_full(c_int("direction", direction, "int"), c_int("opaque", opaque, "int"))
         return None if e is None else (e[0], e[1])
 
     def take_full(self, direction: int, opaque: int) -> tuple[int, int, int, bytes] | None:
-        self._want.discard((direction, opaque))
+        self._want.pop((direction, opaque), None)
         return self._pending.pop((direction, opaque), None)
 
     def waiting(self, direction: int) -> list[tuple[int, int]]:
@@ -393,6 +418,10 @@ class FrameScanner:
         self.conn_id = 0
         self._delay_topics: list[bytes] | None = None
         self._policy_topics: list[bytes] | None = None
+        self._address_map: AddressMap | None = None
+        #: 1 when the last ``EV_POLICY`` is a records answer the scanner did not map (its store hosts
+        #: are the policy's to map: an address the map does not know, or a body it could not walk)
+        self.records = 0
         #: Non-oneway requests seen (for in-flight accounting by the peer direction).
         self.requests = 0
         #: Responses seen.
@@ -427,6 +456,19 @@ class FrameScanner:
         if value is not None and type(value) is not list:
             raise TypeError(f"Expected list, got {type(value).__name__}")
         self._policy_topics = value
+
+    @property
+    def address_map(self) -> AddressMap | None:
+        """Store hosts of records answers (the answers to ``ACTION_RECORDS`` requests): mapped in
+        place when every one is known here, else the answer goes to the policy.  None: always
+        to the policy."""
+        return self._address_map
+
+    @address_map.setter
+    def address_map(self, value: AddressMap | None) -> None:
+        if value is not None and not isinstance(value, AddressMap):
+            raise TypeError(f"Cannot convert {type(value).__name__} to rmqfast._speedups.AddressMap")
+        self._address_map = value
 
     def set_actions(self, actions: bytes) -> None:
         if len(actions) != CODE_SLOTS:
@@ -501,11 +543,14 @@ class FrameScanner:
             topic = b""
             topic_name = b""
             tspan = pspan = None
+            rec = False
+            inflight = self.inflight
             if is_response:
-                inflight = self.inflight
-                policy = self.response_policy or (
-                    inflight is not None and inflight.nwant > 0 and inflight.wants(self.direction ^ 1, info.opaque)
-                )
+                policy = self.response_policy
+                if inflight is not None and inflight.nwant > 0:
+                    want = inflight.want_of(self.direction ^ 1, info.opaque)
+                    policy = policy or want == 1
+                    rec = want == 2
             else:
                 # The topic and properties the broker reads for this request code.
                 # A send is a batch when its header's batch flag reads true, whatever its code
@@ -521,6 +566,24 @@ class FrameScanner:
                 if tspan is not None and tspan[2]:
                     return self._fail(pos, f"invalid {kind} header: {ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == ACTION_POLICY
+                if self._actions[slot] == ACTION_RECORDS and not info.flag & 2:
+                    # the scanner maps the store hosts of the answer (_records_py); one request per
+                    # opaque, or its answer could not be told apart
+                    if inflight is None:
+                        policy = True
+                    elif inflight.want_of(self.direction, info.opaque) >= 0:
+                        return self._fail(pos, f"request {code} reuses opaque {info.opaque} while a request "
+                                               "with it is unanswered (its answer could not be told apart and "
+                                               "its broker addresses rewritten)")
+                    elif len(inflight) >= inflight.capacity:
+                        return self._fail(pos, f"more than {inflight.capacity} requests unanswered on one "
+                                               "connection (the answers' broker addresses could not be rewritten)")
+                    else:
+                        rec = True
+                elif inflight is not None and inflight.nwant > 0 and \
+                        inflight.want_of(self.direction, info.opaque) == 2:
+                    return self._fail(pos, f"request {code} reuses opaque {info.opaque} while a request "
+                                           "whose answer's broker addresses are rewritten is unanswered")
                 if not policy and tspan is not None and self._policy_topics and code != _PULL and code != _LITE_PULL:
                     # every send of these topics leaves the fast path (gray releases: split topics),
                     # reply messages too (the broker stores them in the header's topic and queue)
@@ -540,7 +603,7 @@ class FrameScanner:
                     limit_check = limiter.applies(topic)
             # Policy frames, batches (whose inner messages are counted) and limited sends are
             # only handled whole; everything else is forwarded as soon as its header is seen.
-            if (policy or batch or limit_check) and avail < total:
+            if (policy or batch or limit_check or (rec and is_response and code == 0)) and avail < total:
                 return EV_FORWARD, pos, total
             # Count the frame (exactly once: we only get here when it is complete or passed).
             stats.frames += 1
@@ -563,9 +626,16 @@ class FrameScanner:
                 limited = self.limiter.decide(topic, props, pspan is not None and pspan[2], msgs, total, now_ns)
                 if limited >= 0:
                     policy = True
+            if rec and is_response and not policy and code == 0 and 8 + hlen < total:
+                # a records answer: its store hosts mapped in place, or the frame to policy
+                amap = self._address_map
+                if amap is None or mv.readonly or map_records(mv, pos + 8 + hlen, pos + total, amap) != REC_OK:
+                    policy = True
             if self.inflight is not None:
-                self._time(slot, code, info.flag, info.opaque, now_ns, policy, total, topic_name)
+                self._time(slot, code, info.flag, info.opaque, now_ns, policy, total, topic_name,
+                           ACTION_RECORDS if rec and not is_response else 0)
             if policy:
+                self.records = int(rec and is_response)
                 self.limited = limited
                 self.code = code
                 self.flag = info.flag
@@ -578,7 +648,7 @@ class FrameScanner:
         return EV_FORWARD, pos, 0
 
     def _time(self, slot: int, code: int, flag: int, opaque: int, now_ns: int, policy: bool, total: int,
-              topic: bytes) -> None:
+              topic: bytes, want: int = 0) -> None:
         inflight = self.inflight
         assert inflight is not None
         if flag & 1:
@@ -591,7 +661,7 @@ class FrameScanner:
             return  # the relay tracks it if it forwards it
         elif flag & 2:
             self.stats.count_result(slot, R_ONEWAY)
-        elif not inflight.track(self.direction, opaque, slot, now_ns, total, topic):
+        elif not inflight.track(self.direction, opaque, slot, now_ns, total, topic, want):
             self.stats.untracked += 1
 
     def _count_topic(

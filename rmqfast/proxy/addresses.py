@@ -23,13 +23,17 @@ broker sent them.  Only the answers to the codes above reach Python (the request
 scanner hands back only its answer, by opaque, in C); every other frame stays in C.
 
 ``policy.message_addresses``: ``"records"`` (the default) rewrites the records; ``"all"`` also
-the send answers; ``"off"`` nothing.  Measured on the null-broker bench (2 workers, loaded 2-core
-machine): a pull answered with 16 x 1 KiB records costs the workers ~21 us of CPU relayed in C
-and ~110 us with the rewrite (both frames go through Python; the record walk alone is ~1.5 us
-per record); a send costs ~3 us in C and ~50 us when its answer is rewritten.  Sends are the
-hot path, so send answers are rewritten only on request; the store host (which the Go orderly
-consumer sends exhausted messages back to, and from which every client computes the offset id
-of what it consumed) is rewritten by default.
+the send answers; ``"off"`` nothing.  Store records are mapped by the scanner, in C: a records
+request is relayed and tracked there (``ACTION_RECORDS``, :meth:`record_slots`), and its answer,
+held whole, has its store hosts looked up in an :class:`rmqfast.codec.AddressMap` this filter
+fills and patched in place (``ext/records.pxi``, pure twin ``rmqfast/codec/_records_py.py``).
+Only an answer with a store host the map does not know yet (the first from each broker), or a
+body that is not whole store records, reaches :meth:`on_response` (``frame.records``): the
+address is resolved here and remembered in the map, or the answer relayed unchanged and logged.
+Send answers' offset ids (``"all"``) take the policy path (both frames through Python: ~50 us
+of worker CPU per send against ~3 us relayed in C), so they are rewritten only on request; the
+store host (which the Go orderly consumer sends exhausted messages back to, and from which every
+client computes the offset id of what it consumed) is rewritten by default.
 
 Pull answers from a 5.x broker may carry records whose STOREHOST is another broker (a slave
 serving reads, a message moved by escape bridging): each address gets its own endpoint, like
@@ -40,8 +44,9 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from rmqfast import codec
 from rmqfast.codec import codes as C
 from rmqfast.codec.msgaddr import format_host, header_field_span, host_bytes, patch_offset_ids, patch_store_hosts
 from rmqfast.log import ctx
@@ -61,6 +66,7 @@ SEND_CODES = frozenset({
     C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2,
 })
 MODES = ("records", "all", "off")
+_RECORD_SLOTS = slots_of(RECORD_CODES)
 
 _PENDING = "msgaddr_opaques"
 _MAX_PENDING = 10000
@@ -94,9 +100,10 @@ class RewriteMessageAddresses(Filter):
         self.codes = frozenset() if mode == "off" else RECORD_CODES | (SEND_CODES if mode == "all" else frozenset())
         self._slots = slots_of(self.codes)
         self._map: dict[bytes, bytes] = {}  # real ip4+port -> endpoint ip4+port (itself: leave it)
+        self._amaps: dict[bool, Any] = {}  # compiled? -> the AddressMap the scanners of that twin read
         self._warned: set[str] = set()
         self.ip = advertised_ipv4(registry.advertise_host)
-        self.rewritten = 0  # answers changed (tests and metrics read it)
+        self._rewritten = 0  # answers changed here (the scanners count theirs in the maps)
         if self.ip is None and mode != "off":
             log.error(
                 "broker addresses inside messages are left as the broker wrote them: the advertised host "
@@ -107,7 +114,36 @@ class RewriteMessageAddresses(Filter):
             self._slots = set()
 
     def request_slots(self) -> set[int]:
-        return self._slots
+        return self._slots - self._record_slots
+
+    def record_slots(self) -> set[int]:
+        return self._record_slots
+
+    @property
+    def _record_slots(self) -> set[int]:
+        return self._slots & _RECORD_SLOTS
+
+    def address_map(self, compiled: bool) -> Any:
+        """The store-host map the scanners of ``compiled``'s twin read (made on first use, with
+        every address resolved so far)."""
+        if not self._record_slots:
+            return None
+        amap = self._amaps.get(compiled)
+        if amap is None:
+            amap = self._amaps[compiled] = codec.twin_class(compiled, "AddressMap")()
+            for raw, new in self._map.items():
+                amap.set(raw, new)
+        return amap
+
+    @property
+    def rewritten(self) -> int:
+        """Answers changed (here and by the scanners)."""
+        return self._rewritten + sum(m.rewritten for m in self._amaps.values())
+
+    def _remember(self, raw: bytes, new: bytes) -> None:
+        self._map[raw] = new
+        for amap in self._amaps.values():
+            amap.set(raw, new)
 
     # The mapping ---------------------------------------------------------------------------------
 
@@ -118,18 +154,19 @@ class RewriteMessageAddresses(Filter):
             return None if new == raw else new
         real = format_host(raw)
         if self.registry.is_proxy_address(real):
-            self._map[raw] = raw
+            self._remember(raw, raw)
             return None
         adv = self.registry.advertised(real)
         if adv is None or self.ip is None:
             if real not in self._warned:
                 self._warned.add(real)
-                log.warning("a message names a broker with no proxy endpoint; its address is left as is",
-                            extra=ctx(broker=real))
+                log.warning("a message names a broker with no proxy endpoint; its address is left as is "
+                            "(until the configuration is reloaded)", extra=ctx(broker=real))
+            self._remember(raw, raw)  # asked once: no endpoint (no port range, or it is exhausted)
             return None
         port = int(adv.rpartition(":")[2])
         new = host_bytes(self.ip, port)
-        self._map[raw] = new
+        self._remember(raw, new)
         return new
 
     # Filter --------------------------------------------------------------------------------------
@@ -151,9 +188,9 @@ class RewriteMessageAddresses(Filter):
 
     def on_response(self, session: Session, frame: Frame) -> Verdict | None:
         pending: dict[int, int] | None = session.state.get(_PENDING)
-        if not pending:
-            return None
-        code = pending.pop(frame.opaque, None)
+        code = pending.pop(frame.opaque, None) if pending else None
+        if code is None and frame.records:  # tracked by the scanner, which left the mapping to us
+            code = C.PULL_MESSAGE
         if code is None or frame.code != C.SUCCESS:
             return None
         data = frame.data
@@ -180,7 +217,7 @@ class RewriteMessageAddresses(Filter):
             if patched is None:
                 return None
             out = patched
-        self.rewritten += 1
+        self._rewritten += 1
         return rewrite(bytes(out))
 
     def on_close(self, session: Session) -> None:

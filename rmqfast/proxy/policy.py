@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rmqfast.codec import ACTION_POLICY, CODE_SLOTS, OTHER_SLOT, code_slot
+from rmqfast.codec import ACTION_POLICY, ACTION_RECORDS, CODE_SLOTS, OTHER_SLOT, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.codec.route import PERM_WRITE, BrokerAddr, parse_route, rewrite_broker_addrs
@@ -86,9 +86,9 @@ def close(reason: str) -> Verdict:
 class Frame:
     """A whole frame handed to the policy, with the fields the scanner already read."""
 
-    __slots__ = ("data", "code", "flag", "opaque", "limited", "_cmd", "want_response")
+    __slots__ = ("data", "code", "flag", "opaque", "limited", "records", "_cmd", "want_response")
 
-    def __init__(self, data: bytes, code: int, flag: int, opaque: int, limited: int = -1) -> None:
+    def __init__(self, data: bytes, code: int, flag: int, opaque: int, limited: int = -1, records: int = 0) -> None:
         self.data = data
         self.code = code
         self.flag = flag
@@ -96,6 +96,9 @@ class Frame:
         #: The send-limit rule (its index) that refused this send, decided by the scanner's
         #: limiter in the hot path; -1: no limit refused it (see :attr:`Filter.sees_limited`).
         self.limited = limited
+        #: 1: an answer to a request the scanner tracked for :meth:`Filter.record_slots` whose store
+        #: hosts it did not map itself (an address its map does not know, or a body it could not walk).
+        self.records = records
         self._cmd: RemotingCommand | None = None
         #: Set by a filter's ``on_request``: hand the answer to this request (and only it) to the
         #: filters' ``on_response``.  The scanner finds it by opaque, in C; every other response
@@ -143,6 +146,18 @@ class Filter:
     def request_slots(self) -> set[int]:
         """Scanner slots (see :func:`rmqfast.codec.code_slot`) whose requests this filter sees."""
         return set()
+
+    def record_slots(self) -> set[int]:
+        """Slots whose answers' store records the scanner maps in C with :meth:`address_map`
+        (``ACTION_RECORDS``: the request is relayed and tracked without Python).  Such a request
+        still reaches ``on_request`` when another filter has it handed to Python; an answer the
+        scanner cannot map itself reaches ``on_response`` with ``frame.records`` set."""
+        return set()
+
+    def address_map(self, compiled: bool) -> Any:
+        """The store-host map the scanners of this chain use for :meth:`record_slots` (compiled or
+        pure twin), or None."""
+        return None
 
     def passive_slots(self) -> set[int]:
         """Slots whose requests this filter sees only when another filter of the chain has them
@@ -212,6 +227,7 @@ class FilterChain:
             slots = f.request_slots()
             for s in slots:
                 table[s] = ACTION_POLICY
+            slots = slots | f.record_slots()
             topics = f.scanner_topics()
             if topics is not None and self.delay_topics is None:
                 self.delay_topics = topics
@@ -228,6 +244,10 @@ class FilterChain:
                 # filters see them as they would if the send codes were in the table
                 if table[s] == ACTION_POLICY or (self.policy_topics and s in limited):
                     by_slot[s].append(f)
+        for f in filters:
+            for s in f.record_slots():
+                if table[s] != ACTION_POLICY:  # a filter that reads the request in Python wins
+                    table[s] = ACTION_RECORDS
         self.request_actions = bytes(table)
         self.response_policy = any(f.wants_responses for f in filters)
         self._by_slot = [tuple(fs) for fs in by_slot]  # the filters that see a request of that slot
@@ -240,6 +260,14 @@ class FilterChain:
             lim = f.limiter(compiled)
             if lim is not None:
                 return lim
+        return None
+
+    def address_map(self, compiled: bool) -> Any:
+        """The store-host map of the first filter that has one (None: records answers go to policy)."""
+        for f in self.filters:
+            amap = f.address_map(compiled)
+            if amap is not None:
+                return amap
         return None
 
     def on_request(self, session: Session, frame: Frame) -> Verdict:

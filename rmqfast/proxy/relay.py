@@ -41,7 +41,7 @@ from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec._scan_py import R_ONEWAY, result_index
 from rmqfast.log import ctx
-from rmqfast.proxy.connect import connect_tcp
+from rmqfast.proxy.connect import connect_plain, connect_tcp, to_gevent
 from rmqfast.proxy.core import PumpState, SessionCore, Writer
 from rmqfast.proxy.policy import FilterChain, Frame, error_response
 from rmqfast.proxy.tls import is_tls
@@ -66,6 +66,11 @@ if Pump is not None:
         BufferBudget,
         Reactor,
     )
+
+#: A connection's socket: a plain non-blocking socket (``_socket.socket``: what the worker accepts
+#: and :func:`rmqfast.proxy.connect.connect_plain` opens), a gevent socket, or a TLS connection
+#: (``rmqfast.proxy.tls.TlsSocket``).
+Sock = Any
 
 #: Default of ``proxy.buffer_budget``: bytes per worker for frames held whole beyond the base buffers.
 DEFAULT_BUFFER_BUDGET = 64 * 1024 * 1024
@@ -156,6 +161,12 @@ def _skip_reader(scanner: Any) -> Callable[[Any], int]:
     return operator.attrgetter("_skip")
 
 
+def _raw(sock: Any) -> Any:
+    """What a pump reads and writes without waiting: the plain socket under a gevent socket (or
+    the TLS connection's non-blocking I/O), or ``sock`` itself when it is a plain socket."""
+    return getattr(sock, "_sock", sock)
+
+
 class _Out(Writer):
     """The one writer of a socket (:class:`rmqfast.proxy.core.Writer`): ``lock`` is held by
     whoever must wait in the middle of a write.  It is made when first asked for (most
@@ -164,7 +175,7 @@ class _Out(Writer):
 
     __slots__ = ("sock", "_lock", "session")
 
-    def __init__(self, sock: socket.socket, session: Session) -> None:
+    def __init__(self, sock: Sock, session: Session) -> None:
         super().__init__()
         self.sock = sock
         self._lock: Semaphore | None = None
@@ -200,7 +211,7 @@ class _Out(Writer):
         with lock:
             if not self.at_boundary():
                 return False
-            raw = self.sock._sock
+            raw = _raw(self.sock)
             wwatch = self.session._watcher(self.sock, 1)
             rest = memoryview(data)
             while rest:
@@ -218,7 +229,7 @@ class _Out(Writer):
         Most writes complete in one ``send`` without yielding, and greenlets only switch when
         one yields, so the lock is taken only when a write must wait for buffer space.
         """
-        raw = self.sock._sock
+        raw = _raw(self.sock)
         lock = self._lock
         if lock is None or not lock.locked():
             try:
@@ -335,7 +346,7 @@ class Session(SessionCore):
     def __init__(
         self,
         role: str,
-        client: socket.socket,
+        client: Sock,
         client_addr: str,
         upstreams: list[HostPort],
         chain: FilterChain,
@@ -348,7 +359,7 @@ class Session(SessionCore):
         self.upstreams = upstreams
         self.settings = settings
         self.events = events  # worker-level hooks: counters, session registry
-        self.upstream: socket.socket | None = None
+        self.upstream: Sock | None = None
         self.last_activity = time.monotonic()
         # when bytes last came from the upstream (broker health: hangs), in a list the pumps store into
         # without a branch
@@ -356,7 +367,7 @@ class Session(SessionCore):
         self.conn_id = 0  # set by the worker; carried into sampled request records
         self.hub = gevent.get_hub()
         # socket -> (read watcher, write watcher), on the raw file descriptors (a dict from the first one on)
-        self._watchers: dict[socket.socket, tuple[Any, Any]] | None = None
+        self._watchers: dict[Sock, tuple[Any, Any]] | None = None
         self._reactor: Any = None  # the reactor the compiled pumps wait in (set by _pump_c)
         self._parked: list[Any] = []  # pumps attached to it
         self._live = 0  # pumps serving without a greenlet that have not ended (serve)
@@ -376,7 +387,7 @@ class Session(SessionCore):
         assert isinstance(out, _Out)
         return out.lock
 
-    def _out_of(self, sock: socket.socket | None) -> _Out | None:
+    def _out_of(self, sock: Sock | None) -> _Out | None:
         """The one writer of ``sock`` (the pump forwarding into it and the local answers it waits
         for), once the session set them up."""
         if sock is None:
@@ -388,7 +399,7 @@ class Session(SessionCore):
         return None
 
     @property
-    def _outs(self) -> dict[socket.socket, _Out]:
+    def _outs(self) -> dict[Sock, _Out]:
         """socket -> its writer (a view for inspection; the relay uses :meth:`_out_of`)."""
         return {sock: out for sock in (self.client, self.upstream) if (out := self._out_of(sock)) is not None}
 
@@ -436,7 +447,7 @@ class Session(SessionCore):
                 self.close()  # (again) the client socket is the session's to close on every path
                 on_end()
 
-    def _setup(self, upstream: socket.socket) -> None:
+    def _setup(self, upstream: Sock) -> None:
         """The scanners, watchers and writers of both directions."""
         s = self.settings
         compiled = codec.is_compiled(FrameScanner)  # the limiter and in-flight table of the same twin
@@ -464,6 +475,7 @@ class Session(SessionCore):
             direction=1,
         )
         self.u2c.conn_id = self.conn_id
+        self.u2c.address_map = self.chain.address_map(compiled)  # store hosts of records answers, in C
         self.to_client = _Out(self.client, self)
         self.to_upstream = _Out(upstream, self)
 
@@ -518,14 +530,16 @@ class Session(SessionCore):
                 worst, side = (now_ns - since) / 1e9, name
         return side, worst
 
-    def _connect(self) -> socket.socket | None:
+    def _connect(self) -> Sock | None:
         errors = []
         tls = getattr(self.events, "tls", None)
         for hp in self.upstreams:
             try:
-                sock = connect_tcp(hp.host, hp.port, self.settings.connect_timeout)
-                if tls is not None and tls.upstream_enabled(self.role):  # rmqfast.proxy.tls
+                if tls is not None and tls.upstream_enabled(self.role):  # rmqfast.proxy.tls: on a gevent socket
+                    sock = connect_tcp(hp.host, hp.port, self.settings.connect_timeout)
                     sock = tls.connect(self.role, sock, hp.host, self.settings.connect_timeout)
+                else:
+                    sock = connect_plain(hp.host, hp.port, self.settings.connect_timeout)
             except OSError as exc:
                 errors.append(f"{hp}: {exc.strerror or exc}")
                 self.events.upstream_error(self.role)
@@ -542,8 +556,11 @@ class Session(SessionCore):
     def _refuse(self, remark: str) -> None:
         """Answer what the client sends in the next moment with SYSTEM_ERROR, then close."""
         scanner = FrameScanner(self.stats, actions=bytes([1]) * len(self.chain.request_actions))
+        if self.closed:  # closed while the connect was under way: nothing to answer
+            return
         buf = bytearray(65536)
         filled = 0
+        self.client = to_gevent(self.client)  # this path waits with gevent's blocking calls
         self.client.settimeout(1.0)
         try:
             while True:
@@ -590,8 +607,8 @@ class Session(SessionCore):
 
     def _pump(
         self,
-        src: socket.socket,
-        dst: socket.socket,
+        src: Sock,
+        dst: Sock,
         scanner: FrameScanner,
         side: str,
         from_client: bool,
@@ -657,7 +674,7 @@ class Session(SessionCore):
                            "memory; raise proxy.buffer_budget if legitimate clients send frames this large"),
         )
 
-    def _watcher(self, sock: socket.socket, kind: int) -> Any:
+    def _watcher(self, sock: Sock, kind: int) -> Any:
         """The read (0) or write (1) watcher of ``sock``, made on first use (a pump parked in the
         reactor needs none)."""
         if self.closed:  # close() dropped them: the file descriptor may already be someone else's
@@ -674,8 +691,8 @@ class Session(SessionCore):
 
     def _pump_c(
         self,
-        src: socket.socket,
-        dst: socket.socket,
+        src: Sock,
+        dst: Sock,
         scanner: FrameScanner,
         side: str,
         out: _Out,
@@ -714,7 +731,8 @@ class Session(SessionCore):
             elif st == P_BOUNDARY:
                 self.flush_answers(out)
             elif st == P_POLICY:
-                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque, scanner.limited)
+                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque, scanner.limited,
+                              scanner.records)
                 pump.consume()
                 if not policy(out, frame, from_client):
                     return
@@ -738,7 +756,7 @@ class Session(SessionCore):
     # arrive while the greenlet runs are kept by the reactor (``ready_in``) and stepped by the
     # ``park`` that ends it.
 
-    def _launch(self, src: socket.socket, dst: socket.socket, scanner: Any, side: str, from_client: bool) -> None:
+    def _launch(self, src: Sock, dst: Sock, scanner: Any, side: str, from_client: bool) -> None:
         """Start one direction parked in the reactor (never raises: a failure ends it)."""
         out = self._out_of(dst)
         assert out is not None
@@ -804,7 +822,8 @@ class Session(SessionCore):
                 self.flush_answers(out)
             elif st == P_POLICY:
                 scanner = job.scanner
-                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque, scanner.limited)
+                frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque, scanner.limited,
+                              scanner.records)
                 pump.consume()
                 if not self.policy(out, frame, job.from_client):
                     return False
@@ -845,8 +864,8 @@ class Session(SessionCore):
 
     def _pump_py(
         self,
-        src: socket.socket,
-        dst: socket.socket,
+        src: Sock,
+        dst: Sock,
         scanner: FrameScanner,
         side: str,
         out: _Out,
@@ -859,7 +878,8 @@ class Session(SessionCore):
         skip_of = _skip_reader(scanner)
         wait = self.hub.wait
         rwatch = self._watcher(src, 0)
-        recv_into = src._sock.recv_into
+        raw = _raw(src)
+        recv_into = raw.recv_into
         monotonic_ns = time.monotonic_ns
         heard = [0.0] if from_client else self.heard
         readable = True  # try a read before waiting for readiness
@@ -878,7 +898,7 @@ class Session(SessionCore):
                     return
                 # A short read drained the socket: wait for readiness first next time (saves a
                 # failing recv per message when clients send one request at a time).
-                readable = n == len(rb.buf) - rb.filled or getattr(src._sock, "eof_pending", False)
+                readable = n == len(rb.buf) - rb.filled or getattr(raw, "eof_pending", False)
                 now = monotonic_ns()
                 self.last_activity = heard[0] = now / 1e9
                 state.stalled_since = 0
@@ -930,7 +950,8 @@ class Session(SessionCore):
                 return b
             if ev != EV_POLICY:
                 return -1
-            frame = Frame(bytes(view[a:b]), scanner.code, scanner.flag, scanner.opaque, scanner.limited)
+            frame = Frame(bytes(view[a:b]), scanner.code, scanner.flag, scanner.opaque, scanner.limited,
+                          scanner.records)
             if not self.policy(out, frame, from_client):
                 return None
             start = pos = b

@@ -12,6 +12,7 @@ dropping established connections.
 
 from __future__ import annotations
 
+import _socket
 import argparse
 import json
 import logging
@@ -30,7 +31,7 @@ from gevent.server import StreamServer
 
 from rmqfast import config as config_mod
 from rmqfast import log as log_mod
-from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, slot_code
+from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, is_compiled, slot_code
 from rmqfast.codec import codes as C
 from rmqfast.codec._scan_py import result_index
 from rmqfast.codec.admincodes import preset_codes
@@ -40,6 +41,7 @@ from rmqfast.limits.filter import SendLimitFilter
 from rmqfast.log import ctx
 from rmqfast.proxy.acl import AclTopics
 from rmqfast.proxy.addresses import RewriteMessageAddresses
+from rmqfast.proxy.connect import to_gevent
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.failover import (
     RESEND_DEADLINE,
@@ -88,18 +90,38 @@ def bind_reuseport(hp: HostPort, backlog: int = 1024) -> socket.socket:
 
 
 class RelayServer(StreamServer):
-    """A StreamServer that leaves open the accepted sockets in ``kept`` when their handler returns
-    (gevent's closes every one): a relay session serving from the reactor after the handler
-    returned owns its client socket and closes it when it ends."""
+    """A StreamServer that hands its handler each accepted connection as a plain non-blocking
+    socket (``_socket.socket``: no gevent socket object and its two libev watchers, which a relayed
+    connection never waits on; code that waits with gevent's calls makes one,
+    :func:`rmqfast.proxy.connect.to_gevent`), and leaves it to the handler: the handler closes it
+    on every path (a relay session serving from the reactor after the handler returned closes it
+    when it ends).  gevent's StreamServer closes every socket when its handler returns."""
 
-    kept: set[Any]
+    def do_read(self) -> tuple[Any, Any] | None:
+        listener = self.socket
+        try:
+            fd, address = listener._accept()
+        except BlockingIOError:
+            if not listener.timeout:
+                return None
+            raise
+        sock = _socket.socket(listener.family, listener.type, listener.proto, fd)
+        sock.setblocking(False)
+        return sock, address
+
+    def do_handle(self, sock: Any, address: Any) -> None:
+        spawn = self._spawn  # type: ignore[attr-defined]
+        if spawn is None:
+            self._handle(sock, address)  # type: ignore[attr-defined]
+            return
+        try:
+            spawn(self._handle, sock, address)  # type: ignore[attr-defined]
+        except BaseException:
+            sock.close()
+            raise
 
     def do_close(self, sock: Any, *args: Any) -> None:
-        kept = getattr(self, "kept", None)
-        if kept is not None and sock in kept:
-            kept.discard(sock)
-            return
-        super().do_close(sock, *args)
+        pass  # the handler's
 
 
 class _SessionEnd:
@@ -161,7 +183,6 @@ class Worker:
                     st.set_sampling(max(1, round(1 / cfg.records.sample_rate)))
         self.listeners: dict[HostPort, Listener] = {}
         self.sessions: set[Session] = set()
-        self._kept: set[Any] = set()  # accepted sockets a session serving from the reactor owns (RelayServer)
         self.ns_preferred = 0
         self.draining = False
         self.settings = self._settings(cfg)
@@ -376,7 +397,6 @@ class Worker:
     def _listen(self, role: str, listen: HostPort, upstream: HostPort | None) -> None:
         sock = bind_reuseport(listen)
         server = RelayServer(sock, self._handler(role, upstream))
-        server.kept = self._kept
         server.max_accept = 16  # several workers share the port: don't hog the accept queue
         server.start()
         self.listeners[listen] = Listener(role, listen, server, upstream)
@@ -389,15 +409,28 @@ class Worker:
     def _handler(self, role: str, upstream: HostPort | None) -> Callable[[socket.socket, tuple], None]:
         only = [upstream] if upstream is not None else []  # shared by this listener's sessions (read only)
 
-        def handle(sock: socket.socket, addr: tuple) -> None:
-            if self.draining:
+        def handle(sock: Any, addr: tuple) -> None:
+            """``sock``: a plain socket (RelayServer), this handler's to close on every path
+            unless a session took it."""
+            if self.tls.listen_mode(role) != "disabled":  # the handshake waits with gevent's calls
+                sock = to_gevent(sock)
+            try:
+                taken = start(sock, addr)
+            except BaseException:
                 sock.close()
-                return
+                raise
+            if not taken:
+                sock.close()
+
+        def start(sock: Any, addr: tuple) -> bool:
+            """Serve ``sock``; False when nothing took it (the caller closes it)."""
+            if self.draining:
+                return False
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client = f"{addr[0]}:{addr[1]}"
             sock = self.tls.accept(role, sock, client)  # the same socket unless this listener has TLS
             if sock is None:
-                return
+                return True  # closed
             if upstream is not None:
                 ups = only
             else:
@@ -405,7 +438,7 @@ class Worker:
                 k = self.ns_preferred % len(lst)
                 ups = lst[k:] + lst[:k]
             if upstream is not None and self._serve_failover(sock, client, upstream):
-                return
+                return True
             session = Session(role, sock, client, ups, self.chains[role], self.stats[role], self.settings, self)
             self._next_conn += 1
             session.conn_id = self._next_conn
@@ -416,9 +449,8 @@ class Worker:
             self.sessions.add(session)
             # Returns once the session's pumps are parked in the reactor (no greenlet waits for an
             # idle connection); ``_ended`` runs when both directions have ended.
-            session.serve(_SessionEnd(self, session))
-            if not session.closed:
-                self._kept.add(sock)  # the session closes it (RelayServer)
+            session.serve(_SessionEnd(self, session))  # the session closes the socket on every path
+            return True
 
         return handle
 
@@ -431,8 +463,9 @@ class Worker:
             self._closed_ids.append(session.conn_id)
         self.metrics.connections_active.labels(session.role).dec()
 
-    def _serve_failover(self, sock: socket.socket, client: str, upstream: HostPort) -> bool:
-        """Serve a client of a broker seen dead: its sends are moved (rmqfast.proxy.failover)."""
+    def _serve_failover(self, sock: Any, client: str, upstream: HostPort) -> bool:
+        """Serve a client of a broker seen dead: its sends are moved (rmqfast.proxy.failover); True
+        when it did (the socket is closed then)."""
         addr = str(upstream)
         if not self.cfg.failover.enabled or self.draining or not self.health.still_down(addr):
             return False
@@ -443,11 +476,13 @@ class Worker:
         gauge = self.metrics.connections_active.labels("broker")
         self.metrics.connections.labels("broker").inc()
         gauge.inc()
+        sock = to_gevent(sock)  # the failover service waits with gevent's calls
         try:
             self.failover.serve(sock, client, addr,
                                 on_answer=lambda req, resp: stats.count_result(code_slot(req), result_index(resp)))
         finally:
             gauge.dec()
+            sock.close()  # (again: serve closes it when it ends)
         return True
 
     def _watch_brokers(self) -> None:
@@ -646,6 +681,9 @@ class Worker:
                 s.c2u.set_actions(self.chains[s.role].request_actions)
                 s.c2u.delay_topics = self.chains[s.role].delay_topics
                 s.c2u.policy_topics = self.chains[s.role].policy_topics
+            u2c = getattr(s, "u2c", None)
+            if u2c is not None:  # the new chain's store-host map (a records answer's other half)
+                u2c.address_map = self.chains[s.role].address_map(is_compiled(u2c))
             s.chain = self.chains[s.role]
         wanted = {cfg.namesrv.listen} | {ep.listen for ep in self.registry.endpoints()}
         for hp in list(self.listeners):

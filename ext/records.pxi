@@ -1,0 +1,183 @@
+# Included by _speedups.pyx. Broker addresses in the store records of pull, pop, query and view
+# answers, mapped to proxy endpoints in C (twin: rmqfast/codec/_records_py.py).
+#
+# A records answer's body is a sequence of store records (apache/rocketmq MessageDecoder):
+#   TOTALSIZE i32 | MAGICCODE i32 | BODYCRC | QUEUEID | FLAG | QUEUEOFFSET i64 | PHYSICALOFFSET i64 |
+#   SYSFLAG i32 (36) | BORNTIMESTAMP i64 | BORNHOST 4+4, or 16+4 with sysFlag 0x10 (48) |
+#   STORETIMESTAMP i64 | STOREHOST 4+4, or 16+4 with sysFlag 0x20 | ...
+# Only the IPv4 STOREHOST (8 bytes: address and int32 port) is read and patched, at the same
+# length; bodies (compressed or inner batches alike), properties and CRCs are not touched.  An
+# IPv6 store host is left as it is.  The walk first checks every record (sizes, magic codes) and
+# looks every store host up; only when all of them are known does a second pass patch them.  A
+# body that is not a sequence of whole records, or a store host the map does not know, leaves
+# the frame as it is for the policy path (the filter resolves the address, or logs and relays
+# the answer unchanged): the walk never guesses.
+
+DEF ADDR_SLOTS_C = 1024
+DEF ADDR_MAX_C = 512
+DEF ACTION_RECORDS_C = 2
+DEF MIN_RECORD_C = 91
+DEF SYSFLAG_POS_C = 36
+DEF STOREHOST_POS_C = 64
+
+ACTION_RECORDS = ACTION_RECORDS_C
+REC_OK = 0
+REC_MISS = 1
+REC_BAD = 2
+MAX_ADDRESSES = ADDR_MAX_C
+RECORD_MAGIC_V1 = 0xDAA320A7
+RECORD_MAGIC_V2 = 0xDAA320AB
+BORNHOST_V6 = 0x10
+STOREHOST_V6 = 0x20
+MIN_RECORD = MIN_RECORD_C        # TOTALSIZE .. STOREHOST (IPv4) and the fields up to the topic length
+SYSFLAG_POS = SYSFLAG_POS_C
+STOREHOST_POS = STOREHOST_POS_C  # with an IPv4 born host; 12 bytes later with an IPv6 one
+
+cdef enum:
+    RS_OK = 0
+    RS_MISS = 1
+    RS_BAD = 2
+
+
+cdef inline uint64_t rd_u64(const uint8_t* p) noexcept nogil:
+    return ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40) | (<uint64_t>p[3] << 32) |
+            (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16) | (<uint64_t>p[6] << 8) | <uint64_t>p[7])
+
+
+cdef inline void wr_u64(uint8_t* p, uint64_t v) noexcept nogil:
+    cdef int i
+    for i in range(8):
+        p[i] = <uint8_t>(v >> (56 - 8 * i))
+
+
+cdef inline uint64_t _key_of(bytes raw) except? 0:
+    if len(raw) != 8:
+        raise ValueError(f"an address is 8 bytes (IPv4 and int32 port), got {len(raw)}")
+    return rd_u64(<const uint8_t*><const char*>raw)
+
+
+cdef class AddressMap:
+    """Real broker ``ip4 + port`` (8 bytes) -> the 8 bytes the records get instead (itself: leave
+    it), filled by the message-address filter and read by the scanner.  At most MAX_ADDRESSES
+    entries; an address beyond them stays unknown (its answers take the policy path)."""
+
+    cdef uint64_t keys[ADDR_SLOTS_C]
+    cdef uint64_t vals[ADDR_SLOTS_C]
+    cdef uint8_t used[ADDR_SLOTS_C]
+    cdef readonly Py_ssize_t count
+    cdef public uint64_t rewritten   # answers the scanner changed
+    cdef public uint64_t walked      # answers the scanner walked and relayed in C
+
+    def __len__(self):
+        return self.count
+
+    cdef inline Py_ssize_t _home(self, uint64_t key) noexcept nogil:
+        return <Py_ssize_t>((key * 11400714819323198485ULL) >> 54)  # 10 bits: ADDR_SLOTS_C
+
+    cdef bint lookup(self, uint64_t key, uint64_t* out) noexcept nogil:
+        cdef Py_ssize_t j = self._home(key)
+        while self.used[j]:
+            if self.keys[j] == key:
+                out[0] = self.vals[j]
+                return True
+            j = (j + 1) & (ADDR_SLOTS_C - 1)
+        return False
+
+    def set(self, bytes real not None, bytes new not None):
+        """Remember ``real`` -> ``new``; False when the map is full (nothing stored)."""
+        cdef uint64_t k = _key_of(real), v = _key_of(new)
+        cdef Py_ssize_t j = self._home(k)
+        while self.used[j]:
+            if self.keys[j] == k:
+                self.vals[j] = v
+                return True
+            j = (j + 1) & (ADDR_SLOTS_C - 1)
+        if self.count >= ADDR_MAX_C:
+            return False
+        self.used[j] = 1
+        self.keys[j] = k
+        self.vals[j] = v
+        self.count += 1
+        return True
+
+    def get(self, bytes real not None):
+        """The 8 bytes ``real`` maps to, or None."""
+        cdef uint64_t v
+        cdef bytearray out
+        if not self.lookup(_key_of(real), &v):
+            return None
+        out = bytearray(8)
+        wr_u64(<uint8_t*><char*>out, v)
+        return bytes(out)
+
+
+cdef int walk_records(uint8_t* p, Py_ssize_t start, Py_ssize_t end, AddressMap amap, bint patch,
+                      Py_ssize_t* seen, bint* changed) noexcept:
+    """Walk the store records that fill ``p[start:end]``; RS_OK (patched when ``patch``), RS_MISS
+    (a store host ``amap`` does not know) or RS_BAD (not a sequence of whole records)."""
+    cdef Py_ssize_t pos = start, at
+    cdef int32_t total, sys_flag, magic
+    cdef uint64_t raw, new, last_raw = 0, last_new = 0
+    cdef bint have_last = False  # the records of an answer mostly name one store host
+    seen[0] = 0
+    changed[0] = False
+    while pos < end:
+        if end - pos < MIN_RECORD_C:
+            return RS_BAD
+        total = rd_i32(p + pos)
+        magic = rd_i32(p + pos + 4)
+        if magic != -626843481 and magic != -626843477:  # 0xDAA320A7 (V1), 0xDAA320AB (V2) as int32
+            return RS_BAD
+        if total < MIN_RECORD_C or total > end - pos:
+            return RS_BAD
+        sys_flag = rd_i32(p + pos + SYSFLAG_POS_C)
+        if not sys_flag & 0x20:
+            at = pos + (STOREHOST_POS_C if not sys_flag & 0x10 else STOREHOST_POS_C + 12)
+            raw = rd_u64(p + at)
+            if have_last and raw == last_raw:
+                new = last_new
+            elif amap.lookup(raw, &new):
+                last_raw, last_new, have_last = raw, new, True
+            else:
+                return RS_MISS
+            if patch and new != raw:
+                wr_u64(p + at, new)
+                changed[0] = True
+        seen[0] += 1
+        pos += total
+    return RS_OK
+
+
+cdef int map_records(uint8_t* p, Py_ssize_t start, Py_ssize_t end, AddressMap amap) noexcept:
+    """Check, then patch: the body is changed only when every record is whole and known."""
+    cdef Py_ssize_t seen
+    cdef bint changed
+    cdef int st = walk_records(p, start, end, amap, False, &seen, &changed)
+    if st != RS_OK:
+        return st
+    walk_records(p, start, end, amap, True, &seen, &changed)
+    amap.walked += 1
+    if changed:
+        amap.rewritten += 1
+    return RS_OK
+
+
+def walk_store_hosts(buf, Py_ssize_t start, Py_ssize_t end, AddressMap amap not None, bint patch=False):
+    """``(status, records, changed)`` of the store records in ``buf[start:end]`` (REC_OK, REC_MISS,
+    REC_BAD); with ``patch`` (a writable buffer) the known store hosts are rewritten in place, but
+    only when the status is REC_OK (a first pass checks them all).  A test aid: the scanner walks
+    the records of the answers it was asked to."""
+    cdef Py_buffer view
+    cdef Py_ssize_t seen
+    cdef bint changed
+    cdef int st
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE if patch else PyBUF_SIMPLE)
+    try:
+        if start < 0 or end > view.len or start > end:
+            raise ValueError(f"walk range [{start}:{end}] outside a buffer of {view.len} bytes")
+        st = walk_records(<uint8_t*>view.buf, start, end, amap, False, &seen, &changed)
+        if st == RS_OK and patch:
+            walk_records(<uint8_t*>view.buf, start, end, amap, True, &seen, &changed)
+        return (st, seen, changed)
+    finally:
+        PyBuffer_Release(&view)
