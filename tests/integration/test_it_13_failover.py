@@ -10,7 +10,8 @@ Java 5.3.3 and 4.9.4 producers with default retry settings).
   are printed beside them (the comparison), not asserted.
 * Planned worker restart: SIGTERM to each worker in turn while producers send through rmqfast;
   5.3.2+ clients get GO_AWAY and reconnect: no failed send.
-* Raw sends to a killed master's endpoint: a plain send is moved, ordered sends are not.
+* Raw sends to a killed master's endpoint: a plain send is moved, ordered sends are not; moved
+  sends take send-limit tokens and a delayed one is held by the proxy, then released to the live master.
 
 Phases are paced by the producers' acknowledged sends and by what the proxy has seen, each bounded.
 """
@@ -131,13 +132,16 @@ def test_moved_send_stored_on_the_live_master_and_ordered_send_refused(
     """Raw frames to the endpoint of a killed master: a plain send is stored by the other real
     broker (its broker name and queue id rewritten, properties kept) and answered with its result;
     a send carrying __SHARDINGKEY and a send to a topic in failover.ordered_topics get
-    SERVICE_NOT_AVAILABLE and are stored nowhere."""
-    topic, ordered = "FoMoved", "FoOrdered"
+    SERVICE_NOT_AVAILABLE and are stored nowhere.  [limits] and [delay] apply to moved sends: of two
+    sends to a topic with a burst of 1 the second gets SYSTEM_BUSY; a send asking for a delivery time
+    in 2 s is held by the proxy (queueOffset -1) and released to the live master at its time."""
+    topic, ordered, limited, delayed = "FoMoved", "FoOrdered", "FoLimited", "FoDelayed"
     a, b = pair
-    for t in (topic, ordered):
+    for t in (topic, ordered, limited, delayed):
         a.create_topic(t, 4)
         b.create_topic(t, 2)
-    cfg = '[failover]\nprobe_interval = 0.5\nprobe_interval_down = 0.1\nordered_topics = ["FoOrd*"]\n'
+    cfg = ('[failover]\nprobe_interval = 0.5\nprobe_interval_down = 0.1\nordered_topics = ["FoOrd*"]\n'
+           f'[delay]\ntopics = ["{delayed}"]\n[[limits.rule]]\ntopic = "{limited}"\nrate = 0.01\nburst = 1\n')
     with ProxyProcess([a.namesrv_addr], workers=1, extra_config=cfg) as proxy:
         def endpoints() -> dict[str, str]:
             r = request(proxy.namesrv_addr, C.GET_ROUTEINFO_BY_TOPIC, {"topic": topic})
@@ -164,9 +168,19 @@ def test_moved_send_stored_on_the_live_master_and_ordered_send_refused(
         assert r2.code == 14 and "__SHARDINGKEY" in (r2.remark or ""), (r2.code, r2.remark)
         r3 = send(ordered, 3, "UNIQ_KEY\u0001fo-3\u0002")
         assert r3.code == 14 and "ordered_topics" in (r3.remark or ""), (r3.code, r3.remark)
+        r4, r5 = send(limited, 4, "UNIQ_KEY\u0001fo-4\u0002"), send(limited, 5, "UNIQ_KEY\u0001fo-5\u0002")
+        assert r4.code == C.SUCCESS and r5.code == C.SYSTEM_BUSY, (r4.code, r5.code, r5.remark)
+        due = int(time.time() * 1000) + 2000
+        r6 = send(delayed, 6, f"TIMER_DELIVER_MS\u0001{due}\u0002UNIQ_KEY\u0001fo-6\u0002")
+        assert r6.code == C.SUCCESS and r6.ext_fields["queueOffset"] == "-1", (r6.code, r6.ext_fields)
+        wait_until(lambda: read_topic([b.broker_addr], topic=delayed, queues=2) == {"moved|6": 1}, BOUND,
+                   "the held send released to broker-b")
+        assert int(time.time() * 1000) >= due
         m = proxy.metrics()
-    assert metric(m, "rmqfast_failovers_total", broker=a.broker_addr, to=b.broker_addr) == 1
+    assert metric(m, "rmqfast_failovers_total", broker=a.broker_addr, to=b.broker_addr) == 2  # FoMoved, FoLimited
     assert metric(m, "rmqfast_failover_refused_total", reason="ordered") == 2
+    assert metric(m, "rmqfast_failover_refused_total", reason="send_limit") == 1
+    assert read_topic([b.broker_addr], topic=limited, queues=2) == {"moved|4": 1}
     stored = read_topic([b.broker_addr], topic=topic, queues=2)
     assert stored == {"moved|1": 1}, stored
     assert not read_topic([b.broker_addr], topic=ordered, queues=2)
