@@ -25,10 +25,15 @@ system-deps:
 	@command -v go >/dev/null || test -x /usr/local/go/bin/go || { \
 	  echo "installing Go from Debian's packages"; \
 	  apt-get update -q && apt-get install -y -q golang-go; }
+	@# libnghttp2's headers: setup.py builds the gRPC front's HTTP/2 server on it ([grpc] server = "h2")
+	@test -e /usr/include/nghttp2/nghttp2.h || { \
+	  echo "installing libnghttp2-dev from Debian's packages"; \
+	  apt-get update -q && apt-get install -y -q libnghttp2-dev; }
 
 install: $(PYTHON) system-deps
 	$(PIP) install --quiet -e '.[test]'
 	$(PYTHON) -c "import rmqfast.codec as c; assert c.IMPLEMENTATION == 'compiled', 'Cython extension not built'"
+	$(PYTHON) -c "import rmqfast.grpcfront._h2" || { echo 'rmqfast.grpcfront._h2 (libnghttp2) not built'; exit 1; }
 
 demo: install
 	$(PYTHON) -m rmqfast demo

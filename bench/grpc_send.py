@@ -113,6 +113,9 @@ def main() -> None:
     ap.add_argument("--queues", type=int, default=8, help="queues of each topic")
     ap.add_argument("--asyncio-loop", action="store_true",
                     help="also a second rmqfast whose gRPC front runs asyncio's own loop (RMQFAST_GRPC_LOOP=asyncio)")
+    ap.add_argument("--grpcio", action="store_true",
+                    help='also a second rmqfast whose gRPC front is grpc.aio ([grpc] server = "grpcio"; '
+                         'the first one runs the default, the nghttp2 server)')
     args = ap.parse_args()
     classpath = ensure_grpc_driver()
     with contextlib.ExitStack() as stack:
@@ -129,6 +132,12 @@ def main() -> None:
             fronts["rmqfast-asyncio"] = (f"127.0.0.1:{lease2.base}", stack.enter_context(ProxyProcess(
                 [cluster.namesrv_addr], workers=args.workers, extra_config=extra2,
                 env={"RMQFAST_GRPC_LOOP": "asyncio"})))
+        if args.grpcio:
+            lease3 = reserve([0])
+            stack.callback(lease3.release)
+            extra3 = f'\n[grpc]\nenabled = true\nserver = "grpcio"\nlisten = "127.0.0.1:{lease3.base}"\n'
+            fronts["rmqfast-grpcio"] = (f"127.0.0.1:{lease3.base}", stack.enter_context(ProxyProcess(
+                [cluster.namesrv_addr], workers=args.workers, extra_config=extra3)))
         apx = stack.enter_context(ApacheProxy(cluster.namesrv_addr, cluster_name=cluster.cluster_name,
                                               fast_start=False))
         targets: dict[str, tuple[str, Callable[[], list[int]]]] = {}

@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +43,33 @@ def send_limiter(runtime: Path, limits: Any) -> Any:
 
 async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limiter: Any = None,
                 tls: Any = None, acl: Any = None) -> None:
-    import grpc
-
     from rmqfast.grpcfront import protos
     from rmqfast.grpcfront.service import MessagingService
 
     pb = protos.load()
     svc = MessagingService(pb, namesrvs, settings, limiter, acl)  # acl: [acl], checked per call
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if settings.server == "h2":
+        close = await _serve_h2(svc, settings, tls)
+    else:
+        close = await _serve_grpcio(svc, settings, tls)
+    log.info("gRPC front listening on %s%s (pid %d, server %s)", settings.listen, " (TLS)" if settings.tls else "",
+             os.getpid(), settings.server)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if lifeline is not None:
+        loop.add_reader(lifeline, stop.set)  # readable = EOF: the worker is gone
+    await stop.wait()
+    await close(2.0)
+    await svc.close()
+    log.info("gRPC front stats: %s", json.dumps(vars(svc.stats), sort_keys=True))
+
+
+async def _serve_grpcio(svc: Any, settings: Any, tls: Any) -> Callable[[float], Awaitable[Any]]:
+    """``[grpc] server = "grpcio"``: grpc's asyncio server; returns its graceful stop."""
+    import grpc
+
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length",
                                                                   settings.max_body_size + (1 << 20))])
     server.add_generic_rpc_handlers((svc.handler(),))
@@ -62,17 +82,22 @@ async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limite
     if port == 0:
         raise OSError(f"cannot bind {settings.listen}")
     await server.start()
-    log.info("gRPC front listening on %s%s (pid %d)", settings.listen, " (TLS)" if settings.tls else "", os.getpid())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    if lifeline is not None:
-        loop.add_reader(lifeline, stop.set)  # readable = EOF: the worker is gone
-    await stop.wait()
-    await server.stop(grace=2.0)
-    await svc.close()
-    log.info("gRPC front stats: %s", json.dumps(vars(svc.stats), sort_keys=True))
+    return lambda grace: server.stop(grace=grace)
+
+
+async def _serve_h2(svc: Any, settings: Any, tls: Any) -> Callable[[float], Awaitable[Any]]:
+    """``[grpc] server = "h2"``: the nghttp2 server (rmqfast.grpcfront.h2server); returns its graceful stop."""
+    from rmqfast.grpcfront.h2server import H2Server
+
+    ctx = None
+    if settings.tls:
+        from rmqfast.proxy.tls import server_context
+
+        ctx = server_context(tls.listen)
+    server = H2Server(svc, settings.max_body_size, ctx)
+    host, _, port = settings.listen.rpartition(":")
+    await server.start(host.strip("[]"), int(port))
+    return server.stop
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -26,6 +26,7 @@ class GrpcSection:
     default_invisible: float = 60.0  # s, for receives that name no invisible duration
     max_body_size: int = 4 * 1024 * 1024
     tls: bool = False  # the listener serves TLS only, with [tls.listen]'s cert, key, ca and verify_client
+    server: str = "grpcio"  # "h2": the nghttp2 server (rmqfast.grpcfront.h2server); "grpcio": grpc.aio
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -34,7 +35,8 @@ class GrpcSection:
 _FLOATS = {"min_poll": (0.01, 60.0), "long_poll_reserve": (0.0, 10.0), "request_timeout": (0.1, 60.0),
            "connect_timeout": (0.1, 60.0), "route_ttl": (0.1, 3600.0), "default_invisible": (1.0, 43200.0)}
 _INTS = {"max_fanout": (1, 256), "max_body_size": (1, 1 << 30)}
-KEYS = {"enabled", "notify", "tls", "listen", *_FLOATS, *_INTS}
+SERVERS = ("h2", "grpcio")
+KEYS = {"enabled", "notify", "tls", "listen", "server", *_FLOATS, *_INTS}
 
 
 def parse_grpc(raw: Any) -> GrpcSection:
@@ -55,6 +57,7 @@ def parse_grpc(raw: Any) -> GrpcSection:
         if not isinstance(v, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"grpc.listen: expected host:port, got {v!r}")
         s.listen = v
+    _parse_server(raw, s)
     for k, (lo, hi) in _FLOATS.items():
         if k in raw:
             v = raw[k]
@@ -68,6 +71,25 @@ def parse_grpc(raw: Any) -> GrpcSection:
                 raise ConfigError(f"grpc.{k}: expected an integer in [{lo}, {hi}], got {v!r}")
             setattr(s, k, v)
     return s
+
+
+def _parse_server(raw: dict[str, Any], s: GrpcSection) -> None:
+    """``server``: "h2" (the nghttp2 server, rmqfast.grpcfront.h2server) or "grpcio" (grpc.aio); "h2" needs its
+    binding built (libnghttp2-dev at build time)."""
+    if "server" in raw:
+        if raw["server"] not in SERVERS:
+            raise ConfigError(f'grpc.server: expected "h2" (the nghttp2 server) or "grpcio" (grpc.aio), '
+                              f'got {raw["server"]!r}')
+        s.server = raw["server"]
+    if s.enabled and s.server == "h2":
+        try:
+            from rmqfast.grpcfront.h2server import H2Unavailable, available
+        except ImportError as exc:
+            raise ConfigError(f'grpc.server = "h2": {exc}') from exc
+        try:
+            available()
+        except H2Unavailable as exc:
+            raise ConfigError(f"grpc.server: {exc}") from exc
 
 
 def check_tls(s: GrpcSection, tls: Any) -> None:
