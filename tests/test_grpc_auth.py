@@ -134,6 +134,14 @@ def test_expired_and_future_date_times() -> None:
             continue  # this machine's zone makes it current
         r = refusal(lambda skew=skew: acl(clock=NOW - skew).check(metadata(), "QueryRoute"))
         assert r.code == "UNAUTHORIZED" and "signature_max_age" in str(r)
+    # a header verified once (kept, so the calls of one second cost one HMAC) still expires
+    clock = [float(NOW)]
+    kept = GrpcAcl(SECTION, clock=lambda: clock[0])
+    assert kept.check(metadata(), "QueryRoute") == "app" and kept.check(metadata(), "QueryRoute") == "app"
+    assert len(kept._verified) == 1
+    clock[0] += 86400
+    assert refusal(lambda: kept.check(metadata(), "QueryRoute")).code == "UNAUTHORIZED"
+    assert refusal(lambda: kept.check(metadata(secret="wrong"), "QueryRoute")).code == "UNAUTHORIZED"
     unchecked = parse_acl({"topics": {"app": ["Orders"]}, "secret_keys": {"app": "s3cret"}, "signature_max_age": 0})
     assert acl(unchecked, clock=NOW + 10 * 86400).check(metadata(), "QueryRoute") == "app"
 

@@ -130,12 +130,20 @@ class GrpcAcl:
         self.allow_other = section.other_keys == "allow"
         self._logged: set[tuple[str, str, str, str]] = set()
         self.denied = 0
+        #: (authorization, x-mq-date-time) -> (AccessKey, signed time) of signatures that verified: a
+        #: client signs with the date-time to the second, so its calls of one second share one entry
+        self._verified: dict[tuple[str, str], tuple[str, float]] = {}
 
     # --- deciding ---------------------------------------------------------------------------
 
     def authenticate(self, metadata: Iterable[Any]) -> str | None:
         """The verified AccessKey of a call, None for an unsigned call that may pass; raises Refused."""
         auth = _header(metadata, AUTHORIZATION)
+        date_time = _header(metadata, DATE_TIME) or ""
+        hit = self._verified.get((auth, date_time)) if auth else None
+        if hit is not None:
+            self._fresh(hit[0], date_time, hit[1])
+            return hit[0]
         algorithm, ak, signature = parse_authorization(auth) if auth else ("", "", "")
         if not ak:
             if self.allow_unsigned:
@@ -150,7 +158,6 @@ class GrpcAcl:
             raise Refused(UNAUTHORIZED, f"rmqfast: AccessKey {ak!r} is not known to the proxy (no secret key in "
                           "acl.secret_keys), so its signature cannot be verified; add it there and restart the "
                           "proxy", ak)
-        date_time = _header(metadata, DATE_TIME) or ""
         when = parse_date_time(date_time)
         if when is None:
             raise Refused(UNAUTHORIZED, f"rmqfast: the signed {DATE_TIME} header {date_time[:40]!r} is missing or not "
@@ -163,14 +170,23 @@ class GrpcAcl:
         if not hmac.compare_digest(given, expected):
             raise Refused(UNAUTHORIZED, f"rmqfast: the signature of AccessKey {ak!r} does not verify (wrong secret "
                           "key?)", ak)
-        if self.max_age > 0:
-            now = self.clock()
-            local = now + time.localtime(now).tm_gmtoff  # the clients write local time marked Z
-            if abs(when - now) > self.max_age and abs(when - local) > self.max_age:
-                raise Refused(UNAUTHORIZED, f"rmqfast: the signed date-time {date_time} of AccessKey {ak!r} is more "
-                              f"than acl.signature_max_age ({self.max_age:g} s) from the proxy's clock (UTC and "
-                              "local); check the client's clock, or set acl.signature_max_age = 0", ak)
+        self._fresh(ak, date_time, when)
+        if len(self._verified) >= 4096:
+            self._verified.clear()
+        self._verified[(auth, date_time)] = (ak, when)  # type: ignore[index]
         return ak
+
+    def _fresh(self, ak: str, date_time: str, when: float) -> None:
+        """Raise Refused when the signed time is more than ``max_age`` from the proxy's clock, read in UTC
+        and in the proxy's local zone (the clients write their local time marked Z)."""
+        if self.max_age <= 0:
+            return
+        now = self.clock()
+        if abs(when - now) <= self.max_age or abs(when - now - time.localtime(now).tm_gmtoff) <= self.max_age:
+            return
+        raise Refused(UNAUTHORIZED, f"rmqfast: the signed date-time {date_time} of AccessKey {ak!r} is more than "
+                      f"acl.signature_max_age ({self.max_age:g} s) from the proxy's clock (UTC and local); check "
+                      "the client's clock, or set acl.signature_max_age = 0", ak)
 
     def authorize(self, ak: str | None, topic: str, verb: str) -> None:
         """Whether AccessKey ``ak`` (None: an unsigned call that passed) may ``verb`` ``topic``; raises Refused."""
