@@ -258,6 +258,9 @@ def summary(path: str, cfg: config_mod.Config) -> str:
     if cfg.acl.enabled:
         acl = (f"{len(cfg.acl.topics)} AccessKey(s) listed; unsigned requests: {cfg.acl.unsigned}, "
                f"other AccessKeys: {cfg.acl.other_keys}")
+        if cfg.grpc.enabled:  # the gRPC front verifies signatures itself
+            acl += (f"; gRPC calls verified with {len(cfg.acl.secret_keys)} secret key(s)" if cfg.acl.secret_keys
+                    else "; gRPC: no acl.secret_keys, so only unsigned calls can pass (acl.unsigned)")
     fo = cfg.failover
     failover = "off (clients of a dead broker get SYSTEM_ERROR)"
     if fo.enabled:

@@ -175,6 +175,16 @@ def test_acl_config_secret_keys() -> None:
         with pytest.raises(ConfigError) as ei:
             parse_acl({"topics": {"app": ["Orders"]}, "signature_max_age": bad})
         assert "acl.signature_max_age" in str(ei.value)
+    # the config hand-off to the workers and gRPC fronts, and check-config's summary
+    from rmqfast import config
+    from rmqfast.cli import summary
+
+    base = {"namesrv": {"listen": "127.0.0.1:19876", "upstreams": ["10.0.0.1:9876"]}, "grpc": {"enabled": True}}
+    cfg = config.from_dict({**base, "acl": {"topics": {"app": ["Orders"]}, "secret_keys": {"app": "s"}}})
+    assert config.from_json(cfg.to_json()).acl == cfg.acl
+    assert "gRPC calls verified with 1 secret key(s)" in summary("x.toml", cfg)
+    cfg = config.from_dict({**base, "acl": {"topics": {"app": ["Orders"]}}})
+    assert "gRPC: no acl.secret_keys, so only unsigned calls can pass" in summary("x.toml", cfg)
     # a secret key never appears in a configuration error
     with pytest.raises(ConfigError) as ei:
         parse_acl({"topics": {"app": ["Orders"]}, "secret_keys": {"app": ["hunter2"]}})

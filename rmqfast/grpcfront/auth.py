@@ -130,6 +130,9 @@ class GrpcAcl:
         self.allow_other = section.other_keys == "allow"
         self._logged: set[tuple[str, str, str, str]] = set()
         self.denied = 0
+        if not self.secrets:
+            log.warning("[acl] names no secret key (acl.secret_keys): no signed gRPC call can be verified, "
+                        "so only unsigned calls can pass, and only with acl.unsigned = \"allow\"")
         #: (authorization, x-mq-date-time) -> (AccessKey, signed time) of signatures that verified: a
         #: client signs with the date-time to the second, so its calls of one second share one entry
         self._verified: dict[tuple[str, str], tuple[str, float]] = {}
