@@ -103,17 +103,47 @@ def rss_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
+def smaps_mb(pid: int | str) -> dict[str, float]:
+    """Resident MB of a process by kind of mapping: ``heap`` (glibc's main arena: the Python
+    objects and the main thread's mallocs), ``anon`` (the other anonymous mappings: the RocksDB
+    threads' malloc arena, large mallocs, thread stacks), ``rocksdb`` (the rocksdict library's
+    pages), ``libs`` (every other file)."""
+    out = {"heap": 0.0, "anon": 0.0, "rocksdb": 0.0, "libs": 0.0}
+    kind = "anon"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=6)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                    name = head[5].strip() if len(head) > 5 else ""
+                    kind = ("heap" if name == "[heap]" else "rocksdb" if "rocksdict" in name
+                            else "anon" if not name or name.startswith("[") else "libs")
+                elif head and head[0] == "Rss:":
+                    out[kind] += int(head[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def smaps_text(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + " MB"
+
+
 class RssSampler:
-    """Samples a process's RSS every ``every`` seconds in a greenlet; ``peak`` / ``last`` in MB."""
+    """Samples a process's RSS every ``every`` seconds in a greenlet; ``peak`` / ``last`` in MB;
+    ``parts``: the resident memory by kind of mapping (:func:`smaps_mb`) at the peak."""
 
     def __init__(self, pid: int, every: float = 0.2) -> None:
         self.pid, self.every = pid, every
         self.peak = self.last = 0.0
+        self.parts: dict[str, float] = {}
         self._g = gevent.spawn(self._run)
 
     def _run(self) -> None:
         while True:
             self.last = rss_mb(self.pid)
+            if self.last > self.peak + 0.5 or not self.parts:
+                self.parts = smaps_mb(self.pid)
             self.peak = max(self.peak, self.last)
             gevent.sleep(self.every)
 
@@ -280,19 +310,46 @@ def loadgen_result(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return res
 
 
+def profile(args: argparse.Namespace, px: Proxy, phase: str, seconds: float) -> subprocess.Popen[bytes] | None:
+    """``--py-spy``: sample the worker with py-spy for ``seconds`` (a raw collapsed-stack file per
+    phase in ``--py-spy-dir``); None when not asked."""
+    if not args.py_spy:
+        return None
+    out = Path(args.py_spy_dir) / f"{phase}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([args.py_spy, "record", "--pid", str(px.worker), "--duration", str(max(1, int(seconds))),
+                             "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profile(spy: subprocess.Popen[bytes] | None) -> None:
+    if spy is None:
+        return
+    deadline = time.monotonic() + 30
+    while spy.poll() is None and time.monotonic() < deadline:  # gevent keeps the recorder running
+        gevent.sleep(0.2)
+    if spy.poll() is None:
+        spy.kill()
+        spy.wait()
+
+
 # 2. Accept rates ------------------------------------------------------------------------------
 
 def accept(args: argparse.Namespace, tools: Tools, px: Proxy) -> float:
     """Plain and delayed sends alternating; returns the best delayed accept rate."""
     time.sleep(2)
     rss0 = rss_mb(px.worker)
-    print(f"2. accept: worker ready in {px.ready_s:.1f} s; worker RSS {rss0:.0f} MB (load {load()})", flush=True)
+    parts = smaps_text(smaps_mb(px.worker))
+    print(f"2. accept: worker ready in {px.ready_s:.1f} s; worker RSS {rss0:.0f} MB ({parts}; load {load()})",
+          flush=True)
     rates: dict[bool, list[float]] = {False: [], True: []}
     sampler = RssSampler(px.worker)
     for r in range(args.rounds):
         for delayed in ((False, True) if r % 2 == 0 else (True, False)):
             deliver = int(time.time() * 1000) + FAR_MS if delayed else 0
+            spy = profile(args, px, f"accept-delayed-{r + 1}", args.accept_seconds) if delayed else None
             res = loadgen_result(run_loadgen(tools, px.ep, args, seconds=args.accept_seconds, deliver_ms=deliver))
+            stop_profile(spy)
             ok = res["resp_codes"].get("0", 0)
             rate = res["rps"] * ok / max(1, res["responses"])
             rates[delayed].append(rate)
@@ -301,7 +358,8 @@ def accept(args: argparse.Namespace, tools: Tools, px: Proxy) -> float:
                   f"{args.conns} conns x {args.inflight} in flight; codes {res['resp_codes']}; load {load()})",
                   flush=True)
     peak = sampler.stop()
-    print(f"   worker RSS while accepting: peak {peak:.0f} MB, after {sampler.last:.0f} MB", flush=True)
+    print(f"   worker RSS while accepting: peak {peak:.0f} MB ({smaps_text(sampler.parts)}), after "
+          f"{sampler.last:.0f} MB", flush=True)
     SUMMARY.append(("worker RSS: ready / accepting (peak)", f"{rss0:.0f} / {peak:.0f} MB",
                     f"< {GOAL_RSS_MB} MB ({verdict(max(rss0, peak) < GOAL_RSS_MB)})"))
     plain, held = max(rates[False]), max(rates[True])
@@ -452,11 +510,13 @@ def release(args: argparse.Namespace, tools: Tools, px: Proxy, rec: Recorder, ac
     sampler = RssSampler(px.worker)
     gevent.sleep(max(0.0, (start - time.time() * 1000) / 1000))
     c0 = sum(cpu_seconds(px.worker))
+    spy = profile(args, px, label.split()[-1], args.release_seconds)
     deadline = time.monotonic() + args.release_seconds * 3 + 60
     while len(rec.late) < ok and time.monotonic() < deadline:
         gevent.sleep(0.05)
     cpu = sum(cpu_seconds(px.worker)) - c0
     peak = sampler.stop()
+    stop_profile(spy)
     late = sorted(rec.late)
     k = len(late)
     if not k:
@@ -472,6 +532,7 @@ def release(args: argparse.Namespace, tools: Tools, px: Proxy, rec: Recorder, ac
                  f"p99 {res['lat_us']['p99'] / 1000:.1f} ms, errors {res['errors']})")
     print(f"   released {k:,} (of {ok:,}), {reached:,.0f}/s from the first due time; lateness ms p50={p50} p99={p99} "
           f"max={mx}; worker CPU {cpu * 1e6 / k:.0f} us per release; worker RSS while releasing: peak {peak:.0f} MB"
+          f" ({smaps_text(sampler.parts)})"
           f"{extra}; load {load()}", flush=True)
     what = f"with {plain_rate:,.0f} plain sends/s" if plain_rate else "alone"
     SUMMARY.append((f"release {what}: rate (due at {args.release_rate:,}/s, window {args.queue_window})",
@@ -501,6 +562,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--queue-window", type=int, default=64,
                     help="[delay] queue_window (releases in flight per broker queue; 1 = strict due order)")
     ap.add_argument("--keep", action="store_true", help="keep the state directory")
+    ap.add_argument("--py-spy", default="", help="path of a py-spy binary: profile the worker in each phase")
+    ap.add_argument("--py-spy-dir", default="py-spy", help="where --py-spy writes its collapsed stacks")
     ap.add_argument("--reuse", type=Path, default=None,
                     help="run on the state directory a --keep run filled (the capacity phase is skipped)")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: capacity,accept,release,load")

@@ -4,9 +4,10 @@ Releases are written with ``ROCKETMQ`` (binary) headers: the broker answers in t
 type of the request (``response.setSerializeTypeCurrentRPC(cmd.getSerializeTypeCurrentRPC())``
 in apache/rocketmq ``NettyRemotingAbstract``), so neither side quotes or parses JSON, and the
 reader takes the answer's code, opaque and flag at their fixed offsets.  A JSON answer (a
-broker that answers otherwise) is decoded in full.  Many sends are written with one
-``sendall`` and stay in flight together; each has an :class:`~gevent.event.AsyncResult` that
-receives ``(code, remark)``.
+broker that answers otherwise) is decoded in full.  The releases the lanes queue in one turn
+of the event loop go out in one write and stay in flight together; each group a lane queues
+has one :class:`Sent`, whose ``codes`` fill as the answers come and whose ``done`` is set once
+all are in (one wake-up per group, not per message).
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gevent
-from gevent.event import AsyncResult
-from gevent.lock import Semaphore
+from gevent.event import Event
 
 from rmqfast.clouds.remoting import CLIENT_VERSION, RemoteError, open_socket
 from rmqfast.codec.codes import FLAG_RESPONSE, SERIALIZE_ROCKETMQ
@@ -43,24 +43,38 @@ def _field(key: str, value: bytes) -> bytes:
     return _KEYS[key] + _I32.pack(len(value)) + value
 
 
+_CD = _field("c", b"TBW102") + _field("d", b"4")
+_K = _field("k", b"false")
+_M = (_field("m", b"false"), _field("m", b"true"))
+
+
 def release_frame(rec: CopyRecord, opaque: int) -> bytes:
     """The SEND_MESSAGE_V2 (SEND_BATCH_MESSAGE for a batch) frame of a release: the producer's
-    header fields (as :func:`rmqfast.deliver.sender.build_request` makes them), ROCKETMQ header."""
-    props = rec.properties.encode("utf-8", "replace")
+    header fields (as :func:`rmqfast.deliver.sender.build_request` makes them, in the order
+    a .. n), ROCKETMQ header."""
+    i32 = _I32.pack
+    a = (rec.producer_group or "RMQFAST_DELIVER").encode("utf-8", "replace")
+    b = rec.topic.encode("utf-8", "replace")
+    e = b"%d" % rec.queue_id
+    f = b"%d" % rec.sys_flag
+    g = b"%d" % rec.born_timestamp
+    h = b"%d" % rec.flag
+    i = rec.properties.encode("utf-8", "replace")
+    j = b"%d" % rec.reconsume_times
+    m = b"%d" % rec.max_reconsume_times
+    n = rec.broker_name.encode("utf-8", "replace")
     ext = b"".join((
-        _field("a", (rec.producer_group or "RMQFAST_DELIVER").encode("utf-8", "replace")),
-        _field("b", rec.topic.encode("utf-8", "replace")),
-        _field("c", b"TBW102"), _field("d", b"4"),
-        _field("e", b"%d" % rec.queue_id), _field("f", b"%d" % rec.sys_flag),
-        _field("g", b"%d" % rec.born_timestamp), _field("h", b"%d" % rec.flag),
-        _field("i", props), _field("j", b"%d" % rec.reconsume_times), _field("k", b"false"),
-        _field("l", b"%d" % rec.max_reconsume_times), _field("m", b"true" if rec.is_batch else b"false"),
-        _field("n", rec.broker_name.encode("utf-8", "replace")) if rec.broker_name else b"",
+        b"\x00\x01a", i32(len(a)), a, b"\x00\x01b", i32(len(b)), b, _CD,
+        b"\x00\x01e", i32(len(e)), e, b"\x00\x01f", i32(len(f)), f, b"\x00\x01g", i32(len(g)), g,
+        b"\x00\x01h", i32(len(h)), h, b"\x00\x01i", i32(len(i)), i, b"\x00\x01j", i32(len(j)), j, _K,
+        b"\x00\x01l", i32(len(m)), m, _M[rec.is_batch],
+        b"\x00\x01n" + i32(len(n)) + n if n else b"",
     ))
-    code = SEND_BATCH_MESSAGE if rec.is_batch else SEND_MESSAGE_V2
-    header = _FIXED.pack(code, 0, CLIENT_VERSION, opaque, 0, 0) + _I32.pack(len(ext)) + ext
-    return b"".join((_HEAD.pack(4 + len(header) + len(rec.body), (SERIALIZE_ROCKETMQ << 24) | len(header)),
-                     header, rec.body))
+    batch = rec.is_batch
+    hlen = _FIXED.size + 4 + len(ext)
+    return b"".join((_HEAD.pack(4 + hlen + len(rec.body), (SERIALIZE_ROCKETMQ << 24) | hlen),
+                     _FIXED.pack(SEND_BATCH_MESSAGE if batch else SEND_MESSAGE_V2, 0, CLIENT_VERSION, opaque, 0, 0),
+                     i32(len(ext)), ext, rec.body))
 
 
 def parse_answer(frame: bytes) -> tuple[int, int, int, str]:
@@ -80,6 +94,22 @@ def parse_answer(frame: bytes) -> tuple[int, int, int, str]:
     return cmd.opaque, cmd.flag, cmd.code, cmd.remark or ""
 
 
+class Sent:
+    """The answers to releases written together: ``codes[i]`` is the broker's answer code to the
+    i-th (None until answered); ``done`` is set when every one is answered or the connection
+    failed (``error``)."""
+
+    __slots__ = ("codes", "left", "done", "error", "opaques", "deadline")
+
+    def __init__(self, n: int) -> None:
+        self.codes: list[int | None] = [None] * n
+        self.left = n
+        self.done = Event()
+        self.error: Exception | None = None
+        self.opaques: list[int] = []
+        self.deadline = 0.0
+
+
 class ReleaseChannel:
     """One connection to ``addr`` ("host:port") for releases; used by many lanes at once."""
 
@@ -90,9 +120,11 @@ class ReleaseChannel:
         self.addr = addr
         self.sock = open_socket(addr, connect_timeout, wrap)  # wrap: TLS to the broker ([tls.upstream])
         self.closed = False
-        self._pending: dict[int, AsyncResult] = {}
-        self._lock = Semaphore()
+        self._pending: dict[int, tuple[Sent, int]] = {}
+        self._out: list[bytes] = []  # frames written by the lanes, not yet sent
+        self._more = Event()
         self._reader = gevent.spawn(self._read_loop)
+        self._writer = gevent.spawn(self._write_loop)
 
     def _read_loop(self) -> None:
         buf = b""
@@ -100,7 +132,7 @@ class ReleaseChannel:
         pending = self._pending
         try:
             while True:
-                chunk = self.sock.recv(1 << 18)
+                chunk = self.sock.recv(1 << 16)
                 if not chunk:
                     break
                 buf = buf + chunk if buf else chunk
@@ -111,59 +143,77 @@ class ReleaseChannel:
                         raise RemoteError(f"frame length {n} at an answer's start")
                     if end - pos < 4 + n:
                         break
-                    opaque, flag, code, remark = parse_answer(buf[pos : pos + 4 + n])
+                    opaque, flag, code, _remark = parse_answer(buf[pos : pos + 4 + n])
                     pos += 4 + n
                     if flag & FLAG_RESPONSE:
-                        w = pending.pop(opaque, None)
-                        if w is not None:
-                            w.set((code, remark))
+                        entry = pending.pop(opaque, None)
+                        if entry is not None:
+                            sent, i = entry
+                            sent.codes[i] = code
+                            sent.left -= 1
+                            if sent.left == 0:
+                                sent.done.set()
                 buf = buf[pos:]
         except Exception as exc:  # socket errors, undecodable frames
             error = RemoteError(f"connection to {self.addr} failed: {exc}")
         finally:
-            self.closed = True
-            for w in pending.values():
-                w.set_exception(error)
-            pending.clear()
-            try:
-                self.sock.close()
-            except OSError:
-                pass
+            self._fail(error)
 
-    def send(self, records: list[CopyRecord]) -> list[AsyncResult]:
-        """Write the releases of ``records`` in one ``sendall``; a waiter per record, in order.
-        Raises :class:`RemoteError` when the connection is closed or the write fails."""
+    def _fail(self, error: Exception) -> None:
+        """The connection is gone: every release not answered yet hears it."""
+        self.closed = True
+        self._more.set()
+        for sent, _i in self._pending.values():
+            sent.error = error
+            sent.done.set()
+        self._pending.clear()
+        self._out.clear()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def _write_loop(self) -> None:
+        """Write what the lanes queued, all of it in one write: the lanes that fall due in the
+        same turn of the event loop share a write (and the broker a read)."""
+        out = self._out
+        while not self.closed:
+            self._more.wait()
+            self._more.clear()
+            if not out or self.closed:
+                continue
+            data = b"".join(out)
+            out.clear()
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                self._fail(RemoteError(f"cannot send releases to {self.addr}: {exc}"))
+
+    def send(self, records: list[CopyRecord]) -> Sent:
+        """Queue the releases of ``records`` for the channel's next write; their answers come in
+        one :class:`Sent` (a failed connection fails it).  Raises :class:`RemoteError` when the
+        connection is closed."""
         if self.closed:
             raise RemoteError(f"connection to {self.addr} is closed")
-        waiters: list[AsyncResult] = []
-        frames = []
-        opaques = []
-        for rec in records:
+        sent = Sent(len(records))
+        pending = self._pending
+        out = self._out
+        for i, rec in enumerate(records):
             opaque = next(self._opaques) & 0x7FFFFFFF
-            w: AsyncResult = AsyncResult()
-            self._pending[opaque] = w
-            waiters.append(w)
-            opaques.append(opaque)
-            frames.append(release_frame(rec, opaque))
-        try:
-            with self._lock:
-                self.sock.sendall(b"".join(frames))
-        except OSError as exc:
-            for o in opaques:
-                self._pending.pop(o, None)
-            self.close()
-            raise RemoteError(f"cannot send {len(frames)} releases to {self.addr}: {exc}") from exc
-        return waiters
+            pending[opaque] = (sent, i)
+            sent.opaques.append(opaque)
+            out.append(release_frame(rec, opaque))
+        self._more.set()
+        return sent
 
-    def forget(self, waiter: Any) -> None:
-        """Drop a waiter that timed out (its answer, if it comes, is ignored)."""
-        for o, w in list(self._pending.items()):
-            if w is waiter:
-                del self._pending[o]
-                return
+    def forget(self, sent: Sent) -> None:
+        """Drop the waiters of releases not answered in time (their answers, if they come, are ignored)."""
+        for o in sent.opaques:
+            self._pending.pop(o, None)
 
     def close(self) -> None:
         self.closed = True
+        self._more.set()
         try:
             self.sock.close()
         except OSError:

@@ -33,7 +33,7 @@ from rmqfast.codec.batch import decode_batch, encode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import KEYS, UNIQ_KEY, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
-from rmqfast.delay.channel import ReleaseChannel
+from rmqfast.delay.channel import ReleaseChannel, Sent
 from rmqfast.delay.semantics import DelayInvalid, due_ms, has_delay_property, strip_delay
 from rmqfast.delay.settings import DelaySection
 from rmqfast.delay.store import DUE_PREFIX, DelayStore, Held, StoreFull, WriteFailed, split_due_key
@@ -58,6 +58,11 @@ BROKER_MAX_BODY = 4 * 1024 * 1024
 BROKER_MAX_PROPERTIES = 32767
 HELD_REMARK = "rmqfast: accepted by rmqfast proxy (delayed); delivered at its due time"
 _RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
+#: Held messages are read this long before they fall due (decoded and queued in their lane), so
+#: that at the due time only the write to the broker is left.
+READ_AHEAD_MS = 20
+#: A message queued for release: due key, stored value, the decoded message, due time (epoch ms).
+Item = tuple[bytes, bytes, Held, int]
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -115,14 +120,15 @@ def refusal(request: RemotingCommand, code: int, remark: str) -> bytes:
     return encode(make_response(request, code, remark, ext_fields=dict(_RESPONSE_EXT)))
 
 
-def _answer_later(session: Session) -> Any:
-    """A callable writing a local answer to the session's client at its next frame boundary, or None
-    (a session without the relay's ordered writer: the filter then answers in its verdict)."""
+def _answer_later(session: Session) -> tuple[Any, Any] | None:
+    """(the session's ``answer``, its writer to the client): what writes a local answer to the
+    client at its next frame boundary; None for a session without the relay's ordered writer (the
+    filter then answers in its verdict)."""
     answer = getattr(session, "answer", None)
     out = getattr(session, "to_client", None)
     if out is None or not callable(answer):
         return None
-    return lambda data: answer(out, data, False)
+    return answer, out
 
 
 class DelayFilter(Filter):
@@ -278,7 +284,11 @@ class DelayService:
             # The pump goes on with the connection's next frames while the group commit runs, so
             # the sends a connection pipelines share one fsync; the answer is written when it is
             # synced (at a frame boundary of the stream to the client, like every local answer).
-            gevent.spawn(self._answer_when_stored, later, pending, frame, cmd, msg_id, queue_id, topic, n)
+            waiting = pending.waiting
+            if waiting is None:  # one greenlet answers a whole group commit
+                waiting = pending.waiting = []
+                gevent.spawn(self._answer_when_stored, pending, waiting)
+            waiting.append((later, frame, cmd, msg_id, queue_id, topic, n))
             return divert("delayed: answered once stored")
         try:
             self.store.wait(pending)
@@ -292,20 +302,33 @@ class DelayService:
         if self.m is not None:
             self.m.accepted.labels(topic).inc(n)
 
-    def _answer_when_stored(self, later: Any, pending: Any, frame: Frame, cmd: RemotingCommand, msg_id: str,
-                            queue_id: int, topic: str, n: int) -> None:
+    def _answer_when_stored(self, pending: Any, waiting: list[tuple[Any, ...]]) -> None:
+        """Answer the sends of one group commit once it is synced: the answers to one connection
+        in one write (each a whole frame, at a frame boundary of the stream to the client)."""
         try:
             self.store.wait(pending)
+            error: WriteFailed | None = None
         except WriteFailed as exc:
-            v = self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", f"{exc}; retry")
-            data = v.data
-        else:
+            error = exc
+        writes: dict[int, tuple[Any, Any, list[bytes]]] = {}
+        topics: dict[str, int] = {}
+        for later, frame, cmd, msg_id, queue_id, topic, n in waiting:
+            if error is not None:
+                data = self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", f"{error}; retry").data
+            else:
+                topics[topic] = topics.get(topic, 0) + n
+                data = b"" if frame.is_oneway else held_answer(cmd, msg_id, queue_id)
+            if data and later is not None:
+                w = writes.get(id(later[1]))
+                if w is None:
+                    w = writes[id(later[1])] = (later[0], later[1], [])
+                w[2].append(data)
+        for topic, n in topics.items():
             self._accepted(topic, n)
-            data = b"" if frame.is_oneway else held_answer(cmd, msg_id, queue_id)
-        if data and later is not None:
+        for answer, out, datas in writes.values():
             try:
-                later(data)
-            except OSError:  # the connection closed meanwhile: the message is stored all the same
+                answer(out, b"".join(datas), False)
+            except OSError:  # the connection closed meanwhile: the messages are stored all the same
                 pass
 
     # Cancel -----------------------------------------------------------------------------------
@@ -385,7 +408,7 @@ class Releaser:
         self.retry_max = retry_max
         self.cursor = DUE_PREFIX
         self.dispatched: set[bytes] = set()  # read for release (or cancelled), delete not yet written
-        self.lanes: dict[tuple[str, str, int], deque[tuple[bytes, bytes, Held]]] = {}
+        self.lanes: dict[tuple[str, str, int], deque[Item]] = {}
         self.queued = 0
         self.wake = Event()
         self.space = Event()
@@ -432,19 +455,23 @@ class Releaser:
             self.space.wait(timeout=1.0)
             return
         now = now_ms()
-        items = self.store.read_due(self.cursor, now, cap - self.queued)
+        # read ahead: what falls due over the next READ_AHEAD_MS is read, decoded and queued in its
+        # lane now, so that at its due time only the write to the broker is left
+        items = self.store.read_due(self.cursor, now + READ_AHEAD_MS, cap - self.queued)
         if not items:
             nxt = self.store.next_due(self.cursor)
             self.wake.clear()
             if nxt is None:
                 self.wake.wait(timeout=1.0)
-            elif nxt > now:
-                self.wake.wait(timeout=min(1.0, (nxt - now) / 1000))
+            elif nxt - READ_AHEAD_MS // 2 > now:
+                # one read then takes what falls due over READ_AHEAD_MS / 2 .. READ_AHEAD_MS
+                self.wake.wait(timeout=min(1.0, (nxt - READ_AHEAD_MS // 2 - now) / 1000))
             return
         last = items[-1][0]
         # written before sending (unsynced: a process crash keeps it): after a crash, what is at
         # or before it may have reached the broker already
-        self.store.db.put(b"m" + b"delay.releasing", last, self.store._nosync)
+        self.store.mark_releasing(last)
+        lanes = self.lanes
         for k, v in items:
             if k in self.dispatched:
                 continue
@@ -456,10 +483,10 @@ class Releaser:
                 self._done(k, v, None, "undecodable")
                 continue
             lane = (held.addr, held.record.topic, held.record.queue_id)
-            q = self.lanes.get(lane)
+            q = lanes.get(lane)
             if q is None:
-                q = self.lanes[lane] = deque()
-            q.append((k, v, held))
+                q = lanes[lane] = deque()
+            q.append((k, v, held, split_due_key(k)[0]))
             self.queued += 1
             if lane not in self._lane_greenlets:
                 self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
@@ -484,54 +511,128 @@ class Releaser:
                                                       wrap=self.pool.wrap)
         return ch
 
-    def _fill(self, q: deque[tuple[bytes, bytes, Held]], inflight: deque[Any], window: int) -> None:
-        """Write the lane's next messages (up to ``window`` in flight) in one write; a message
-        that may have been sent before a crash is not pipelined (it goes alone, after a recheck)."""
-        recs = []
-        for j in range(len(inflight), min(window, len(q))):
-            k, _v, held = q[j]
-            if self.recheck_upto and k <= self.recheck_upto:
+    def _fill(self, q: deque[Item], chunks: deque[tuple[Sent | None, int]], flying: int, window: int,
+              now: int) -> int:
+        """Write the lane's due messages after the ``flying`` ones already written, up to ``window``
+        in flight, in groups of at most half the window (each group one write and one wake-up when
+        its answers are in); a message that may have been sent before a crash is not pipelined (it
+        goes alone, after a recheck).  Returns how many were written."""
+        end = min(window, len(q))
+        group = max(1, window // 2)
+        wrote = 0
+        while flying + wrote < end:
+            recs = []
+            for j in range(flying + wrote, min(end, flying + wrote + group)):
+                k, _v, held, due = q[j]
+                if due > now or (self.recheck_upto and k <= self.recheck_upto):
+                    break
+                recs.append(held.record)
+            if not recs:
                 break
-            recs.append(held.record)
-        if not recs:
-            return
-        try:
-            inflight.extend(self.channel(q[0][2].addr).send(recs))
-        except RemoteError:
-            inflight.extend([None] * len(recs))  # each goes through _send (retries, back-off)
+            try:
+                sent: Sent | None = self.channel(q[0][2].addr).send(recs)
+                sent.deadline = time.monotonic() + self.request_timeout  # type: ignore[union-attr]
+            except RemoteError:
+                sent = None  # each goes through _send (retries, back-off)
+            chunks.append((sent, len(recs)))
+            wrote += len(recs)
+            if len(recs) < group:
+                break
+        return wrote
 
-    def _pipeline(self, q: deque[tuple[bytes, bytes, Held]]) -> None:
-        """Release a lane: up to ``queue_window`` sends in flight on its connection, refilled as
-        answers come (no round trip per batch); answers are taken in order.  A send that did not
-        store at once is sent again by :meth:`_send` (retries, back-off) before the next is done."""
-        inflight: deque[Any] = deque()  # the waiters of q[0 .. len(inflight) - 1]
+    def _next_wait(self, q: deque[Item], sent: Sent, flying: int, window: int, now: int) -> float:
+        """How long to wait for a group's answers: until its deadline, or until the lane's next
+        message falls due when the window has room for it."""
+        timeout = sent.deadline - time.monotonic()
+        if flying < min(window, len(q)):
+            k, _v, _held, due = q[flying]
+            if due > now and not (self.recheck_upto and k <= self.recheck_upto):
+                timeout = min(timeout, (due - now) / 1000)
+        return timeout
+
+    def _pipeline(self, q: deque[Item]) -> None:
+        """Release a lane: each message at its due time; up to ``queue_window`` sends in flight on
+        its connection, written in groups as they fall due (no round trip per message); answers
+        are taken in order.  A send that did not store at once is sent again by :meth:`_send`
+        (retries, back-off) before the next is done."""
+        chunks: deque[tuple[Sent | None, int]] = deque()  # written groups, in q's order
+        flying = 0  # q[0 .. flying - 1] are written
         while q and not self.closed:
             window = max(1, self.svc.cfg.queue_window)
-            # refilled once half the window is answered: one write carries many sends
-            if len(inflight) < len(q) and len(inflight) <= window // 2:
-                self._fill(q, inflight, window)
-            k, v, held = q[0]
-            ok = False
-            if inflight:
-                w = inflight.popleft()
-                if w is not None:
-                    try:
-                        code, _remark = w.get(timeout=self.request_timeout)
-                        ok = code in STORED_CODES
-                    except (gevent.Timeout, RemoteError):
-                        ch = self.channels.get(held.addr)
-                        if ch is not None:
-                            ch.forget(w)
-            outcome: bool | str | None = True if ok else self._send(k, held)
-            if outcome is None:
-                return  # stopping: it stays stored for the next run
-            q.popleft()
-            self.queued -= 1
+            now = now_ms()
+            if flying < min(window, len(q)):
+                flying += self._fill(q, chunks, flying, window, now)
+            if not chunks:
+                due = q[0][3]
+                if due > now:
+                    gevent.sleep((due - now) / 1000)  # read ahead: not due yet
+                    continue
+                # the head could not be pipelined: it may have reached the broker before a crash
+                if not self._settle(q, None, 1):
+                    return
+                continue
+            sent, n = chunks[0]
+            if sent is not None and not sent.done.is_set():
+                timeout = self._next_wait(q, sent, flying, window, now)
+                if timeout > 0:
+                    sent.done.wait(timeout)
+                if not sent.done.is_set() and time.monotonic() < sent.deadline:
+                    continue  # the next message fell due: written before these answers came
+            chunks.popleft()
+            flying -= n
+            if sent is not None and not sent.done.is_set():
+                ch = self.channels.get(q[0][2].addr)
+                if ch is not None:
+                    ch.forget(sent)
+            if not self._settle(q, sent, n):
+                return
+
+    def _settle(self, q: deque[Item], sent: Sent | None, n: int) -> bool:
+        """Take the outcome of the lane's first ``n`` messages (written as ``sent``, or not written):
+        stored: deleted together; else sent again by :meth:`_send`.  False: stopping."""
+        released: list[tuple[bytes, bytes, Held, int]] = []
+        try:
+            for i in range(n):
+                k, v, held, due = q[0]
+                code = sent.codes[i] if sent is not None else None
+                outcome: bool | str | None = True if code is not None and code in STORED_CODES else \
+                    self._send(k, held)
+                if outcome is None:
+                    return False  # stopping: it stays stored for the next run
+                q.popleft()
+                self.queued -= 1
+                if outcome is True:
+                    released.append((k, v, held, due))
+                elif outcome == DEAD_LETTER:
+                    self._dead_letter(k, v, held)
+                else:
+                    self._done(k, v, held, "refused")
+        finally:
+            self._released(released)
             self.space.set()
-            if outcome == DEAD_LETTER:
-                self._dead_letter(k, v, held)
-            else:
-                self._done(k, v, held, None if outcome else "refused")
+        return True
+
+    def _released(self, done: list[tuple[bytes, bytes, Held, int]]) -> None:
+        """Messages the broker stored: deleted (one queued removal), counted, their lateness kept."""
+        if not done:
+            return
+        keys = [d[0] for d in done]
+        b = self.store.delete_many([(k, len(v), held.index_keys(k)) for k, v, held, _due in done])
+        b.done.rawlink(lambda _e: self.dispatched.difference_update(keys))
+        now = now_ms()
+        self.released += len(done)
+        late = [now - due for _k, _v, _held, due in done]
+        self.lateness_ms.extend(late)
+        m = self.svc.m
+        if m is None:
+            return
+        topics: dict[str, int] = {}
+        for _k, _v, held, _due in done:
+            topics[held.record.topic] = topics.get(held.record.topic, 0) + 1
+        for topic, n in topics.items():
+            m.released.labels(topic).inc(n)
+        for ms in late:
+            m.lateness.observe(max(0, ms) / 1000)
 
     def _dead_letter(self, k: bytes, v: bytes, held: Held) -> None:
         b = self.store.dead_letter(k, v, held)

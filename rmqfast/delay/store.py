@@ -36,13 +36,27 @@ log = logging.getLogger("rmqfast.delay")
 
 _KEY = struct.Struct(">QQ")
 _U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+#: the fixed part of an encoded CopyRecord (rmqfast.spill.record), read by the release's decoder
+_RECORD_FIXED = struct.Struct(">BBqiiqiii")
+RECORD_VERSION = 1
 _STATS = struct.Struct(">QQ")
 DUE_PREFIX = b"d"
 INDEX_PREFIX = b"e"
 DEAD_PREFIX = b"x"
 STATS_KEY = b"m" + b"delay.stats"
+#: The last due key the releaser took (see :meth:`DelayStore.mark_releasing`)
+RELEASING_KEY = b"m" + b"delay.releasing"
+#: Longest a write waits out RocksDB's write stalls (in gevent) before it is refused (SYSTEM_BUSY).
+STALL_WAIT_MAX = 30.0
 #: Largest due time a key can hold (year 9999): keeps the big-endian order meaningful.
 MAX_DUE_MS = 253402300799999
+
+
+def _stalled(exc: Exception) -> bool:
+    """A write refused because RocksDB would have stalled it (``no_slowdown``: Status::Incomplete)."""
+    why = str(exc).lower()
+    return "incomplete" in why or "stall" in why
 
 
 class StoreFull(RuntimeError):
@@ -79,7 +93,13 @@ class Held:
         return _s16(self.addr) + _s16(self.msg_id) + _s16(self.keys) + self.record.encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> Held:
+    def decode(cls, data: bytes | memoryview) -> Held:
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        try:
+            return _decode(data)
+        except Exception:  # malformed: read again by the checking decoders, which say what is wrong
+            pass
         mv = memoryview(data)
         pos = 0
         out = []
@@ -97,8 +117,43 @@ class Held:
         return out
 
 
+def _decode(data: bytes) -> Held:
+    """:meth:`Held.decode` of a well-formed value, in one pass over the bytes (the release reads
+    every held message once: this is its hot path); raises on anything else."""
+    u16 = _U16.unpack_from
+    (n,) = u16(data, 0)
+    addr = data[2 : 2 + n].decode("utf-8", "replace")
+    pos = 2 + n
+    (n,) = u16(data, pos)
+    msg_id = data[pos + 2 : pos + 2 + n].decode("utf-8", "replace")
+    pos += 2 + n
+    (n,) = u16(data, pos)
+    keys = data[pos + 2 : pos + 2 + n].decode("utf-8", "replace")
+    pos += 2 + n
+    version, kind, created, qid, sys_flag, born, flag, recon, max_recon = _RECORD_FIXED.unpack_from(data, pos)
+    if version != RECORD_VERSION:
+        raise ValueError(f"record version {version}")
+    pos += _RECORD_FIXED.size
+    (n,) = u16(data, pos)
+    topic = data[pos + 2 : pos + 2 + n].decode("utf-8", "replace")
+    pos += 2 + n
+    (n,) = u16(data, pos)
+    broker_name = data[pos + 2 : pos + 2 + n].decode("utf-8", "replace")
+    pos += 2 + n
+    (n,) = u16(data, pos)
+    group = data[pos + 2 : pos + 2 + n].decode("utf-8", "replace")
+    pos += 2 + n
+    (n,) = _U32.unpack_from(data, pos)
+    props = data[pos + 4 : pos + 4 + n].decode("utf-8", "replace")
+    pos += 4 + n
+    if pos > len(data):
+        raise ValueError("truncated")
+    return Held(addr, msg_id, keys, CopyRecord(topic, data[pos:], props, qid, sys_flag, born, flag, recon, max_recon,
+                                               broker_name, group, kind, created))
+
+
 class _Batch:
-    __slots__ = ("puts", "deletes", "dead", "done", "error", "sync")
+    __slots__ = ("puts", "deletes", "dead", "done", "error", "sync", "waiting")
 
     def __init__(self) -> None:
         self.puts: list[tuple[bytes, bytes, list[bytes]]] = []  # (due key, value, index keys)
@@ -107,6 +162,7 @@ class _Batch:
         self.done = Event()
         self.error: BaseException | None = None
         self.sync = False
+        self.waiting: list[Any] | None = None  # the sends the filter answers once this batch is synced
 
 
 class DelayStore:
@@ -127,6 +183,15 @@ class DelayStore:
         self._sync.sync = True
         self._nosync = r.WriteOptions()
         self._nosync.sync = False
+        # The writer's writes: never synced by the write itself (rocksdict holds the GIL through a
+        # write, so an fsync inside it would stop every greenlet of the worker; the WAL is synced
+        # after it by flush_wal, which lets the GIL go), and never slowed down inside RocksDB (a
+        # stalled write would hold the GIL too): a stall is waited out in gevent, see _put_batch.
+        self._fast = r.WriteOptions()
+        self._fast.sync = False
+        self._fast.no_slowdown = True
+        self.stalls = 0
+        self._ro = r.ReadOptions
         # Held messages are read once, in key order (release, cancel lookups): their blocks would
         # only push other data out of the block cache and grow the worker's memory.
         self._scan_once = r.ReadOptions()
@@ -182,12 +247,15 @@ class DelayStore:
 
     def read_due(self, after: bytes, now_ms: int, limit: int) -> list[tuple[bytes, bytes]]:
         """Up to ``limit`` messages with a key from ``after`` on and due at ``now_ms`` or before."""
-        end = due_key(now_ms, 0xFFFFFFFFFFFFFFFF)
+        ro = self._ro()
+        ro.fill_cache(False)
+        # the iterator stops at the bound: nothing past what is due is read
+        ro.set_iterate_upper_bound(due_key(now_ms + 1, 0) if now_ms < MAX_DUE_MS else DUE_PREFIX + b"\xff")
         out: list[tuple[bytes, bytes]] = []
-        for k, v in self._iter(after, DUE_PREFIX):
-            if k > end:
-                break
-            out.append((k, v))
+        if limit <= 0:
+            return out
+        for kv in self.db.items(from_key=after, read_opt=ro):
+            out.append(kv)
             if len(out) >= limit:
                 break
         return out
@@ -250,6 +318,21 @@ class DelayStore:
         self._wake.set()
         return dkey, batch
 
+    def mark_releasing(self, dkey: bytes) -> None:
+        """Record the last due key taken for release, before it is sent (unsynced: a process crash
+        keeps it); a write stall is waited out in gevent (see :meth:`_put_batch`)."""
+        waited = 0.0
+        while True:
+            try:
+                self.db.put(RELEASING_KEY, dkey, self._fast)
+                return
+            except Exception as exc:
+                if not _stalled(exc) or waited >= STALL_WAIT_MAX:
+                    raise
+            self.stalls += 1
+            gevent.sleep(0.005)
+            waited += 0.005
+
     def wait(self, batch: _Batch) -> None:
         batch.done.wait()
         if batch.error is not None:
@@ -263,6 +346,13 @@ class DelayStore:
             idx = []
         batch = self._pending
         batch.deletes.append((dkey, len(value), idx))
+        self._wake.set()
+        return batch
+
+    def delete_many(self, items: list[tuple[bytes, int, list[bytes]]]) -> _Batch:
+        """Queue the removal of released messages: (due key, value length, index keys) each."""
+        batch = self._pending
+        batch.deletes.extend(items)
         self._wake.set()
         return batch
 
@@ -298,7 +388,8 @@ class DelayStore:
             if self._closed and not self._pending.puts and not self._pending.deletes and not self._pending.dead:
                 return
 
-    def _write(self, batch: _Batch, pool: Any = None) -> None:
+    def _batch_of(self, batch: _Batch) -> tuple[Any, int, int, int]:
+        """The WriteBatch of a batch: (write batch, messages, bytes, bytes put) after it."""
         wb = self._wb(raw_mode=True)
         messages, nbytes = self.messages, self.bytes
         put_bytes = 0
@@ -325,12 +416,35 @@ class DelayStore:
         wb.put(STATS_KEY, _STATS.pack(max(0, messages), max(0, nbytes)))
         if batch.puts:
             wb.put(b"m" + b"delay.seq", _KEY.pack(0, self._seq - 1))
-        opts = self._sync if batch.sync else self._nosync
+        return wb, messages, nbytes, put_bytes
+
+    def _put_batch(self, batch: _Batch, pool: Any) -> tuple[int, int, int]:
+        """Write a batch to the memtable and the WAL (unsynced); a write stall (RocksDB would make
+        the write wait, holding the GIL) is waited out here, in gevent, and the batch written again."""
+        waited = 0.0
+        while True:
+            wb, messages, nbytes, put_bytes = self._batch_of(batch)
+            try:
+                self.db.write(wb, self._fast if pool is not None else self._nosync)
+                return messages, nbytes, put_bytes
+            except Exception as exc:
+                if not _stalled(exc) or waited >= STALL_WAIT_MAX:
+                    raise
+            self.stalls += 1  # memtables full or too many level-0 files: flush and compaction catch up
+            gevent.sleep(0.005)
+            waited += 0.005
+
+    def _write(self, batch: _Batch, pool: Any = None) -> None:
+        put_bytes = sum(len(d) + len(v) + sum(map(len, idx)) for d, v, idx in batch.puts)
         try:
-            if pool is not None and batch.sync:
-                pool.apply(self.db.write, (wb, opts))
-            else:
-                self.db.write(wb, opts)
+            messages, nbytes, put_bytes = self._put_batch(batch, pool)
+            if batch.sync:
+                # group commit: one fsync of the WAL for every write so far; flush_wal lets the GIL
+                # go, so the worker goes on taking sends (the next group) meanwhile
+                if pool is not None:
+                    pool.apply(self.db.flush_wal, (True,))
+                else:
+                    self.db.flush_wal(True)
         except Exception as exc:  # disk full, I/O error: every waiter hears it
             log.error("delay store write failed", extra=ctx(error=str(exc), path=self.path))
             batch.error = exc

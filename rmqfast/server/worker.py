@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import _socket
 import argparse
+import gc
 import json
 import logging
 import os
@@ -775,6 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     gevent.signal_handler(signal.SIGHUP, on_hup)
     from rmqfast.server.spawn import identity
 
+    # what the set-up made (modules, configuration, tables) lives as long as the worker: kept out of
+    # the collector's scans, a full collection pauses the event loop only for what came since
+    gc.freeze()
     # version, codec twin and package directory: the supervisor refuses a worker that differs
     status({"event": "ready", "worker_pid": os.getpid(), **identity()})
     done.wait()
