@@ -26,9 +26,11 @@ cdef class InFlight:
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self.size = 16
+        # 4 entries (160 bytes; grown as requests pile up): most connections have one request in
+        # flight at a time, and an idle one none (16 entries were 640 bytes per connection)
+        self.size = 4
         self.count = 0
-        self.tab = self._alloc(16)
+        self.tab = self._alloc(4)
 
     cdef PendingEntry* _alloc(self, Py_ssize_t n) except NULL:
         cdef PendingEntry* t = <PendingEntry*>malloc(n * sizeof(PendingEntry))

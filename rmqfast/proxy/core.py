@@ -89,7 +89,7 @@ class SessionCore:
         self.upstream_addr = ""
         self.chain = chain
         self.stats = stats
-        self.state: dict[str, Any] = {}  # the filters' per-connection state
+        self._state: dict[str, Any] | None = None  # ``state``, once a filter keeps something
         self.closed = False
         self.c2u: Any = None
         self.u2c: Any = None
@@ -98,6 +98,18 @@ class SessionCore:
         self.to_upstream: Writer | None = None
         self.local_answers = 0  # client requests answered (or dropped) by the proxy, answers written
         self.answers_overflow = False  # more answers waited for a frame boundary than MAX_HELD_ANSWERS
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The filters' per-connection state (made on first use: most connections never need one)."""
+        st = self._state
+        if st is None:
+            st = self._state = {}
+        return st
+
+    @state.setter
+    def state(self, value: dict[str, Any]) -> None:
+        self._state = value
 
     # Frames the scanner handed over ---------------------------------------------------------
 

@@ -111,23 +111,22 @@ def reactor_of(hub: Any) -> Any:
     return entry[0]
 
 
-class _Received:
-    """``[0]``: when a pump parked in the reactor last received (seconds, monotonic), or the
-    last time stored into it; the reactor steps such a pump without Python, so its receives
-    are read from the pump instead of stored per receive."""
+class _Heard:
+    """``Session.heard``, made when asked for (the failover sweep, for sessions with a send in
+    flight): ``[0]`` is when bytes last came from the upstream (seconds, monotonic), the later of
+    what the Python pumps stored and the last receive of the compiled pump reading the upstream
+    (one parked in the reactor receives without Python); storing into ``[0]`` moves it on."""
 
-    __slots__ = ("pump", "at")
+    __slots__ = ("session",)
 
-    def __init__(self, pump: Any, at: float) -> None:
-        self.pump = pump
-        self.at = at
+    def __init__(self, session: Session) -> None:
+        self.session = session
 
     def __getitem__(self, i: int) -> float:
-        got = self.pump.last_receive / 1e9
-        return got if got > self.at else self.at
+        return self.session.heard_at()
 
     def __setitem__(self, i: int, value: float) -> None:
-        self.at = value
+        self.session._heard = value
 
 
 _malloc_pinned = False
@@ -196,6 +195,32 @@ class _Out(Writer):
     def locked(self) -> bool:
         lock = self._lock
         return lock is not None and lock.locked()
+
+    # As the wake-up of the compiled pump forwarding into this socket while it is parked in the
+    # reactor (the session serves without a greenlet): what that pump's greenlet needs when the
+    # reactor hands it a status for Python.  The reactor calls :meth:`switch` (in the hub) where
+    # it would wake a parked greenlet's Waiter; no object of its own per pump.
+
+    @property
+    def from_client(self) -> bool:
+        """Whether the pump forwarding into this socket reads from the client."""
+        return self is self.session.to_upstream
+
+    @property
+    def scanner(self) -> Any:
+        session = self.session
+        return session.c2u if self is session.to_upstream else session.u2c
+
+    @property
+    def side(self) -> str:
+        """The side the pump forwarding into this socket reads from (as ``_pump``'s ``side``)."""
+        return "client" if self is self.session.to_upstream else "upstream"
+
+    def switch(self, st: int) -> None:
+        """A status for Python: a greenlet runs the pump from it until the pump parks again or ends
+        (called in the hub: by the reactor's turn, or by a callback the session scheduled)."""
+        session = self.session
+        greenlet(session._drive, parent=session.hub).switch(self, st)
 
     def write_at_boundary(self, data: Any) -> bool:
         """Write a frame the proxy made itself, for which the caller found the stream at a frame
@@ -303,35 +328,6 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
     return closed
 
 
-class _Parked:
-    """One compiled pump of a session that serves without a greenlet of its own: what its
-    greenlet needs when the reactor hands it a status that needs Python.  The reactor calls
-    :meth:`switch` (in the hub) where it would wake a parked greenlet's Waiter."""
-
-    __slots__ = ("session", "pump", "out", "from_client")  # two per idle connection: what it needs, no more
-
-    def __init__(self, session: Session, pump: Any, out: _Out, from_client: bool) -> None:
-        self.session = session
-        self.pump = pump
-        self.out = out
-        self.from_client = from_client
-
-    @property
-    def scanner(self) -> Any:
-        return self.session.c2u if self.from_client else self.session.u2c
-
-    @property
-    def side(self) -> str:
-        """The side this pump reads from (as ``_pump``'s ``side``)."""
-        return "client" if self.from_client else "upstream"
-
-    def switch(self, st: int) -> None:
-        """A status for Python: a greenlet runs the pump from it until the pump parks again or ends
-        (called in the hub: by the reactor's turn, or by a callback the session scheduled)."""
-        session = self.session
-        greenlet(session._drive, parent=session.hub).switch(self, st)
-
-
 class Session(SessionCore):
     """A client connection and its upstream connection: the sockets and pumps around a
     :class:`rmqfast.proxy.core.SessionCore`.  Send limits come with the chain (its
@@ -340,8 +336,8 @@ class Session(SessionCore):
     # Slots for the socket side's own attributes: with SessionCore's and those filters add, an
     # instance dict would pass the 30 keys CPython shares between instances and cost ~1.6 KB
     # per connection instead of its inline values.
-    __slots__ = ("client", "upstreams", "settings", "events", "upstream", "last_activity", "heard", "conn_id", "hub",
-                 "_watchers", "_reactor", "_parked", "_live", "_on_end")
+    __slots__ = ("client", "upstreams", "settings", "events", "upstream", "last_activity", "_heard", "conn_id", "hub",
+                 "_watchers", "_reactor", "_live", "_on_end")
 
     def __init__(
         self,
@@ -361,15 +357,13 @@ class Session(SessionCore):
         self.events = events  # worker-level hooks: counters, session registry
         self.upstream: Sock | None = None
         self.last_activity = time.monotonic()
-        # when bytes last came from the upstream (broker health: hangs), in a list the pumps store into
-        # without a branch
-        self.heard = [self.last_activity]
+        # when the Python pumps last received from the upstream (broker health: hangs; see ``heard``)
+        self._heard = self.last_activity
         self.conn_id = 0  # set by the worker; carried into sampled request records
         self.hub = gevent.get_hub()
         # socket -> (read watcher, write watcher), on the raw file descriptors (a dict from the first one on)
         self._watchers: dict[Sock, tuple[Any, Any]] | None = None
         self._reactor: Any = None  # the reactor the compiled pumps wait in (set by _pump_c)
-        self._parked: list[Any] = []  # pumps attached to it
         self._live = 0  # pumps serving without a greenlet that have not ended (serve)
         self._on_end: Callable[[], None] | None = None
 
@@ -497,12 +491,39 @@ class Session(SessionCore):
     def _detach_pumps(self) -> None:
         """Take the pumps out of the reactor before the sockets close (the descriptor numbers
         are reused at once); a greenlet parked there wakes and sees the session closed."""
-        reactor, pumps = self._reactor, self._parked
-        self._parked = []
-        for pump in pumps:
+        reactor = self._reactor
+        if reactor is None:
+            return
+        for out in (self.to_client, self.to_upstream):
+            pump = out.pump if out is not None else None
+            if pump is None:
+                continue
             waiter = reactor.detach(pump)
             if waiter is not None:
                 self.hub.loop.run_callback(waiter.switch, P_EOF)
+
+    @property
+    def heard(self) -> _Heard:
+        """``[0]``: when bytes last came from the upstream (see :class:`_Heard`)."""
+        return _Heard(self)
+
+    def heard_at(self) -> float:
+        """When bytes last came from the upstream (seconds, monotonic)."""
+        at = self._heard
+        out = self.to_client  # the writer the upstream-reading pump forwards into
+        pump = out.pump if out is not None else None
+        if pump is not None and not isinstance(pump, PumpState):
+            got = pump.last_receive / 1e9  # a compiled pump (-1 ns: nothing received yet)
+            if got > at:
+                return got
+        return at
+
+    @property
+    def _parked(self) -> list[Any]:
+        """The compiled pumps attached to the reactor (none once the session closed)."""
+        if self._reactor is None or self.closed:
+            return []
+        return [out.pump for out in (self.to_client, self.to_upstream) if out is not None and out.pump is not None]
 
     def _close_sockets(self) -> None:
         for sock in (self.client, self.upstream):
@@ -641,9 +662,8 @@ class Session(SessionCore):
     def _forget_pump(self, out: _Out) -> None:
         """The pump writing to ``out`` ended: its buffers (and budget share) go now, not when the
         session is collected; ``heard`` keeps the upstream pump's last receive, not the pump."""
-        heard = self.heard
-        if isinstance(heard, _Received) and heard.pump is out.pump:
-            self.heard = [heard[0]]
+        if out is self.to_client:
+            self._heard = self.heard_at()
         out.pump = None
 
     def _upstream_lost(self) -> None:
@@ -714,12 +734,14 @@ class Session(SessionCore):
         step = pump.step
         locked = dst_lock.locked
         policy = self.policy
-        heard = [0.0] if from_client else self.heard
+        heard = not from_client
         st = step(not locked())
         while not self.closed:
             if st == P_WAIT_READ:
                 wait(rwatch)
-                self.last_activity = heard[0] = time.monotonic()
+                self.last_activity = now = time.monotonic()
+                if heard:
+                    self._heard = now
             elif st == P_WAIT_WRITE or st == P_WAIT_LOCK:
                 with dst_lock:
                     while not self.closed:
@@ -737,7 +759,9 @@ class Session(SessionCore):
                 if not policy(out, frame, from_client):
                     return
             elif st == P_YIELD:
-                self.last_activity = heard[0] = time.monotonic()
+                self.last_activity = now = time.monotonic()
+                if heard:
+                    self._heard = now
                 gevent.sleep(0)
             else:
                 self._pump_ended(st, pump, scanner, side)
@@ -748,64 +772,58 @@ class Session(SessionCore):
 
     # Pumps parked in the reactor without a greenlet ------------------------------------------
     #
-    # ``_launch`` attaches a compiled pump and parks it with a ``_Parked`` as its wake-up: while
-    # the pump only waits for its source, the reactor steps it in C and no greenlet exists for
-    # it.  A status that needs Python makes a greenlet (``_Parked.switch``) that runs ``_drive``
-    # from that status, the same loop as ``_pump_c``, until the pump parks again (the greenlet
-    # ends) or ends (``_pump_done``; the session's ``on_end`` once both have).  Edges that
-    # arrive while the greenlet runs are kept by the reactor (``ready_in``) and stepped by the
-    # ``park`` that ends it.
+    # ``_launch`` attaches a compiled pump and parks it with the writer of its destination
+    # (``_Out``) as its wake-up: while the pump only waits for its source, the reactor steps it in C
+    # and no greenlet exists for it.  A status that needs Python makes a greenlet (``_Out.switch``)
+    # that runs ``_drive`` from that status, the same loop as ``_pump_c``, until the pump parks
+    # again (the greenlet ends) or ends (``_pump_done``; the session's ``on_end`` once both have).
+    # Edges that arrive while the greenlet runs are kept by the reactor (``ready_in``) and stepped
+    # by the ``park`` that ends it.
 
     def _launch(self, src: Sock, dst: Sock, scanner: Any, side: str, from_client: bool) -> None:
         """Start one direction parked in the reactor (never raises: a failure ends it)."""
         out = self._out_of(dst)
-        assert out is not None
-        job = _Parked(self, None, out, from_client)
-        assert job.scanner is scanner and job.side == side
+        assert out is not None and out.scanner is scanner and out.side == side and out.from_client == from_client
         if self.closed:  # the other direction failed to start: attach nothing any more
-            self._pump_done(job)
+            self._pump_done(out)
             return
         try:
-            job.pump = pump = Pump(scanner, src.fileno(), dst.fileno(), self.settings.buffer_size, BUDGET)
-            out.pump = pump
+            out.pump = pump = Pump(scanner, src.fileno(), dst.fileno(), self.settings.buffer_size, BUDGET)
             lock = out._lock  # None: the pump sends freely until a lock is made (_Out.lock tells it)
             self._reactor.attach(pump, lock.locked if lock is not None else None)
-            self._parked.append(pump)
-            if not from_client:
-                self.heard = _Received(pump, self.heard[0])
             try:
-                st = self._reactor.park(pump, job)
+                st = self._reactor.park(pump, out)
             except Exception:
                 st = P_YIELD  # the greenlet steps again itself and meets the error there
         except Exception as exc:
             log.warning("relay direction failed to start",
                         extra=ctx(role=self.role, side=side, client=self.client_addr, error=str(exc)))
-            self._pump_done(job)
+            self._pump_done(out)
             return
         if st >= 0:  # Python must act at once: from a callback in the hub, not this greenlet
-            self.hub.loop.run_callback(job.switch, st)
+            self.hub.loop.run_callback(out.switch, st)
 
-    def _drive(self, job: _Parked, st: int) -> None:
-        """The greenlet of a parked pump, from a status that needs Python; nothing escapes it
-        (its parent is the hub)."""
+    def _drive(self, out: _Out, st: int) -> None:
+        """The greenlet of a parked pump (the one forwarding into ``out``), from a status that needs
+        Python; nothing escapes it (its parent is the hub)."""
         try:
-            if self._drive_loop(job, st):
+            if self._drive_loop(out, st):
                 return  # parked again: this greenlet ends
         except OSError as exc:
-            self._ended_by(exc, job.side)
+            self._ended_by(exc, out.side)
         except BaseException:
-            log.exception("relay direction failed", extra=ctx(role=self.role, side=job.side, client=self.client_addr))
-        self._pump_done(job)
+            log.exception("relay direction failed", extra=ctx(role=self.role, side=out.side, client=self.client_addr))
+        self._pump_done(out)
 
-    def _drive_loop(self, job: _Parked, st: int) -> bool:
+    def _drive_loop(self, out: _Out, st: int) -> bool:
         """``_pump_c``'s loop for a pump in the reactor; True when it is parked again."""
-        pump, out = job.pump, job.out
+        pump = out.pump
         locked = out.locked  # the lock may be made in this loop (a write that waits)
         step = pump.step
         park = self._reactor.park
         while not self.closed:
             if st == P_WAIT_READ:
-                st = park(pump, job)
+                st = park(pump, out)
                 if st < 0:
                     return True
                 continue
@@ -821,29 +839,30 @@ class Session(SessionCore):
             if st == P_BOUNDARY:
                 self.flush_answers(out)
             elif st == P_POLICY:
-                scanner = job.scanner
+                scanner = out.scanner
                 frame = Frame(pump.frame(), scanner.code, scanner.flag, scanner.opaque, scanner.limited,
                               scanner.records)
                 pump.consume()
-                if not self.policy(out, frame, job.from_client):
+                if not self.policy(out, frame, out.from_client):
                     return False
             elif st == P_YIELD:
                 gevent.sleep(0)
             else:
-                self._pump_ended(st, pump, job.scanner, job.side)
+                self._pump_ended(st, pump, out.scanner, out.side)
                 return False
             if self.closed:
                 return False
             st = step(not locked())
         return False
 
-    def _pump_done(self, job: _Parked) -> None:
-        """A parked pump ended: what ``_pump`` does when its loop ends; ``on_end`` after the last."""
+    def _pump_done(self, out: _Out) -> None:
+        """A parked pump (the one forwarding into ``out``) ended: what ``_pump`` does when its loop
+        ends; ``on_end`` after the last."""
         try:
-            if not job.from_client and not self.closed:
+            if not out.from_client and not self.closed:
                 self._upstream_lost()
             self.close()
-            self._forget_pump(job.out)
+            self._forget_pump(out)
         finally:
             self._live -= 1
             if self._live == 0 and self._on_end is not None:
@@ -881,7 +900,7 @@ class Session(SessionCore):
         raw = _raw(src)
         recv_into = raw.recv_into
         monotonic_ns = time.monotonic_ns
-        heard = [0.0] if from_client else self.heard
+        heard = not from_client
         readable = True  # try a read before waiting for readiness
         try:
             while not self.closed:
@@ -900,7 +919,9 @@ class Session(SessionCore):
                 # failing recv per message when clients send one request at a time).
                 readable = n == len(rb.buf) - rb.filled or getattr(raw, "eof_pending", False)
                 now = monotonic_ns()
-                self.last_activity = heard[0] = now / 1e9
+                self.last_activity = at = now / 1e9
+                if heard:
+                    self._heard = at
                 state.stalled_since = 0
                 rb.filled += n
                 need = self._relay_received(rb, scanner, skip_of, out, from_client)
