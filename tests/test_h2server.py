@@ -70,7 +70,11 @@ def pb() -> Any:
 
 
 def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 120))
+    """On the front's own loop (uvloop's when installed)."""
+    from rmqfast.grpcfront.server import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(asyncio.wait_for(coro, 120))
 
 
 async def _start(pb: Any, max_body: int = 1 << 20, ctx: Any = None) -> tuple[Any, Service, int]:

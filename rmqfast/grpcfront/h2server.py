@@ -184,8 +184,7 @@ class H2Protocol(asyncio.Protocol):
     # --- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
         addr = transport.get_extra_info("peername")
         if isinstance(addr, tuple) and len(addr) >= 2:
             self.peer = f"ipv6:[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"ipv4:{addr[0]}:{addr[1]}"
