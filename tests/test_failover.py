@@ -503,6 +503,37 @@ def test_draining_session_close_rule() -> None:
     assert not may_close(S(go_away_capable=True), 0.1)  # its next request gets GO_AWAY
 
 
+def test_a_draining_worker_makes_one_go_away_chain_per_chain_not_per_session() -> None:
+    """A drain puts GoAway first in every open session's chain; sessions of a role share its chain,
+    so 10,000 sessions get one new chain each role (not 10,000: seconds of a blocked event loop)."""
+    from rmqfast.codec import ACTION_POLICY, CODE_SLOTS
+    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+    from rmqfast.server.worker import Worker
+
+    broker, namesrv = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)]), FilterChain([])
+
+    class Scanner:
+        def __init__(self) -> None:
+            self.actions: bytes | None = None
+
+        def set_actions(self, actions: bytes) -> None:
+            self.actions = actions
+
+    def session(chain: FilterChain, closed: bool = False) -> Any:
+        return types.SimpleNamespace(chain=chain, closed=closed, c2u=Scanner(), role="broker")
+
+    sessions = [session(broker) for _ in range(50)] + [session(namesrv) for _ in range(3)]
+    was = {id(s): s.chain for s in sessions}
+    gone = session(broker, closed=True)
+    fake = types.SimpleNamespace(sessions=[*sessions, gone], health_metrics=None)
+    Worker._go_away_from_now_on(fake)  # type: ignore[arg-type]
+    assert len({id(s.chain) for s in sessions}) == 2
+    for s in sessions:
+        assert isinstance(s.chain.filters[0], GoAway) and s.chain.filters[1:] == was[id(s)].filters
+        assert s.c2u.actions == s.chain.request_actions == bytes([ACTION_POLICY]) * CODE_SLOTS
+    assert gone.chain is broker and gone.c2u.actions is None
+
+
 def test_failover_config_parses_checks_and_survives_the_worker_handoff() -> None:
     import json
 
