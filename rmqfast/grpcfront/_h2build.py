@@ -63,7 +63,7 @@ static int buf_put(buf_t *b, const void *d, size_t n) {
 
 static void buf_free(buf_t *b) { free(b->p); b->p = NULL; b->len = b->cap = 0; }
 
-typedef struct {
+typedef struct h2stream {
     buf_t hdr;          /* request: ':path' \0 'grpc-timeout' \0 then name \0 value \0 ... */
     buf_t path, tmo;
     size_t hdrsize;     /* request header list size as SETTINGS_MAX_HEADER_LIST_SIZE counts it */
@@ -71,11 +71,13 @@ typedef struct {
     size_t off;
     buf_t trl;          /* grpc-status \0 grpc-message */
     int request_seen, replied, eof, deferred, want_w;
+    struct h2stream *prev, *next;  /* the connection's open streams: nghttp2_session_del calls no callback */
 } h2stream;
 
 typedef struct h2conn h2conn;
 struct h2conn {
     nghttp2_session *s;
+    h2stream *streams;
     buf_t ev, wr;
     size_t max_header_list;
     int oom;
@@ -94,17 +96,24 @@ static int ev_put(h2conn *c, char type, int32_t sid, const void *d, size_t n) {
     return 0;
 }
 
-static void stream_free(h2stream *st) {
+static void stream_free(h2conn *c, h2stream *st) {
+    if (st->prev) st->prev->next = st->next; else c->streams = st->next;
+    if (st->next) st->next->prev = st->prev;
     buf_free(&st->hdr); buf_free(&st->path); buf_free(&st->tmo); buf_free(&st->out); buf_free(&st->trl);
     free(st);
 }
 
 static int on_begin_headers(nghttp2_session *s, const nghttp2_frame *f, void *ud) {
     h2stream *st;
+    h2conn *c;
     if (f->hd.type != NGHTTP2_HEADERS || f->headers.cat != NGHTTP2_HCAT_REQUEST) return 0;
+    c = ud;
     st = calloc(1, sizeof(*st));
     if (!st) return NGHTTP2_ERR_CALLBACK_FAILURE;
-    nghttp2_session_set_stream_user_data(s, f->hd.stream_id, st);
+    if (nghttp2_session_set_stream_user_data(s, f->hd.stream_id, st)) { free(st); return 0; }
+    st->next = c->streams;
+    if (c->streams) c->streams->prev = st;
+    c->streams = st;
     return 0;
 }
 
@@ -184,7 +193,7 @@ static int on_stream_close(nghttp2_session *s, int32_t sid, uint32_t code, void 
         b[0] = (code >> 24) & 0xff; b[1] = (code >> 16) & 0xff; b[2] = (code >> 8) & 0xff; b[3] = code & 0xff;
         ev_put(c, 'C', sid, b, 4);
     }
-    stream_free(st);
+    stream_free(c, st);
     return 0;
 }
 
@@ -260,7 +269,8 @@ h2conn *h2_new(uint32_t max_streams, uint32_t max_header_list, uint32_t stream_w
 
 void h2_free(h2conn *c) {
     if (!c) return;
-    nghttp2_session_del(c->s);  /* closes the streams: on_stream_close frees their state */
+    nghttp2_session_del(c->s);
+    while (c->streams) stream_free(c, c->streams);
     buf_free(&c->ev); buf_free(&c->wr);
     free(c);
 }

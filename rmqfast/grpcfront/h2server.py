@@ -44,6 +44,7 @@ MAX_STREAMS = 256  # SETTINGS_MAX_CONCURRENT_STREAMS per connection
 MAX_HEADER_LIST = 16 * 1024  # SETTINGS_MAX_HEADER_LIST_SIZE
 STREAM_WINDOW = 1 << 20
 _WRITE_MARK = 1 << 20  # bytes queued on a stream past which a streaming handler waits
+_PREFACE_WITHIN = 30.0  # s: a connection that sends nothing is closed
 _QUEUE = 32  # client messages of a bidi stream waiting for its handler
 
 # gRPC status codes
@@ -180,6 +181,7 @@ class H2Protocol(asyncio.Protocol):
         self._paused = False
         self._consume = 0
         self.closed = False
+        self._idle: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol -----------------------------------------------------------------
 
@@ -195,13 +197,23 @@ class H2Protocol(asyncio.Protocol):
             return
         self.c = ffi.gc(c, lib.h2_free)
         self.server.conns.add(self)
+        self._idle = self.loop.call_later(_PREFACE_WITHIN, self._silent)
         if self.server.stopping:
             lib.h2_goaway(self.c)
         self._flush()
 
+    def _silent(self) -> None:
+        self._idle = None
+        log.debug("gRPC connection from %s sent nothing in %.0f s: closed", self.peer, _PREFACE_WITHIN)
+        if self.transport is not None:
+            self.transport.abort()
+
     def data_received(self, data: bytes) -> None:
         if self.c is None or self.closed:
             return
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         rv = lib.h2_recv(self.c, data, len(data), self._pp, self._pn)
         n = self._pn[0]
         if n:
@@ -215,17 +227,26 @@ class H2Protocol(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        if self._idle is not None:
+            self._idle.cancel()
+        c, self.c = self.c, None
+        if c is not None:
+            ffi.release(c)
         self.server.conns.discard(self)
         for call in self.calls.values():
             self._drop(call)
         self.calls.clear()
         self.server.conn_gone()
 
-    def pause_writing(self) -> None:
+    def pause_writing(self) -> None:  # the client reads slower than it asks: it is not read meanwhile
         self._paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
         self._flush()
 
     # --- events from nghttp2 ---------------------------------------------------------------
