@@ -1,5 +1,6 @@
-"""``[acl]`` on the gRPC front with the real Python 5.x client (``rocketmq-python-client``, which signs
-its calls when given Credentials) against the session's RocketMQ 5.3.3 cluster.
+"""``[acl]`` on the gRPC front with the real 5.x clients signing their calls (``rocketmq-python-client``
+given Credentials, ``rocketmq-client-java`` 5.0.7 given a StaticSessionCredentialsProvider) against
+the session's RocketMQ 5.3.3 cluster.
 
 The AccessKey ``app`` may use one topic: its Producer sends and its SimpleConsumer receives and acks
 there; a send to another topic fails, and so does every call signed with a wrong secret key.  Raw
@@ -43,7 +44,8 @@ def front(cluster: RocketMQCluster) -> Iterator[tuple[str, ProxyProcess]]:
         time.sleep(0.1)
     lease = reserve([0])
     addr = f"127.0.0.1:{lease.base}"
-    extra = (f'\n[grpc]\nenabled = true\nlisten = "{addr}"\n'
+    # server = "grpcio": the ACL is the service's (rmqfast.grpcfront.auth), the same under either server
+    extra = (f'\n[grpc]\nenabled = true\nserver = "grpcio"\nlisten = "{addr}"\n'
              f'\n[acl]\ntopics = {{ "{AK}" = ["{ALLOWED}"] }}\nsecret_keys = {{ "{AK}" = "{SK}" }}\n')
     with contextlib.ExitStack() as stack:
         stack.callback(lease.release)
@@ -145,3 +147,44 @@ def test_python_client_with_credentials_allowed_topic_only(front: tuple[str, Pro
                    and 'code="SendMessage"' in line)
 
     assert denied() >= 3  # the three raw refusals at least (the clients' refused route queries count apart)
+
+
+@pytest.fixture(scope="module")
+def java_driver(jars: Any) -> str:
+    from rmqfast.testing.grpcclient import ensure_grpc_driver
+
+    return ensure_grpc_driver(jars.java_dir)
+
+
+def test_java_client_with_credentials(front: tuple[str, ProxyProcess], java_driver: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """rocketmq-client-java 5.0.7 with StaticSessionCredentialsProvider: a Producer of the allowed topic
+    sends and a SimpleConsumer receives and acks; a Producer of another topic cannot start
+    (ForbiddenException naming the setting: its route look-up is refused), nor one with a wrong secret
+    key (UnauthorizedException)."""
+    import subprocess
+
+    from rmqfast.testing.grpcclient import run_driver
+    from rmqfast.testing.tools import java_executable
+
+    def refused(topic: str) -> str:
+        """The whole stderr of a Producer of ``topic`` that must fail to start."""
+        p = subprocess.run([java_executable(), "-Xmx128m", "-XX:TieredStopAtLevel=1", "-cp", java_driver, "GrpcDriver",
+                            "produce", addr, topic, run, "1"], capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and "DONE" not in p.stdout, (p.stdout, p.stderr[-2000:])
+        return p.stderr
+
+    addr, _proxy = front
+    run = f"acl-java-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("RMQFAST_GRPC_ACCESS_KEY", AK)
+    monkeypatch.setenv("RMQFAST_GRPC_SECRET_KEY", SK)
+    sent = run_driver(java_driver, "produce", addr, ALLOWED, run, "3")
+    assert sent.lines[-1] == "DONE 3", sent.lines
+    got = run_driver(java_driver, "consume", addr, ALLOWED, f"grpc_acl_{run}", run, "3", "60")
+    assert got.lines[-1] == "DONE 3", (got.lines, got.stderr[-2000:])
+    err = refused(OTHER)
+    # the Producer's start looks the topic's route up: refused there (response-code=40300)
+    assert "ForbiddenException" in err and f"may not look up the route of topic '{OTHER}'" in err, err[-3000:]
+    monkeypatch.setenv("RMQFAST_GRPC_SECRET_KEY", "not-the-secret")
+    err = refused(ALLOWED)
+    assert "UnauthorizedException" in err and "does not verify" in err, err[-3000:]

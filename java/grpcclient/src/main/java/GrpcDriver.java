@@ -8,7 +8,9 @@ import java.util.Set;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
 import org.apache.rocketmq.client.apis.ClientConfiguration;
+import org.apache.rocketmq.client.apis.ClientConfigurationBuilder;
 import org.apache.rocketmq.client.apis.ClientServiceProvider;
+import org.apache.rocketmq.client.apis.StaticSessionCredentialsProvider;
 import org.apache.rocketmq.client.apis.consumer.FilterExpression;
 import org.apache.rocketmq.client.apis.consumer.ConsumeResult;
 import org.apache.rocketmq.client.apis.consumer.FilterExpressionType;
@@ -51,12 +53,19 @@ import org.apache.rocketmq.client.apis.producer.TransactionResolution;
  *                                                        unique millis-to-the-last deliveries ackfailed")
  * </pre>
  * One line per event on stdout: "SENT id body", "RECV id group attempt body", "CHECK id body", "DONE n".
+ * With RMQFAST_GRPC_ACCESS_KEY (and RMQFAST_GRPC_SECRET_KEY) set, the client signs its calls with them.
  */
 public final class GrpcDriver {
     public static void main(String[] args) throws Exception {
         ClientServiceProvider provider = ClientServiceProvider.loadService();
-        ClientConfiguration cc = ClientConfiguration.newBuilder().setEndpoints(args[1]).enableSsl(false)
-            .setRequestTimeout(Duration.ofSeconds(10)).build();
+        ClientConfigurationBuilder ccb = ClientConfiguration.newBuilder().setEndpoints(args[1]).enableSsl(false)
+            .setRequestTimeout(Duration.ofSeconds(10));
+        String accessKey = System.getenv("RMQFAST_GRPC_ACCESS_KEY");
+        if (accessKey != null && !accessKey.isEmpty()) {
+            String secretKey = System.getenv("RMQFAST_GRPC_SECRET_KEY");
+            ccb.setCredentialProvider(new StaticSessionCredentialsProvider(accessKey, secretKey == null ? "" : secretKey));
+        }
+        ClientConfiguration cc = ccb.build();
         if ("throughput".equals(args[0])) {
             throughput(provider, cc, args[2], args[3], Integer.parseInt(args[4]), Integer.parseInt(args[5]),
                 Integer.parseInt(args[6]), Integer.parseInt(args[7]));
