@@ -22,8 +22,10 @@ What is decided, with the semantics of the Remoting allowlist (:mod:`rmqfast.pro
 * a signature that does not verify, an unknown AccessKey, a date-time that cannot be read or is
   more than ``acl.signature_max_age`` from the proxy's clock: ``UNAUTHORIZED``;
 * a verified AccessKey not named in ``acl.topics``: ``FORBIDDEN`` unless ``acl.other_keys =
-  "allow"``; one named there: ``FORBIDDEN`` for a topic its patterns do not cover (retry topics,
-  ``%RETRY%group``, are not checked: they belong to consumer groups).
+  "allow"``; one named there: ``FORBIDDEN`` for a topic its patterns do not cover.  Retry topics
+  (``%RETRY%group``...) are checked as any other: 5.x clients never name one (the front pops a
+  topic's retries for the topic asked and reports that topic), and a send to ``%RETRY%G`` reaches
+  group G's consumers whatever they subscribe.
 
 The clients write their *local* wall-clock time followed by a literal ``Z`` (Java's
 ``SimpleDateFormat`` without a zone, Python's ``datetime.now()``), so the date-time is accepted
@@ -46,7 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rmqfast.log import ctx
-from rmqfast.proxy.acl import RETRY_PREFIX, AclSection, _Patterns
+from rmqfast.proxy.acl import AclSection, _Patterns
 
 log = logging.getLogger("rmqfast.grpc.acl")
 
@@ -193,7 +195,7 @@ class GrpcAcl:
 
     def authorize(self, ak: str | None, topic: str, verb: str) -> None:
         """Whether AccessKey ``ak`` (None: an unsigned call that passed) may ``verb`` ``topic``; raises Refused."""
-        if ak is None or topic.startswith(RETRY_PREFIX):
+        if ak is None:
             return
         pats = self.keys.get(ak)
         if pats is None:
