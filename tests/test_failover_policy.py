@@ -154,6 +154,23 @@ def test_moved_delayed_send_is_held_for_the_live_master(moved: Any, delay: Delay
     assert ans.code == C.SUCCESS and to == live.addr and len(live.requests) == 1
 
 
+def test_moved_oneway_delayed_send_is_held(moved: Any, delay: DelayService) -> None:
+    """A oneway send (no answer is written) asking for proxy-held delay is held too, and not counted as
+    refused."""
+    live, dead, svc = moved
+    svc.delay = delay
+    due = int(time.time() * 1000) + 3_600_000
+    cmd = _send_v2(topic="Delayed", props=f"TIMER_DELIVER_MS\x01{due}\x02UNIQ_KEY\x01ONE\x02", opaque=3)
+    cmd.flag |= C.FLAG_ONEWAY
+    _ans, to = svc.move(cmd, dead)
+    assert to == "held" and svc.refused == 0 and live.requests == []
+    deadline = time.monotonic() + 30
+    while delay.accepted < 1:  # the store's group commit answers a oneway send in the background
+        assert time.monotonic() < deadline, "the oneway send was not stored"
+        gevent.sleep(0.01)
+    assert [Held.decode(v).msg_id for _k, v in delay.store.scan()] == ["ONE"]
+
+
 def test_limits_come_before_the_hold(moved: Any, tmp_path: Path, delay: DelayService) -> None:
     """The relay's chain order: a delayed send over its limit is refused, not held."""
     live, dead, svc = moved

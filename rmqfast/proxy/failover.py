@@ -616,7 +616,9 @@ class FailoverService:
         """The answer of a moved send the proxy answered itself (limit, shaping, hold): verdict ``v``."""
         if v.kind is Kind.REPLY:
             answer = replace(decode_frame(v.data), opaque=cmd.opaque)
-        else:  # a oneway send taken or dropped (its answer is never written), or an unreadable one
+        elif cmd.is_oneway:  # taken (or dropped) without an answer: none is written for a oneway send
+            return make_response(cmd, C.SUCCESS, f"rmqfast: {v.reason}"), what
+        else:  # a send the filter could not read
             answer = make_response(cmd, C.SYSTEM_BUSY, f"rmqfast: {v.reason}")
         if answer.code != C.SUCCESS:
             self.refused += 1
