@@ -103,25 +103,31 @@ def rss_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
-def smaps_mb(pid: int | str) -> dict[str, float]:
+def smaps_raw(pid: int | str) -> str:
+    """The text of /proc/PID/smaps (read at a peak, parsed later: parsing it here would hold up the
+    recorder that times the releases)."""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def smaps_mb(pid: int | str, raw: str | None = None) -> dict[str, float]:
     """Resident MB of a process by kind of mapping: ``heap`` (glibc's main arena: the Python
     objects and the main thread's mallocs), ``anon`` (the other anonymous mappings: the RocksDB
     threads' malloc arena, large mallocs, thread stacks), ``rocksdb`` (the rocksdict library's
     pages), ``libs`` (every other file)."""
     out = {"heap": 0.0, "anon": 0.0, "rocksdb": 0.0, "libs": 0.0}
     kind = "anon"
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=6)
-                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
-                    name = head[5].strip() if len(head) > 5 else ""
-                    kind = ("heap" if name == "[heap]" else "rocksdb" if "rocksdict" in name
-                            else "anon" if not name or name.startswith("[") else "libs")
-                elif head and head[0] == "Rss:":
-                    out[kind] += int(head[1]) / 1024
-    except OSError:
-        pass
+    for line in (smaps_raw(pid) if raw is None else raw).splitlines():
+        head = line.split(maxsplit=6)
+        if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+            name = head[5].strip() if len(head) > 5 else ""
+            kind = ("heap" if name == "[heap]" else "rocksdb" if "rocksdict" in name
+                    else "anon" if not name or name.startswith("[") else "libs")
+        elif head and head[0] == "Rss:":
+            out[kind] += int(head[1]) / 1024
     return out
 
 
@@ -136,14 +142,18 @@ class RssSampler:
     def __init__(self, pid: int, every: float = 0.2) -> None:
         self.pid, self.every = pid, every
         self.peak = self.last = 0.0
-        self.parts: dict[str, float] = {}
+        self._raw = ""
         self._g = gevent.spawn(self._run)
+
+    @property
+    def parts(self) -> dict[str, float]:
+        return smaps_mb(self.pid, self._raw)
 
     def _run(self) -> None:
         while True:
             self.last = rss_mb(self.pid)
-            if self.last > self.peak + 0.5 or not self.parts:
-                self.parts = smaps_mb(self.pid)
+            if self.last > self.peak + 0.5 or not self._raw:
+                self._raw = smaps_raw(self.pid)
             self.peak = max(self.peak, self.last)
             gevent.sleep(self.every)
 
@@ -379,6 +389,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.late: list[int] = []
+        self.due: list[int] = []  # the due time of each sample in ``late``
         self.first = self.last = 0
         self.server = StreamServer(("127.0.0.1", 0), self._handle)
         self.server.start()
@@ -386,6 +397,7 @@ class Recorder:
 
     def reset(self) -> None:
         self.late = []
+        self.due = []
         self.first = self.last = 0
 
     def _handle(self, sock: socket.socket, _addr: object) -> None:
@@ -412,7 +424,9 @@ class Recorder:
                 opaque = _I32.unpack_from(buf, pos + 13)[0]
                 body_at = pos + 8 + (mark & 0xFFFFFF)
                 if _I32.unpack_from(buf, pos + 8)[0] >> 16 == 310 and body_at + 8 <= pos + 4 + n:
-                    self.late.append(now - _DUE.unpack_from(buf, body_at)[0])
+                    due = _DUE.unpack_from(buf, body_at)[0]
+                    self.late.append(now - due)
+                    self.due.append(due)
                     self.first = self.first or now
                     self.last = now
                 out.append(_HEAD.pack(4 + 21, (SERIALIZE_ROCKETMQ << 24) | 21)
@@ -477,6 +491,18 @@ def send_slice(port: int, n: int, start: int, rate: int, body: int, conns: int =
     return ok[0]
 
 
+def by_second(rec: Recorder, start: int) -> str:
+    """p99 / max lateness of the releases due in each second of the slice: where the tail lies."""
+    secs: dict[int, list[int]] = {}
+    for late, due in zip(rec.late, rec.due, strict=False):
+        secs.setdefault((due - start) // 1000, []).append(late)
+    out = []
+    for sec in sorted(secs):
+        v = sorted(secs[sec])
+        out.append(f"{sec}s {v[min(len(v) - 1, int(len(v) * 0.99))]}/{v[-1]}")
+    return ", ".join(out)
+
+
 def release(args: argparse.Namespace, tools: Tools, px: Proxy, rec: Recorder, accept_rate: float,
             plain_rate: float) -> float:
     """One release slice (with ``plain_rate`` plain sends/s beside it); returns the rate at which
@@ -517,6 +543,7 @@ def release(args: argparse.Namespace, tools: Tools, px: Proxy, rec: Recorder, ac
     cpu = sum(cpu_seconds(px.worker)) - c0
     peak = sampler.stop()
     stop_profile(spy)
+    print(f"   lateness by second of due time (p99 / max ms): {by_second(rec, start)}", flush=True)
     late = sorted(rec.late)
     k = len(late)
     if not k:

@@ -165,6 +165,50 @@ def test_store_orders_by_due_time_caps_cancels_and_survives_a_reopen(tmp_path):
     spill.close()
 
 
+class StallingDb:
+    """The spill database, whose next ``stalls`` writes RocksDB refuses as it refuses a write it
+    would stall (``no_slowdown``); every refused write is recorded."""
+
+    def __init__(self, db, stalls: int) -> None:
+        self.db, self.stalls, self.refused = db, stalls, 0
+
+    def write(self, wb, opts):
+        if self.stalls > 0:
+            self.stalls -= 1
+            self.refused += 1
+            raise Exception("Result incomplete: Write stall")
+        return self.db.write(wb, opts)
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
+def test_a_write_rocksdb_would_stall_is_written_once_the_stall_passes(tmp_path):
+    spill = SpillStore(tmp_path / "db")
+    db = StallingDb(spill.db, stalls=3)
+    st = DelayStore(db, max_pending_bytes=1 << 20, path=str(tmp_path / "db"))
+    base = 1_700_000_000_000
+    waits = [st.put(held(f"S{i}", keys="k"), base + i)[1] for i in range(3)]
+    for b in waits:
+        st.wait(b)  # no WriteFailed: each refused write was made again
+    assert db.refused == 3 and st.stalls == 3 and st.messages == 3 and st.fsyncs >= 1
+    assert [Held.decode(v).msg_id for _k, v in st.read_due(b"d", base + 10, 10)] == ["S0", "S1", "S2"]
+    st.close()
+    spill.close()
+
+
+def test_held_messages_decode_as_encoded_and_a_truncated_value_is_refused():
+    rec = CopyRecord(topic="Delayed", body=b"\x00body\xff" * 9, properties="KEYS\x01a b\x02UNIQ_KEY\x01U1\x02",
+                     queue_id=3, sys_flag=2, born_timestamp=1 << 41, flag=-4, reconsume_times=1,
+                     max_reconsume_times=-1, broker_name="broker-ä", producer_group="PG", kind=1, created_ms=77)
+    h = Held("10.0.0.1:10911", "U1", "a b", rec)
+    v = h.encode()
+    assert Held.decode(v) == h and Held.decode(memoryview(v)) == h
+    for cut in (0, 1, 5, 20, 40, 60, len(v) - len(rec.body) - 1):
+        with pytest.raises(Exception):  # noqa: B017 (the record's own decoder names what is wrong)
+            Held.decode(v[:cut])
+
+
 def test_due_keys_sort_as_due_times():
     ks = [due_key(d, s) for d, s in ((5, 9), (1 << 40, 0), (4, 10**12), (5, 10), (0, 0))]
     assert sorted(ks) == [due_key(0, 0), due_key(4, 10**12), due_key(5, 9), due_key(5, 10), due_key(1 << 40, 0)]

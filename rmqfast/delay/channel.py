@@ -182,10 +182,11 @@ class ReleaseChannel:
             self._more.clear()
             if not out or self.closed:
                 continue
-            data = b"".join(out)
+            view = memoryview(b"".join(out))
             out.clear()
             try:
-                self.sock.sendall(data)
+                while view:  # send (not sendall: no socket option read per write); waits when full
+                    view = view[self.sock.send(view) :]
             except OSError as exc:
                 self._fail(RemoteError(f"cannot send releases to {self.addr}: {exc}"))
 
