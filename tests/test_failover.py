@@ -508,7 +508,7 @@ def test_a_draining_worker_makes_one_go_away_chain_per_chain_not_per_session() -
     so 10,000 sessions get one new chain each role (not 10,000: seconds of a blocked event loop)."""
     from rmqfast.codec import ACTION_POLICY, CODE_SLOTS
     from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
-    from rmqfast.server.worker import Worker
+    from rmqfast.server.worker import go_away_from_now_on
 
     broker, namesrv = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)]), FilterChain([])
 
@@ -525,8 +525,7 @@ def test_a_draining_worker_makes_one_go_away_chain_per_chain_not_per_session() -
     sessions = [session(broker) for _ in range(50)] + [session(namesrv) for _ in range(3)]
     was = {id(s): s.chain for s in sessions}
     gone = session(broker, closed=True)
-    fake = types.SimpleNamespace(sessions=[*sessions, gone], health_metrics=None)
-    Worker._go_away_from_now_on(fake)  # type: ignore[arg-type]
+    go_away_from_now_on([*sessions, gone], GoAway())
     assert len({id(s.chain) for s in sessions}) == 2
     for s in sessions:
         assert isinstance(s.chain.filters[0], GoAway) and s.chain.filters[1:] == was[id(s)].filters

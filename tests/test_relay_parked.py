@@ -278,3 +278,21 @@ def test_the_listener_hands_over_plain_sockets_and_leaves_them_open():
             assert c.recv(1) == b""
     finally:
         server.stop(timeout=1)
+
+
+def test_a_session_is_found_by_its_in_flight_table_until_it_closes(rig):
+    """The worker's stalled-send sweep looks only at in-flight tables (``events.tables``): a session
+    is there from its set-up to its close."""
+    from rmqfast.proxy.failover import with_requests
+
+    rig.events.tables = {}
+    with socket.create_connection(("127.0.0.1", rig.port), timeout=5) as s, gevent.Timeout(10):
+        s.sendall(send(1))
+        assert decode_frame(read_frame(s)).code == C.SUCCESS
+        (session,) = rig.sessions
+        assert rig.events.tables == {session.inflight: session}
+        assert with_requests(rig.events.tables) == []  # answered: nothing in flight
+        session.inflight.track(0, 99, codec.code_slot(C.SEND_MESSAGE_V2), 0)
+        assert with_requests(rig.events.tables) == [session]
+    rig.wait_ended()
+    assert rig.events.tables == {}

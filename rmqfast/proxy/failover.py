@@ -430,6 +430,15 @@ def _answer_error(session: Any, out: Any, opaque: int, slot: int, remark: str) -
 _INFLIGHT = operator.attrgetter("inflight")
 
 
+def with_requests(tables: dict[Any, Any]) -> list[Any]:
+    """The sessions of ``tables`` (in-flight table -> its session) with a request in flight.
+
+    ``filter`` tests each table's truth (no request: false) in C and touches neither the sessions
+    nor anything else of them: the sweep ten times a second over 10,000 idle connections costs a
+    look at 10,000 small tables, not at 10,000 sessions."""
+    return [tables[t] for t in filter(None, tables)]
+
+
 def stalled_sends(sessions: Collection[Any], now: float) -> dict[str, float]:
     """Broker address -> the longest time (seconds) a send relayed on one of its connections has
     waited for its answer with nothing at all read back from the broker on that connection since.

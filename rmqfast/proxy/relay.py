@@ -446,6 +446,9 @@ class Session(SessionCore):
         s = self.settings
         compiled = codec.is_compiled(FrameScanner)  # the limiter and in-flight table of the same twin
         self.inflight = codec.twin_of(FrameScanner, "InFlight")()
+        tables = getattr(self.events, "tables", None)  # the worker's sessions by in-flight table
+        if tables is not None:
+            tables[self.inflight] = self
         self.c2u = FrameScanner(
             self.stats,
             actions=self.chain.request_actions,
@@ -480,6 +483,9 @@ class Session(SessionCore):
         self.closed = True
         if self.inflight is not None:
             self.inflight.abandon(self.stats)  # what was not answered by now never will be
+            tables = getattr(self.events, "tables", None)
+            if tables is not None:
+                tables.pop(self.inflight, None)
         self.chain.on_close(self)
         self._detach_pumps()
         watchers = [w for pair in self._watchers.values() for w in pair] if self._watchers else []

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,7 @@ from rmqfast.proxy.failover import (
     answer_in_flight,
     stalled_sends,
     wait_resends,
+    with_requests,
 )
 from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
@@ -184,6 +185,9 @@ class Worker:
                     st.set_sampling(max(1, round(1 / cfg.records.sample_rate)))
         self.listeners: dict[HostPort, Listener] = {}
         self.sessions: set[Session] = set()
+        #: the sessions set up so far, by their in-flight table (``Session._setup`` adds, ``close``
+        #: removes): the stalled-send sweep looks at the tables only (``with_requests``)
+        self.tables: dict[Any, Session] = {}
         self.ns_preferred = 0
         self.draining = False
         self.settings = self._settings(cfg)
@@ -582,7 +586,7 @@ class Worker:
                 continue
             try:
                 now = time.monotonic()
-                self.health.report_stalls(stalled_sends(self.sessions, now), now)
+                self.health.report_stalls(stalled_sends(with_requests(self.tables), now), now)
             except Exception:
                 log.exception("stalled-send sweep failed")
 
@@ -641,7 +645,7 @@ class Worker:
         log.info("draining", extra=ctx(worker=self.index, sessions=len(self.sessions)))
         self.failover.stopping = True
         if self.cfg.failover.go_away:  # requests arriving from now on: GO_AWAY to clients that reconnect on it
-            self._go_away_from_now_on()
+            go_away_from_now_on(self.sessions, GoAway(lambda s, code: self.health_metrics.go_away.labels(s.role).inc()))
         go = self.cfg.failover.go_away
         while self.sessions and time.monotonic() < deadline:
             now = time.monotonic()
@@ -655,22 +659,6 @@ class Worker:
         self.publish()
         _close_services(self)
         log.info("worker stopped", extra=ctx(worker=self.index, cut_sessions=left))
-
-    def _go_away_from_now_on(self) -> None:
-        """Every open session's chain with :class:`GoAway` first.  Sessions share their role's chain:
-        one draining chain is made per chain, not per session (a chain per session kept the event
-        loop for seconds with 10,000 connections)."""
-        go_away = GoAway(lambda s, code: self.health_metrics.go_away.labels(s.role).inc())
-        made: dict[int, tuple[FilterChain, FilterChain]] = {}  # id(chain) -> (chain, its draining chain)
-        for s in list(self.sessions):
-            if s.closed:
-                continue
-            pair = made.get(id(s.chain))
-            if pair is None:
-                pair = made[id(s.chain)] = (s.chain, draining(s.chain, go_away))
-            s.chain = pair[1]
-            if s.c2u is not None:
-                s.c2u.set_actions(s.chain.request_actions)
 
     def reload(self, cfg: Config) -> None:
         old = self.cfg
@@ -712,6 +700,22 @@ class Worker:
         self.registry.bind_all()
         log.info("configuration reloaded", extra=ctx(worker=self.index, was_workers=old.proxy.workers))
 
+
+
+def go_away_from_now_on(sessions: Iterable[Session], go_away: GoAway) -> None:
+    """Every open session's chain with ``go_away`` first (a draining worker).  Sessions share their
+    role's chain: one draining chain is made per chain, not per session (a chain per session kept
+    the event loop for seconds with 10,000 connections)."""
+    made: dict[int, tuple[FilterChain, FilterChain]] = {}  # id(chain) -> (chain, its draining chain)
+    for s in list(sessions):
+        if s.closed:
+            continue
+        pair = made.get(id(s.chain))
+        if pair is None:
+            pair = made[id(s.chain)] = (s.chain, draining(s.chain, go_away))
+        s.chain = pair[1]
+        if s.c2u is not None:
+            s.c2u.set_actions(s.chain.request_actions)
 
 
 def _close_services(w: Any) -> None:
