@@ -286,6 +286,7 @@ def test_every_served_call_is_checked(pb: Any) -> None:
     UNAUTHORIZED, even for the calls without a topic."""
     svc, brokers = _service(pb)
     ok = _calls(pb, svc, "Orders", metadata())
+    assert set(ok) | {"Telemetry"} == set(MessagingService.SERVED)  # a newly served call must be checked here too
     assert set(ok.values()) == {pb.Code.OK, pb.Code.MESSAGE_NOT_FOUND}, ok
     assert ok["ReceiveMessage"] == pb.Code.MESSAGE_NOT_FOUND
     assert {c for _t, c in brokers.calls} >= {C.SEND_MESSAGE_V2, C.POP_MESSAGE, C.ACK_MESSAGE,
