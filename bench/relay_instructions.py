@@ -33,7 +33,8 @@ Scenarios (``--scenario``, repeatable; default all):
 
 ``RMQFAST_NO_EXTENSIONS=1`` measures the pure-Python twins (pump and scanner) instead;
 ``RMQFAST_RELAY_REACTOR=0`` the compiled pumps on watchers of their own instead of the reactor.
-``--batch 1`` is a client with one request in flight (every frame is a wake-up of its own).
+``--batch 1`` is a client with one request in flight (every frame is a wake-up of its own);
+``--conns N`` drives N connections at once (each its batch; the wake-ups then find several ready).
 
 ``--proxy haproxy`` measures HAProxy instead (``mode tcp``, one thread, the bench's config) on
 the same frames: the same figure for the proxy the project compares itself with (``send`` only).
@@ -78,7 +79,7 @@ UPDATE_BROKER_CONFIG = 25
 # The proxy side (runs under valgrind) -------------------------------------------------------
 
 
-def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
+def serve(upstream_port: int, scenario: str, runtime: Path, conns: int = 1) -> None:
     import gevent
     from gevent import socket as gsocket
 
@@ -134,13 +135,17 @@ def serve(upstream_port: int, scenario: str, runtime: Path) -> None:
     settings = RelaySettings(65536, 16 << 20, 1 << 16, 5.0, 600.0)
     listener = gsocket.socket(gsocket.AF_INET, gsocket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
+    listener.listen(conns)
     print(f"listening {listener.getsockname()[1]}", flush=True)
-    sock, addr = listener.accept()
-    sock.setsockopt(gsocket.IPPROTO_TCP, gsocket.TCP_NODELAY, 1)
-    session = Session("broker", sock, f"{addr[0]}:{addr[1]}", [HostPort("127.0.0.1", upstream_port)], chain,
-                      ScanStats(), settings, Events(), **kwargs)
-    gevent.spawn(session.run).join()
+    stats = ScanStats()
+    runs = []
+    for _ in range(conns):
+        sock, addr = listener.accept()
+        sock.setsockopt(gsocket.IPPROTO_TCP, gsocket.TCP_NODELAY, 1)
+        session = Session("broker", sock, f"{addr[0]}:{addr[1]}", [HostPort("127.0.0.1", upstream_port)], chain,
+                          stats, settings, Events(), **kwargs)
+        runs.append(gevent.spawn(session.run))
+    gevent.joinall(runs)
     listener.close()
 
 
@@ -163,26 +168,39 @@ def frame(scenario: str, opaque: int) -> bytes:
         body=b"m" * 256))
 
 
-def drive(port: int, scenario: str, n: int, batch: int) -> dict[int, int]:
+def drive(port: int, scenario: str, n: int, batch: int, conns: int = 1) -> dict[int, int]:
+    """Send ``n`` frames, ``batch`` at a time on each of ``conns`` connections (every connection's
+    batch written, then every answer read: the proxy sees their frames arrive together)."""
     from rmqfast.codec.command import decode_frame
     from rmqfast.testing.wire import read_frame
 
     codes: dict[int, int] = {}
-    with socket.create_connection(("127.0.0.1", port), timeout=600) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=600) for _ in range(conns)]
+    try:
+        for s in socks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sent = 0
         while sent < n:
-            k = min(batch, n - sent)
-            s.sendall(b"".join(frame(scenario, sent + i) for i in range(k)))
-            for _ in range(k):
-                data = read_frame(s)
-                if data is None:
-                    raise RuntimeError(f"the proxy closed the connection after {sent} frames")
-                cmd = decode_frame(data)
-                codes[cmd.code] = codes.get(cmd.code, 0) + 1
-                if sent == 0 and scenario.startswith("pull"):
-                    _check_store_hosts(cmd.body, STORE_HOST if scenario == "pull-off" else ENDPOINT)
-            sent += k
+            round_ = []
+            for s in socks:
+                k = min(batch, n - sent)
+                if k <= 0:
+                    break
+                s.sendall(b"".join(frame(scenario, sent + i) for i in range(k)))
+                round_.append((s, k, sent))
+                sent += k
+            for s, k, first in round_:
+                for _ in range(k):
+                    data = read_frame(s)
+                    if data is None:
+                        raise RuntimeError(f"the proxy closed the connection after {first} frames")
+                    cmd = decode_frame(data)
+                    codes[cmd.code] = codes.get(cmd.code, 0) + 1
+                    if first == 0 and scenario.startswith("pull"):
+                        _check_store_hosts(cmd.body, STORE_HOST if scenario == "pull-off" else ENDPOINT)
+    finally:
+        for s in socks:
+            s.close()
     return codes
 
 
@@ -247,10 +265,10 @@ def run_haproxy_once(upstream_port: int, n: int, batch: int, work: Path,
 
 
 def run_once(upstream_port: int, scenario: str, n: int, batch: int, work: Path,
-             strace: bool = False) -> tuple[int, dict[int, int]]:
+             strace: bool = False, conns: int = 1) -> tuple[int, dict[int, int]]:
     out = work / f"{'strace' if strace else 'callgrind'}.{scenario}.{n}.out"
     cmd = _wrapper(out, strace) + [sys.executable, __file__, "--serve", str(upstream_port), "--scenario", scenario,
-                                   "--runtime", str(work)]
+                                   "--runtime", str(work), "--conns", str(conns)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -258,7 +276,7 @@ def run_once(upstream_port: int, scenario: str, n: int, batch: int, work: Path,
         proc.kill()
         raise RuntimeError(f"proxy did not start: {line!r}")
     try:
-        codes = drive(int(line.split()[1]), scenario, n, batch)
+        codes = drive(int(line.split()[1]), scenario, n, batch, conns)
     finally:
         rc = proc.wait(timeout=600)
     if rc != 0:
@@ -273,11 +291,12 @@ def main() -> None:
     ap.add_argument("--scenario", action="append", choices=SCENARIOS)
     ap.add_argument("--frames", type=int, nargs=2, default=[2000, 12000])
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--conns", type=int, default=1, help="connections driven at once (rmqfast only)")
     ap.add_argument("--proxy", choices=("rmqfast", "haproxy"), default="rmqfast")
     ap.add_argument("--strace", action="store_true", help="count system calls instead of instructions")
     args = ap.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.scenario[0], args.runtime)
+        serve(args.serve, args.scenario[0], args.runtime, args.conns)
         return
     from rmqfast.bench.cbuild import build_tools
     from rmqfast.bench.nullbroker import NullBroker
@@ -295,11 +314,11 @@ def main() -> None:
                 if args.proxy == "haproxy":
                     ins, codes = run_haproxy_once(nb.port, n, args.batch, Path(tmp), args.strace)
                 else:
-                    ins, codes = run_once(nb.port, scenario, n, args.batch, Path(tmp), args.strace)
+                    ins, codes = run_once(nb.port, scenario, n, args.batch, Path(tmp), args.strace, args.conns)
                 print(f"{scenario} {impl}: {n} frames, {ins} {unit}, answers {codes}", flush=True)
                 counts.append(ins)
             (n1, n2), (i1, i2) = args.frames, counts
-            print(json.dumps({"scenario": scenario, "implementation": impl, "batch": args.batch,
+            print(json.dumps({"scenario": scenario, "implementation": impl, "batch": args.batch, "conns": args.conns,
                               "frames": args.frames, "unit": unit, "instructions": counts,
                               "per_frame": round((i2 - i1) / (n2 - n1), 2)}), flush=True)
 

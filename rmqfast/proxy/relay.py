@@ -93,6 +93,11 @@ BUDGET: Any = BufferBudget(DEFAULT_BUFFER_BUDGET) if Pump is not None else PyBuf
 #: stepped in C per event-loop turn) rather than on a libev watcher each.
 #: ``RMQFAST_RELAY_REACTOR=0`` turns it off (a comparison aid).
 USE_REACTOR = os.environ.get("RMQFAST_RELAY_REACTOR", "1") != "0"
+#: Extra ``epoll_wait`` calls a reactor turn makes while the previous one found several sources
+#: ready (``Reactor.repoll``): the sources that became ready meanwhile are stepped without the
+#: hub's wait, libev's getpid and the callback into the turn.  ``RMQFAST_REACTOR_REPOLL=0``: one
+#: poll per turn (a comparison aid).
+REACTOR_REPOLL = int(os.environ.get("RMQFAST_REACTOR_REPOLL", "4") or 0)
 
 _reactors: dict[Any, Any] = {}  # hub -> (Reactor, its libev watcher)
 
@@ -105,6 +110,7 @@ def reactor_of(hub: Any) -> Any:
     entry = _reactors.get(hub)
     if entry is None:
         reactor = Reactor()
+        reactor.repoll = REACTOR_REPOLL
         watcher = hub.loop.io(reactor.fileno(), 1)
         watcher.start(reactor.turn)
         entry = _reactors[hub] = (reactor, watcher)
