@@ -235,7 +235,7 @@ def _wrapper(out: Path, strace: bool) -> list[str]:
 
 
 def run_haproxy_once(upstream_port: int, n: int, batch: int, work: Path,
-                     strace: bool = False) -> tuple[int, dict[int, int]]:
+                     strace: bool = False, conns: int = 1) -> tuple[int, dict[int, int]]:
     """HAProxy (one thread, the bench's config) under the same tool, on the same frames."""
     import signal
 
@@ -254,7 +254,7 @@ def run_haproxy_once(upstream_port: int, n: int, batch: int, work: Path,
                             stderr=subprocess.DEVNULL)
     try:
         wait_port(target.port, proc, timeout=300.0)  # slow to start under valgrind
-        codes = drive(target.port, "send", n, batch)
+        codes = drive(target.port, "send", n, batch, conns)
     finally:
         # soft stop: exits once its connections are closed (under strace: strace's child)
         kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split() if strace else []
@@ -291,7 +291,7 @@ def main() -> None:
     ap.add_argument("--scenario", action="append", choices=SCENARIOS)
     ap.add_argument("--frames", type=int, nargs=2, default=[2000, 12000])
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--conns", type=int, default=1, help="connections driven at once (rmqfast only)")
+    ap.add_argument("--conns", type=int, default=1, help="connections driven at once")
     ap.add_argument("--proxy", choices=("rmqfast", "haproxy"), default="rmqfast")
     ap.add_argument("--strace", action="store_true", help="count system calls instead of instructions")
     args = ap.parse_args()
@@ -312,7 +312,7 @@ def main() -> None:
             counts = []
             for n in args.frames:
                 if args.proxy == "haproxy":
-                    ins, codes = run_haproxy_once(nb.port, n, args.batch, Path(tmp), args.strace)
+                    ins, codes = run_haproxy_once(nb.port, n, args.batch, Path(tmp), args.strace, args.conns)
                 else:
                     ins, codes = run_once(nb.port, scenario, n, args.batch, Path(tmp), args.strace, args.conns)
                 print(f"{scenario} {impl}: {n} frames, {ins} {unit}, answers {codes}", flush=True)

@@ -104,6 +104,12 @@ def checks(cells: dict[tuple[str, str], Cell], rss: dict[str, list[dict[str, int
         goal = f"< {goal_ms} ms (at the full rate)" if goal_ms is not None else "info"
         if added is not None or goal_ms is not None:
             out.append(Check(f"{sc} rmqfast added p99 over direct", added, goal, met, "ms", noisy(d, p)))
+    # the proxy's own CPU per answered request: steadier than throughput on a shared machine
+    for sc in ("send-16x32", "send-64x1", "open-60k", "open-120k", "pull-16x4"):
+        for tg in ("rmqfast", "haproxy", "haproxy-1t"):
+            ce = cell(sc, tg)
+            if ce is not None:
+                out.append(Check(f"{sc} {tg} CPU per request", ce.cpu_us_per_req, "info", None, "us", noisy(ce)))
     workers = rss.get("rmqfast", [])
     worst = max((w.get("VmRSS", 0) for w in workers), default=None)
     out.append(Check("rmqfast worker RSS after the run (max)", None if worst is None else worst / 1024,

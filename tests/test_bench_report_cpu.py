@@ -1,0 +1,26 @@
+"""The bench summary names the proxies' CPU per answered request next to the throughput ratios."""
+
+from __future__ import annotations
+
+from rmqfast.bench.report import Cell, checks
+
+
+def cell(sc: str, tg: str, rps: float, cpu_us: float, other: float = 0.0) -> Cell:
+    return Cell(scenario=sc, target=tg, runs=1, rps=rps, p50_us=100.0, p99_us=500.0, p999_us=900.0,
+                send_rate=rps, cores=1.0, cpu_us_per_req=cpu_us, other_cores=other, errors=0)
+
+
+def test_cpu_per_request_of_rmqfast_and_haproxy_is_in_the_summary() -> None:
+    cells = {(c.scenario, c.target): c for c in [
+        cell("send-64x1", "rmqfast", 60_000, 15.8), cell("send-64x1", "haproxy", 59_000, 16.2),
+        cell("pull-16x4", "rmqfast", 47_000, 8.1, other=1.0), cell("pull-16x4", "haproxy-1t", 23_000, 13.9),
+    ]}
+    found = {c.name: c for c in checks(cells, {})}
+    got = {n: (c.value, c.unit, c.goal, c.disturbed) for n, c in found.items() if "CPU per request" in n}
+    assert got == {
+        "send-64x1 rmqfast CPU per request": (15.8, "us", "info", False),
+        "send-64x1 haproxy CPU per request": (16.2, "us", "info", False),
+        "pull-16x4 rmqfast CPU per request": (8.1, "us", "info", True),
+        "pull-16x4 haproxy-1t CPU per request": (13.9, "us", "info", False),
+    }
+    assert found["send-64x1 rmqfast / best HAProxy"].value == 60_000 / 59_000
