@@ -26,7 +26,7 @@ class GrpcSection:
     default_invisible: float = 60.0  # s, for receives that name no invisible duration
     max_body_size: int = 4 * 1024 * 1024
     tls: bool = False  # the listener serves TLS only, with [tls.listen]'s cert, key, ca and verify_client
-    server: str = "grpcio"  # "h2": the nghttp2 server (rmqfast.grpcfront.h2server); "grpcio": grpc.aio
+    server: str = "h2"  # "h2": the nghttp2 server (rmqfast.grpcfront.h2server); "grpcio": grpc.aio
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
