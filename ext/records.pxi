@@ -7,7 +7,8 @@
 #   STORETIMESTAMP i64 | STOREHOST 4+4, or 16+4 with sysFlag 0x20 | ...
 # Only the IPv4 STOREHOST (8 bytes: address and int32 port) is read and patched, at the same
 # length; bodies (compressed or inner batches alike), properties and CRCs are not touched.  An
-# IPv6 store host is left as it is.  The walk first checks every record (sizes, magic codes) and
+# IPv6 store host is left as it is.  The walk first checks every record (sizes, magic codes, and
+# that its fields as a client reads them end at its TOTALSIZE) and
 # looks every store host up; only when all of them are known does a second pass patch them.  A
 # body that is not a sequence of whole records, or a store host the map does not know, leaves
 # the frame as it is for the policy path (the filter resolves the address, or logs and relays
@@ -111,6 +112,31 @@ cdef class AddressMap:
         return bytes(out)
 
 
+cdef inline bint layout_fits(const uint8_t* p, Py_ssize_t pos, Py_ssize_t total, int32_t sys_flag,
+                             bint v2) noexcept nogil:
+    """Whether the record's fields, read as a client reads them (``MessageDecoder.decode``: field by
+    field, TOTALSIZE only stored), end exactly at TOTALSIZE: else the client would find the next
+    record (and its store host) elsewhere than this walk.  A non-positive body or properties
+    length reads nothing, a negative topic length throws (as in Java)."""
+    cdef Py_ssize_t rec_end = pos + total, at
+    cdef int64_t n
+    at = pos + 84 + (12 if sys_flag & 0x10 else 0) + (12 if sys_flag & 0x20 else 0)  # BODYLENGTH
+    if at + 4 > rec_end:
+        return False
+    n = rd_i32(p + at)
+    at += 4 + (n if n > 0 else 0)
+    if at + (2 if v2 else 1) > rec_end:
+        return False
+    n = rd_i16(p + at) if v2 else <int8_t>p[at]  # TOPIC length: int16 (V2) or signed byte (V1)
+    if n < 0:
+        return False
+    at += (2 if v2 else 1) + n
+    if at + 2 > rec_end:
+        return False
+    n = rd_i16(p + at)  # PROPERTIES length
+    return at + 2 + (n if n > 0 else 0) == rec_end
+
+
 cdef int walk_records(uint8_t* p, Py_ssize_t start, Py_ssize_t end, AddressMap amap, bint patch,
                       Py_ssize_t* seen, bint* changed) noexcept:
     """Walk the store records that fill ``p[start:end]``; RS_OK (patched when ``patch``), RS_MISS
@@ -131,6 +157,8 @@ cdef int walk_records(uint8_t* p, Py_ssize_t start, Py_ssize_t end, AddressMap a
         if total < MIN_RECORD_C or total > end - pos:
             return RS_BAD
         sys_flag = rd_i32(p + pos + SYSFLAG_POS_C)
+        if not layout_fits(p, pos, total, sys_flag, magic == -626843477):
+            return RS_BAD
         if not sys_flag & 0x20:
             at = pos + (STOREHOST_POS_C if not sys_flag & 0x10 else STOREHOST_POS_C + 12)
             raw = rd_u64(p + at)

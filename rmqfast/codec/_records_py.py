@@ -10,8 +10,9 @@ A records answer (pull, lite pull, pop, peek, query, view) carries a sequence of
 Only the IPv4 STOREHOST (address and int32 port, 8 bytes) is read and patched, at the same
 length; bodies (compressed or inner batches alike), properties and CRCs are untouched, and an
 IPv6 store host is left as it is (``rmqfast.codec.msgaddr.patch_store_hosts`` makes the same
-choices for the policy path).  :func:`walk_store_hosts` checks every record and looks every
-store host up first; it patches only when all are whole and known.  Anything else (a body that
+choices for the policy path).  :func:`walk_store_hosts` checks every record (sizes, magic codes,
+and that its fields as a client reads them end at its TOTALSIZE) and looks every store host up
+first; it patches only when all are whole and known.  Anything else (a body that
 is not whole records, an address the map does not know) is reported, and the scanner leaves the
 frame to the policy path: the walk never guesses.
 """
@@ -78,6 +79,34 @@ class AddressMap:
         return self._map.get(_key(real))
 
 
+_I16 = struct.Struct(">h")
+_I8 = struct.Struct(">b")
+
+
+def layout_fits(mv: memoryview | bytes | bytearray, pos: int, total: int, sys_flag: int, v2: bool) -> bool:
+    """Whether the record's fields, read as a client reads them (``MessageDecoder.decode``: field by
+    field, TOTALSIZE only stored), end exactly at TOTALSIZE: else the client would find the next
+    record (and its store host) elsewhere than this walk.  A non-positive body or properties
+    length reads nothing, a negative topic length throws (as in Java)."""
+    rec_end = pos + total
+    at = pos + 84 + (12 if sys_flag & BORNHOST_V6 else 0) + (12 if sys_flag & STOREHOST_V6 else 0)
+    if at + 4 > rec_end:
+        return False
+    n = _I32.unpack_from(mv, at)[0]
+    at += 4 + (n if n > 0 else 0)
+    width = 2 if v2 else 1
+    if at + width > rec_end:
+        return False
+    n = (_I16 if v2 else _I8).unpack_from(mv, at)[0]
+    if n < 0:
+        return False
+    at += width + n
+    if at + 2 > rec_end:
+        return False
+    n = _I16.unpack_from(mv, at)[0]
+    return at + 2 + (n if n > 0 else 0) == rec_end
+
+
 def _walk(mv: memoryview, start: int, end: int, amap: AddressMap, patch: bool) -> tuple[int, int, bool]:
     pos = start
     seen = 0
@@ -92,6 +121,8 @@ def _walk(mv: memoryview, start: int, end: int, amap: AddressMap, patch: bool) -
         if total < MIN_RECORD or total > end - pos:
             return REC_BAD, seen, changed
         sys_flag = _I32.unpack_from(mv, pos + SYSFLAG_POS)[0]
+        if not layout_fits(mv, pos, total, sys_flag, magic == RECORD_MAGIC_V2):
+            return REC_BAD, seen, changed
         if not sys_flag & STOREHOST_V6:
             at = pos + (STOREHOST_POS if not sys_flag & BORNHOST_V6 else STOREHOST_POS + 12)
             raw = bytes(mv[at : at + 8])

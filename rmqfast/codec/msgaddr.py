@@ -24,6 +24,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from rmqfast.codec._records_py import layout_fits
+
 #: 8 raw bytes (IPv4 + int32 port) -> 8 replacement bytes, or None: leave it.
 Mapping = Callable[[bytes], "bytes | None"]
 
@@ -101,6 +103,9 @@ def patch_store_hosts(
         if total < _MIN_RECORD or total > n - pos:
             raise ValueError(f"record {seen} at body byte {pos - start} claims {total} bytes; {n - pos} are left")
         sys_flag = i32(body, pos + _SYSFLAG_POS)[0]
+        if not layout_fits(body, pos, total, sys_flag, magic == _MAGIC_V2):
+            raise ValueError(f"record {seen} at body byte {pos - start} claims {total} bytes, but its fields "
+                             "(as a client reads them) do not end there")
         if not sys_flag & _STOREHOST_V6:
             at = pos + (_BORNHOST_POS + 16 if not sys_flag & _BORNHOST_V6 else _BORNHOST_POS + 28)
             raw = body[at : at + 8]
