@@ -112,12 +112,16 @@ def main() -> int:
         chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
         settings = RelaySettings(262144, 16 << 20, 1 << 20, 3.0, 120.0)
         stats = codec.ScanStats()
+        # shared by the sessions, as the worker shares its hooks object and a listener's upstream list
+        events, upstreams = Events(), [HostPort("127.0.0.1", broker.port)]
+
+        def ended() -> None:
+            pass
 
         def handle(sock: Any, addr: tuple) -> None:
-            s = Session("broker", sock, f"{addr[0]}:{addr[1]}", [HostPort("127.0.0.1", broker.port)], chain, stats,
-                        settings, Events())
+            s = Session("broker", sock, f"{addr[0]}:{addr[1]}", upstreams, chain, stats, settings, events)
             sessions.append(s)
-            s.serve(lambda: None)  # as the worker: returns once the pumps are parked in the reactor
+            s.serve(ended)  # as the worker: returns once the pumps are parked in the reactor
 
         server = RelayServer(("127.0.0.1", 0), handle, backlog=1024)  # plain accepted sockets, as the worker's
         server.start()

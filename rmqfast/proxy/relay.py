@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import operator
 import os
@@ -164,6 +165,12 @@ def _skip_reader(scanner: Any) -> Callable[[Any], int]:
 
         return scanner_skip  # type: ignore[no-any-return]
     return operator.attrgetter("_skip")
+
+
+@functools.lru_cache(maxsize=1024)  # a worker's upstreams are few
+def _addr_text(hp: HostPort) -> str:
+    """``str(hp)``, one string per upstream shared by its sessions (not 64 bytes per connection)."""
+    return str(hp)
 
 
 def _raw(sock: Any) -> Any:
@@ -578,7 +585,7 @@ class Session(SessionCore):
                 self.events.upstream_error(self.role)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.upstream_addr = str(hp)
+            self.upstream_addr = _addr_text(hp)
             self.events.upstream_ok(self, hp)
             return sock
         reason = "; ".join(errors)
