@@ -208,7 +208,10 @@ def test_garbage_and_silent_connections_do_not_harm(pb: Any) -> None:
         s.close()  # connect and go: nothing to do
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             hb = _unary(ch, pb, "Heartbeat", "HeartbeatRequest", "HeartbeatResponse")
+            with pytest.raises(grpc.aio.AioRpcError):  # past SETTINGS_MAX_HEADER_LIST_SIZE: the call fails
+                await hb(pb.HeartbeatRequest(), metadata=tuple((f"x-big-{i}", "v" * 1000) for i in range(40)))
             assert (await hb(pb.HeartbeatRequest())).status.code == pb.Code.OK
+        assert len(server.conns) <= 1
         await loop.run_in_executor(None, lambda: None)
         await server.stop(1.0)
 

@@ -1,8 +1,10 @@
 """The gRPC front process: ``python -P -m rmqfast.grpcfront.server --runtime DIR --lifeline FD``.
 
-Each worker starts one (see :func:`spawn`): grpc's asyncio server (``grpc.aio``) in a process of
-its own, so the worker's gevent hub and the Remoting hot path share neither the GIL nor a loop with
-gRPC.  Every such process binds ``[grpc] listen`` with SO_REUSEPORT (grpc's default on Linux), so
+Each worker starts one (see :func:`spawn`): a gRPC server on an asyncio (uvloop) loop in a process
+of its own, so the worker's gevent hub and the Remoting hot path share neither the GIL nor a loop
+with gRPC.  ``[grpc] server`` picks it: "h2" (default), the libnghttp2 server of
+:mod:`rmqfast.grpcfront.h2server`; "grpcio", grpc's asyncio server (``grpc.aio``).  Every such
+process binds ``[grpc] listen`` with SO_REUSEPORT, so
 the kernel spreads gRPC connections over them as it does Remoting ones over the workers.  The
 process reads the validated configuration from ``DIR/config.json`` and exits when the lifeline
 pipe (its worker's end) closes or on SIGTERM.
