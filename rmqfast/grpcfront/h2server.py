@@ -118,7 +118,7 @@ class Call:
     """One gRPC call (an HTTP/2 stream); also the context its handler gets."""
 
     __slots__ = ("conn", "sid", "method", "md", "deadline", "task", "inbuf", "msg", "queue", "finished", "timer",
-                 "writable", "ended")
+                 "writable", "ended", "owed")
 
     def __init__(self, conn: H2Protocol, sid: int, method: Method, md: bytes, deadline: float | None) -> None:
         self.conn = conn
@@ -134,6 +134,7 @@ class Call:
         self.ended = False  # the client half-closed
         self.timer: asyncio.TimerHandle | None = None
         self.writable: asyncio.Event | None = None
+        self.owed = 0  # connection window held by ``msg``: given back when a handler takes it
 
     # the context the service's handlers use
     def peer(self) -> str:
@@ -337,14 +338,19 @@ class H2Protocol(asyncio.Protocol):
                 return
             call.queue.put_nowait(msg)
             return
-        self._consume += len(msg) + 5
         if call.msg is not None:
+            self._consume += len(msg) + 5
             self._fail(call, UNIMPLEMENTED, "more than one request message on a unary call")
             return
+        # the window it holds is given back when the client half-closes (a handler takes it) or the
+        # stream closes: a client that never half-closes holds no more than the connection's window
         call.msg = msg
+        call.owed = len(msg) + 5
 
     def _end(self, call: Call) -> None:
         call.ended = True
+        self._consume += call.owed
+        call.owed = 0
         if call.finished:
             return
         if call.queue is not None:
@@ -393,6 +399,8 @@ class H2Protocol(asyncio.Protocol):
         """The stream closed: the connection window its unread bytes hold is given back."""
         if call.inbuf:
             self._consume += len(call.inbuf)
+        self._consume += call.owed
+        call.owed = 0
         q = call.queue
         while q is not None and not q.empty():
             item = q.get_nowait()
