@@ -58,6 +58,8 @@ BROKER_MAX_BODY = 4 * 1024 * 1024
 BROKER_MAX_PROPERTIES = 32767
 HELD_REMARK = "rmqfast: accepted by rmqfast proxy (delayed); delivered at its due time"
 _RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
+#: How often (seconds) a busy worker gives free heap pages back to the system (see DelayService._trim)
+TRIM_EVERY = 2.0
 #: Held messages are read this long before they fall due (decoded and queued in their lane), so
 #: that at the due time only the write to the broker is left.
 READ_AHEAD_MS = 20
@@ -185,6 +187,7 @@ class DelayService:
         self.signed_passed = 0  # signed delayed sends left to the broker's own delay
         self.cancelled = 0
         self._cancel_loop: Any = None
+        self._trim_loop: Any = None
         self._seen_cancels: set[str] = set()
 
     def reconfigure(self, cfg: DelaySection) -> None:
@@ -377,6 +380,23 @@ class DelayService:
         self.releaser.start()
         if self.state_dir and self._cancel_loop is None:
             self._cancel_loop = gevent.spawn(self._cancel_requests)
+        if self._trim_loop is None:
+            self._trim_loop = gevent.spawn(self._trim)
+
+    def _trim(self) -> None:
+        """Every TRIM_EVERY seconds with sends accepted or messages released since the last time:
+        the free pages in the middle of glibc's heaps go back to the system (in the thread pool:
+        the event loop goes on).  Reading and deleting held messages frees a little everywhere."""
+        from rmqfast.spill.store import trim_malloc
+
+        last = (-1, -1)
+        pool = gevent.get_hub().threadpool
+        while not self.closed:
+            gevent.sleep(TRIM_EVERY)
+            now = (self.accepted, self.releaser.released)
+            if now != last:
+                last = now
+                pool.apply(trim_malloc)
 
     def publish(self) -> None:
         if self.m is None:
@@ -390,6 +410,8 @@ class DelayService:
         self.closed = True
         if self._cancel_loop is not None:
             self._cancel_loop.kill(block=False)
+        if self._trim_loop is not None:
+            self._trim_loop.kill(block=False)
         self.releaser.close()
         self.store.close()
 

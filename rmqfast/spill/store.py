@@ -47,6 +47,8 @@ SHAPE_REMOTE_PREFIX = "@shape:"
 
 #: glibc arenas for the threads of a process that writes a spill (mallopt M_ARENA_MAX)
 MALLOC_ARENAS = 2
+#: allocations from this size on are mapped on their own (mallopt M_MMAP_THRESHOLD, fixed)
+MMAP_THRESHOLD = 256 << 10
 _arenas_bounded = False
 
 
@@ -67,7 +69,21 @@ def bound_malloc_arenas() -> None:
         return
     _arenas_bounded = True
     try:
-        ctypes.CDLL(None).mallopt(-8, MALLOC_ARENAS)  # M_ARENA_MAX (glibc; a no-op elsewhere)
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-8, MALLOC_ARENAS)  # M_ARENA_MAX (glibc; a no-op elsewhere)
+        # A fixed mmap threshold: RocksDB's large blocks (memtable arena blocks, compaction
+        # readahead) are mapped and unmapped each time instead of raising glibc's dynamic
+        # threshold (to 32 MiB, and the heap's trim threshold with it) and staying in the heap
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def trim_malloc() -> None:
+    """Give the free pages inside glibc's heaps back to the system (malloc_trim(0)): what a burst
+    of reads and writes freed in the middle of a heap stays resident otherwise."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -149,6 +165,12 @@ class SpillStore:
         table.set_pin_top_level_index_and_filter(True)
         opts.set_block_based_table_factory(table)
         opts.set_max_open_files(max_open_files)
+        # Transient buffers of the background threads, allocated whatever the options above: a
+        # compaction reads each input file with its own readahead buffer (2 MiB each by default:
+        # ~10 MiB with a few level-0 files) and every file written (WAL, flush and compaction
+        # output) buffers 1 MiB: 256 KiB each.
+        opts.set_compaction_readahead_size(256 << 10)
+        opts.set_writable_file_max_buffer_size(256 << 10)
         self._secondary_dir: tempfile.TemporaryDirectory[str] | None = None
         if access == "rw":
             bound_malloc_arenas()
