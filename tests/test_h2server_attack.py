@@ -89,7 +89,10 @@ class RawClient:
     def _exact(self, n: int) -> bytes | None:
         out = b""
         while len(out) < n:
-            got = self.s.recv(n - len(out))
+            try:
+                got = self.s.recv(n - len(out))
+            except ConnectionResetError:
+                got = b""
             if not got:
                 return None
             out += got
@@ -159,6 +162,73 @@ def test_calls_never_half_closed_hold_no_more_than_the_connection_window(pb: Any
         assert kept <= window + 16 * 1024, (kept, window, sent, client.closed)
         client.s.close()
         assert time.monotonic() - t0 < 100
+        await server.stop(1.0)
+
+    run(go())
+
+
+def test_floods_leave_the_server_bounded_and_serving(pb: Any) -> None:  # noqa: F811
+    """A CONTINUATION flood, a HEADERS + RST_STREAM flood, a 4 GiB message prefix and a compressed
+    message: the server closes or refuses each, keeps no call of them, and serves the next client."""
+    import grpc
+
+    from tests.test_h2server import SVC
+
+    async def go() -> None:
+        server, _, port = await _start(pb)
+        loop = asyncio.get_running_loop()
+
+        def continuation_flood() -> bool:
+            c = RawClient(port)
+            c.s.sendall(frame(HEADERS, 0, 1, request_headers("Heartbeat")))
+            burst = frame(9, 0, 1, b"") * 1000  # CONTINUATION, empty, never END_HEADERS
+            try:
+                for _ in range(200):
+                    c.s.sendall(burst)
+            except OSError:
+                return True  # the server closed the connection
+            c.settle()
+            return c.closed
+
+        def reset_flood() -> RawClient:
+            c = RawClient(port)
+            out = bytearray()
+            for i in range(5000):
+                sid = 2 * i + 1
+                out += frame(HEADERS, END_HEADERS, sid, request_headers("Telemetry"))
+                out += frame(RST, 0, sid, struct.pack(">I", 8))
+            try:
+                c.s.sendall(out)
+                c.settle()
+            except OSError:
+                c.closed = True
+            return c
+
+        def odd_messages() -> list[bytes]:
+            c = RawClient(port)
+            c.s.sendall(frame(HEADERS, END_HEADERS, 1, request_headers("Heartbeat"))
+                        + frame(DATA, 0, 1, b"\x00\xff\xff\xff\xff" + b"x" * 100)  # announces 4 GiB
+                        + frame(HEADERS, END_HEADERS, 3, request_headers("Heartbeat"))
+                        + frame(DATA, END_STREAM, 3, b"\x01\x00\x00\x00\x02\x08\x01"))  # compressed
+            trailers = []
+            while len(trailers) < 2 and not c.closed:
+                f = c.read_frame()
+                if f is None:
+                    break
+                if f[0] == HEADERS and f[1] & END_STREAM:
+                    trailers.append(f[3])
+            c.s.close()
+            return trailers
+
+        assert await loop.run_in_executor(None, continuation_flood)
+        flooder = await loop.run_in_executor(None, reset_flood)
+        assert sum(len(conn.calls) for conn in server.conns) == 0
+        assert len(await loop.run_in_executor(None, odd_messages)) == 2
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            hb = ch.unary_unary(SVC + "Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
+                                response_deserializer=pb.HeartbeatResponse.FromString)
+            assert (await hb(pb.HeartbeatRequest())).status.code == pb.Code.OK
+        flooder.s.close()
         await server.stop(1.0)
 
     run(go())
