@@ -232,3 +232,36 @@ def test_floods_leave_the_server_bounded_and_serving(pb: Any) -> None:  # noqa: 
         await server.stop(1.0)
 
     run(go())
+
+
+def test_a_nul_in_a_header_value_cannot_add_metadata(pb: Any) -> None:  # noqa: F811
+    """The server passes metadata to Python NUL-separated: a value with a NUL must not reach a
+    handler as extra keys (an ``authorization`` of its making); nghttp2 refuses such a field."""
+
+    async def go() -> None:
+        server, svc, port = await _start(pb)
+        loop = asyncio.get_running_loop()
+
+        def call(extra: bytes) -> list[int]:
+            c = RawClient(port)
+            req = b"\x00\x00\x00\x00\x00"  # an empty HeartbeatRequest
+            c.s.sendall(frame(HEADERS, END_HEADERS, 1, request_headers("Heartbeat") + extra)
+                        + frame(DATA, END_STREAM, 1, req))
+            seen = []
+            while not c.closed:
+                f = c.read_frame()
+                if f is None:
+                    break
+                seen.append(f[0])
+                if (f[0] == HEADERS and f[1] & END_STREAM) or f[0] == RST:
+                    break
+            c.s.close()
+            return seen
+
+        seen = await loop.run_in_executor(None, call, literal(b"x-a", b"v\x00authorization\x00forged"))
+        assert "authorization" not in svc.seen.get("md", {}) and RST in seen
+        seen = await loop.run_in_executor(None, call, literal(b"x-a", b"v"))
+        assert svc.seen["md"].get("x-a") == "v" and HEADERS in seen
+        await server.stop(1.0)
+
+    run(go())
