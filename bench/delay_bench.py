@@ -270,6 +270,11 @@ listen = "127.0.0.1:{self.ep2}"
 upstream = "{rec_addr}"
 [admin]
 listen = "127.0.0.1:{self.admin}"
+[failover]
+# the broker stand-ins answer from this process, which a loaded machine can hold up for a second
+# while it generates the slice: not a dead broker (the failover default would cut the connections)
+probe_timeout = 10.0
+hang_timeout = 10.0
 [delay]
 topics = ["Delayed", "BenchTopic"]
 max_pending_bytes = {1 << 45}
