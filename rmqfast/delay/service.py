@@ -200,13 +200,16 @@ class DelayService:
     # Holding ----------------------------------------------------------------------------------
 
     def _refuse(self, frame: Frame, cmd: RemotingCommand, code: int, reason: str, why: str) -> Verdict:
+        self._count_refusal(reason, why)
+        if frame.is_oneway:
+            return divert(why)
+        return reply(refusal(cmd, code, f"rmqfast: {why}"))
+
+    def _count_refusal(self, reason: str, why: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
         if self.m is not None:
             self.m.rejected.labels(reason).inc()
         log.warning("delayed send refused", extra=ctx(worker=self.index, reason=why))
-        if frame.is_oneway:
-            return divert(why)
-        return reply(refusal(cmd, code, f"rmqfast: {why}"))
 
     def _due(self, props_text: str, batch_body: bytes, now: int) -> tuple[int | None, dict[str, str], Any]:
         """(due time in ms or None, the send's properties, a batch's entries or None); a batch
@@ -291,7 +294,11 @@ class DelayService:
             if waiting is None:  # one greenlet answers a whole group commit
                 waiting = pending.waiting = []
                 gevent.spawn(self._answer_when_stored, pending, waiting)
-            waiting.append((later, frame, cmd, msg_id, queue_id, topic, n))
+            # kept until the group is synced: the answer made now, the request without its body
+            # (the frame and the body are in the stored value already: not held twice per send)
+            oneway = frame.is_oneway
+            cmd.body = b""
+            waiting.append((later, oneway, cmd, b"" if oneway else held_answer(cmd, msg_id, queue_id), topic, n))
             return divert("delayed: answered once stored")
         try:
             self.store.wait(pending)
@@ -315,12 +322,14 @@ class DelayService:
             error = exc
         writes: dict[int, tuple[Any, Any, list[bytes]]] = {}
         topics: dict[str, int] = {}
-        for later, frame, cmd, msg_id, queue_id, topic, n in waiting:
+        for later, oneway, cmd, answer, topic, n in waiting:
             if error is not None:
-                data = self._refuse(frame, cmd, C.SYSTEM_BUSY, "write_failed", f"{error}; retry").data
+                why = f"{error}; retry"
+                self._count_refusal("write_failed", why)
+                data = b"" if oneway else refusal(cmd, C.SYSTEM_BUSY, f"rmqfast: {why}")
             else:
                 topics[topic] = topics.get(topic, 0) + n
-                data = b"" if frame.is_oneway else held_answer(cmd, msg_id, queue_id)
+                data = answer
             if data and later is not None:
                 w = writes.get(id(later[1]))
                 if w is None:
