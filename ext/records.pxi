@@ -157,8 +157,8 @@ cdef int walk_records(uint8_t* p, Py_ssize_t start, Py_ssize_t end, AddressMap a
         if total < MIN_RECORD_C or total > end - pos:
             return RS_BAD
         sys_flag = rd_i32(p + pos + SYSFLAG_POS_C)
-        if not layout_fits(p, pos, total, sys_flag, magic == -626843477):
-            return RS_BAD
+        if not patch and not layout_fits(p, pos, total, sys_flag, magic == -626843477):
+            return RS_BAD  # (the patching pass follows a checking one over the same bytes)
         if not sys_flag & 0x20:
             at = pos + (STOREHOST_POS_C if not sys_flag & 0x10 else STOREHOST_POS_C + 12)
             raw = rd_u64(p + at)

@@ -121,8 +121,8 @@ def _walk(mv: memoryview, start: int, end: int, amap: AddressMap, patch: bool) -
         if total < MIN_RECORD or total > end - pos:
             return REC_BAD, seen, changed
         sys_flag = _I32.unpack_from(mv, pos + SYSFLAG_POS)[0]
-        if not layout_fits(mv, pos, total, sys_flag, magic == RECORD_MAGIC_V2):
-            return REC_BAD, seen, changed
+        if not patch and not layout_fits(mv, pos, total, sys_flag, magic == RECORD_MAGIC_V2):
+            return REC_BAD, seen, changed  # (the patching pass follows a checking one over the same bytes)
         if not sys_flag & STOREHOST_V6:
             at = pos + (STOREHOST_POS if not sys_flag & BORNHOST_V6 else STOREHOST_POS + 12)
             raw = bytes(mv[at : at + 8])
