@@ -53,3 +53,16 @@ def greenlet_errors() -> Iterator[GreenletErrors]:
         shown = "\n".join(f"--- in {ctx}:\n{tb}" for ctx, tb in errors[:3])
         pytest.fail(f"{len(errors)} exception(s) raised in greenlets during the test "
                     f"(gevent printed and ignored them):\n{shown}", pytrace=False)
+
+
+@pytest.fixture
+def in_process_metrics() -> Iterator[None]:
+    """For a test that builds a worker in the test process: the metrics it registers in
+    prometheus_client's default registry are taken out again when the test ends, so that another
+    in-process worker later in the same run does not collide with them (DuplicateTimeseries)."""
+    from prometheus_client.registry import REGISTRY
+
+    before = set(REGISTRY._collector_to_names)  # noqa: SLF001 - the registry has no public listing
+    yield
+    for collector in set(REGISTRY._collector_to_names) - before:  # noqa: SLF001
+        REGISTRY.unregister(collector)

@@ -195,6 +195,7 @@ def test_resent_delayed_send_is_not_held(moved: Any, delay: DelayService) -> Non
     assert ans.code == C.SUCCESS and to == live.addr and delay.accepted == 0 and len(live.requests) == 1
 
 
+@pytest.mark.usefixtures("in_process_metrics")
 def test_worker_gives_the_failover_service_its_limits_and_delay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                 ) -> None:
     """The worker wires [limits] and [delay] into the failover service (and again on reload), and its

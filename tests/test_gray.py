@@ -602,6 +602,7 @@ def test_only_sends_of_split_topics_leave_the_fast_path(scanner: tuple[Any, Any]
     assert chain.on_request(s, fr).kind is Kind.PASS and fr.data is data and s.state["kept"][32] == data
 
 
+@pytest.mark.usefixtures("in_process_metrics")
 def test_a_reload_reaches_the_scanners_of_live_sessions(tmp_path: Path) -> None:
     from rmqfast.server.worker import Worker
 
