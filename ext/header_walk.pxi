@@ -150,7 +150,7 @@ cdef inline bint is_ws(uint8_t c) noexcept nogil:
 
 
 cdef inline Py_ssize_t skip_ws(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-    while i < n and is_ws(h[i]):
+    while i < n and h[i] <= 32 and is_ws(h[i]):    # one compare for the usual non-space byte
         i += 1
     return i
 
@@ -199,15 +199,58 @@ cdef inline bint word_has_special(const uint8_t* p) noexcept nogil:
             | ((x - 0x2020202020202020ULL) & ~x) | x) & 0x8080808080808080ULL != 0
 
 
+cdef extern from *:
+    """
+    /* Offset of the first byte of 8 that word_special_mask flagged (mask != 0).  The mask's
+     * lowest flagged byte is exact (a borrow only runs upwards from a byte that is special). */
+    static inline int rmq_first_flagged(uint64_t mask) {
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && defined(__GNUC__)
+        return __builtin_ctzll(mask) >> 3;
+    #else
+        int k = 0;
+        while (!(mask & 0x80ULL)) { mask >>= 8; k++; }
+        return k;
+    #endif
+    }
+    /* 1 when the first-flagged shortcut applies (loads are little-endian), else 0. */
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    #define RMQ_SWAR_LE 1
+    #else
+    #define RMQ_SWAR_LE 0
+    #endif
+    """
+    int rmq_first_flagged(uint64_t mask) nogil
+    const int RMQ_SWAR_LE
+
+
+cdef inline uint64_t word_special_mask(const uint8_t* p) noexcept nogil:
+    """word_has_special's mask: 0x80 set in (at least) the first special byte of 8, none below it."""
+    cdef uint64_t x, q, b
+    memcpy(&x, p, 8)
+    q = x ^ 0x2222222222222222ULL
+    b = x ^ 0x5C5C5C5C5C5C5C5CULL
+    return (((q - 0x0101010101010101ULL) & ~q) | ((b - 0x0101010101010101ULL) & ~b)
+            | ((x - 0x2020202020202020ULL) & ~x) | x) & 0x8080808080808080ULL
+
+
 # Return convention of the walkers: new index >= 0, or -(error code).
 cdef inline Py_ssize_t scan_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int* flags) noexcept nogil:
     """``h[i]`` is the opening quote: strict JSON string, strict UTF-8.  Inline fast path for
     strings of plain ASCII (nearly all of them); the rest goes on in scan_string_rest."""
-    cdef Py_ssize_t short_end = i + 17 if i + 17 < n else n
+    cdef uint64_t mask
     i += 1
-    while i < short_end and STR_PLAIN[h[i]]:    # keys and most values are short
-        i += 1
-    if i == short_end:                          # a long string: eight bytes at a time
+    if RMQ_SWAR_LE:
+        # eight bytes at a time; the first special byte of a word found from its mask
+        while i + 8 <= n:
+            mask = word_special_mask(h + i)
+            if mask:
+                i += rmq_first_flagged(mask)
+                break
+            i += 8
+        else:
+            while i < n and STR_PLAIN[h[i]]:
+                i += 1
+    else:
         while i + 8 <= n and not word_has_special(h + i):
             i += 8
         while i < n and STR_PLAIN[h[i]]:
@@ -481,6 +524,16 @@ cdef int header_key(const uint8_t* k, Py_ssize_t n) noexcept nogil:
         return K_OPAQUE
     if n == 9 and memcmp(k, b"extFields", 9) == 0:
         return K_EXT
+    # A spelling of one of them starts (after '_' / '-') with c, f, o, e or i ("is"), in either
+    # case: other keys (language, version, serializeTypeCurrentRPC, remark) end here.
+    i = 0
+    while i < n and (k[i] == 95 or k[i] == 45):
+        i += 1
+    if i == n:
+        return 0
+    c = k[i] | 32
+    if c != 99 and c != 102 and c != 111 and c != 101 and c != 105:
+        return 0
     for i in range(n):
         c = k[i]
         if c == 95 or c == 45:
