@@ -415,7 +415,7 @@ producer_groups = ["pg-canary*"]
                        "the Go consumer started")
             assert go.poll() is None, go.stderr_tail()
             sent = _produce(jars4, ns, topic, tmp_path, "b1", 45)  # 1. a running canary
-            wait_until(lambda: _consumed_all(traces, sent), BOUND, "batch 1 consumed")
+            _wait_consumed(traces, sent, "batch 1 consumed")
             wait_until(lambda: _backlog_sum(proxy, group) == 0, BOUND, "gray queues committed (metric 0)")
             for pid in gray_pids:  # 2. the gray version stalls; its messages wait on the gray queues
                 _signal_group(pid, signal.SIGSTOP)
@@ -448,7 +448,7 @@ producer_groups = ["pg-canary*"]
             # hand-over are skipped by that instance (documented), so they are judged apart, not awaited
             straddled = {k for batch, ended in drain_batches if ended >= promoted_at - 0.1 for k in batch}
             awaited = {k: v for k, v in sent.items() if k not in straddled}
-            wait_until(lambda: _consumed_all(traces, awaited), BOUND, "batches 2 and d consumed")
+            _wait_consumed(traces, awaited, "batches 2 and d consumed")
             wait_until(lambda: _backlog_sum(proxy, group) == 0, BOUND, "the gray queues committed")
             m = proxy.metrics()
             after = (st, _backlog_sum(proxy, group), m.get(("rmqfast_gray_drain", (("group", group),))),
@@ -523,14 +523,35 @@ def _produce(jars: JarPaths, ns: str, topic: str, work: Path, batch: str, count:
 _TRACED = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ \d+(?: \d+)?(?: refused)?$", re.M)  # Java and Go drivers
 
 
-def _consumed_all(traces: dict[str, Any], sent: dict[str, tuple[bool, str, int]]) -> bool:
-    """Every message some consumer subscribes to was delivered (traces so far); a gray message both gray
-    consumers refuse the first time (idx % FAIL_EVERY == 0) was delivered again."""
+def _not_consumed(traces: dict[str, Any], sent: dict[str, tuple[bool, str, int]]) -> tuple[list[str], int]:
+    """The messages some consumer subscribes to that were not delivered yet (traces so far; a gray message
+    both gray consumers refuse the first time, idx % FAIL_EVERY == 0, must be delivered again), and the
+    number of deliveries traced."""
     seen: Counter[str] = Counter()
     for text in (t() for t in traces.values()):
         seen.update(_TRACED.findall(text))
-    return all(seen[k] >= (2 if gray and int(k.rsplit(":", 1)[1]) % FAIL_EVERY == 0 else 1)
-               for k, (gray, tag, _) in sent.items() if tag in SUBS[gray])
+    missing = [k for k, (gray, tag, _) in sent.items() if tag in SUBS[gray]
+               and seen[k] < (2 if gray and int(k.rsplit(":", 1)[1]) % FAIL_EVERY == 0 else 1)]
+    return missing, sum(seen.values())
+
+
+def _wait_consumed(traces: dict[str, Any], sent: dict[str, tuple[bool, str, int]], what: str) -> None:
+    """Waits until every awaited message was delivered, paced by progress: it fails only when no new
+    delivery was traced for BOUND seconds (a loaded machine makes the consumers slower, not the test red)."""
+    start = stalled_since = time.monotonic()
+    count = -1
+    while True:
+        missing, n = _not_consumed(traces, sent)
+        if not missing:
+            return
+        if n != count:
+            stalled_since, count = time.monotonic(), n
+        if time.monotonic() - stalled_since > BOUND or time.monotonic() - start > 4 * BOUND:
+            raise AssertionError(f"{what}: {len(missing)} not consumed after {time.monotonic() - start:.0f} s "
+                                 f"(the last delivery {time.monotonic() - stalled_since:.0f} s ago) "
+                                 f"(first: {sorted(missing)[:12]}; gray, tag, queue: "
+                                 f"{[sent[k] for k in sorted(missing)[:12]]})")
+        time.sleep(0.5)
 
 
 _GO_TRACE = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ (\d+) (\d+)( refused)?$", re.M)
