@@ -49,7 +49,7 @@ async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limite
     from rmqfast.grpcfront.service import MessagingService
 
     pb = protos.load()
-    svc = MessagingService(pb, namesrvs, settings, limiter, acl)  # acl: [acl], checked per call
+    svc = MessagingService(pb, namesrvs, settings, limiter, acl, tls)  # acl: [acl], checked per call
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if settings.server == "h2":

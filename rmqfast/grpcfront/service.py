@@ -63,7 +63,7 @@ from rmqfast.grpcfront.transaction import (
     commit_log_offset,
     heartbeat_body,
 )
-from rmqfast.grpcfront.upstream import Connection, Lanes, Pool, UpstreamError
+from rmqfast.grpcfront.upstream import Connection, Lanes, Pool, UpstreamError, UpstreamTls
 
 log = logging.getLogger("rmqfast.grpc")
 
@@ -129,7 +129,7 @@ class MessagingService:
     """The handlers; ``handler()`` gives the grpc generic handler."""
 
     def __init__(self, pb: Any, namesrvs: list[str], settings: GrpcSection, limiter: Any = None,
-                 acl: Any = None) -> None:
+                 acl: Any = None, tls: Any = None) -> None:
         self.pb = pb
         #: ``[acl]`` (an AclSection with topics): calls authenticated and their topics checked, else None
         self.acl = GrpcAcl(acl, denied_counter()) if acl is not None and acl.enabled else None
@@ -137,9 +137,11 @@ class MessagingService:
         self.limiter = limiter
         self.namesrvs = namesrvs
         self.cfg = settings
-        self.pool = Pool(settings.connect_timeout, self._broker_request)
+        #: ``[tls.upstream]`` (of a TlsSection): name servers and brokers reached over TLS as the relay does
+        up = UpstreamTls(tls.upstream, namesrvs) if tls is not None and tls.upstream.enable else None
+        self.pool = Pool(settings.connect_timeout, self._broker_request, up)
         #: notifications: one connection each, closed when its receive ends first (see :class:`Lanes`)
-        self.lanes = Lanes(settings.connect_timeout, shared=self.pool)
+        self.lanes = Lanes(settings.connect_timeout, shared=self.pool, tls=up)
         self._routes: dict[str, Route] = {}
         self._groups: dict[str, tuple[bool, float]] = {}  # group -> (consumeMessageOrderly, expires)
         self._rr = itertools.count()

@@ -2,7 +2,9 @@
 
 Frames are built and read with :mod:`rmqfast.codec.command` (JSON headers), one connection per
 address, requests multiplexed by opaque; a connection that fails is dropped and the next request
-opens a new one.
+opens a new one.  ``[tls.upstream]`` applies as it does to the relay (:class:`UpstreamTls`): a
+name server or broker whose role it covers is reached over TLS only, with the same context (CA,
+verification, client certificate) and the same name checked (``server_name``, else the host).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from rmqfast.codec.codes import FLAG_ONEWAY
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
@@ -34,6 +38,52 @@ class UpstreamError(RuntimeError):
 OnRequest = Callable[["Connection", RemotingCommand], None]
 
 
+class UpstreamTls:
+    """``[tls.upstream]`` for the front's connections: the addresses in ``namesrvs`` have the role
+    "namesrv", every other (the brokers of the routes) "broker"; the context is built once, by
+    :func:`rmqfast.proxy.tls.client_context` (ConfigError naming the key when a file is bad)."""
+
+    def __init__(self, sec: Any, namesrvs: Iterable[str]) -> None:
+        from rmqfast.proxy.tls import client_context
+
+        self.sec = sec  # a TlsUpstreamSection
+        self.namesrvs = frozenset(namesrvs)
+        self.context: ssl.SSLContext | None = client_context(sec) if sec.enable else None
+
+    def for_addr(self, addr: str, host: str) -> tuple[ssl.SSLContext, str] | None:
+        """``(context, name checked and sent as SNI)`` when ``addr`` is reached over TLS, else None."""
+        role = "namesrv" if addr in self.namesrvs else "broker"
+        if self.context is None or not self.sec.enabled_for(role):
+            return None
+        return self.context, self.sec.server_name or host
+
+
+async def _connect(addr: str, timeout: float, tls: UpstreamTls | None
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port_no = int(port)
+    except ValueError as exc:
+        raise UpstreamError(f"cannot connect to {addr}: {exc}") from exc
+    over = tls.for_addr(addr, host) if tls is not None else None
+    try:
+        if over is None:
+            return await asyncio.wait_for(asyncio.open_connection(host, port_no), timeout)
+        context, name = over
+        return await asyncio.wait_for(asyncio.open_connection(host, port_no, ssl=context, server_hostname=name,
+                                                              ssl_handshake_timeout=timeout), timeout)
+    except ssl.SSLError as exc:  # before OSError: its subclass
+        raise UpstreamError(f"TLS handshake with {addr} failed (name checked: {over[1] if over else host}): "
+                            f"{getattr(exc, 'verify_message', None) or exc.reason or exc}") from exc
+    except TimeoutError as exc:
+        what = "TLS handshake with" if over is not None else "cannot connect to"
+        raise UpstreamError(f"{what} {addr}: no answer within {timeout:.1f} s") from exc
+    except (OSError, ValueError) as exc:
+        what = "TLS connection to" if over is not None else "cannot connect to"
+        raise UpstreamError(f"{what} {addr}: {exc}") from exc
+
+
 class Connection:
     """One Remoting connection to ``addr`` ("host:port")."""
 
@@ -52,12 +102,10 @@ class Connection:
         self._task = self._loop.create_task(self._read_loop())
 
     @classmethod
-    async def open(cls, addr: str, timeout: float, on_request: OnRequest | None = None) -> Connection:
-        host, _, port = addr.rpartition(":")
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-        except (TimeoutError, OSError, ValueError) as exc:
-            raise UpstreamError(f"cannot connect to {addr}: {exc or 'timeout'}") from exc
+    async def open(cls, addr: str, timeout: float, on_request: OnRequest | None = None,
+                   tls: UpstreamTls | None = None) -> Connection:
+        """Connect (over TLS when ``tls`` covers ``addr``); UpstreamError within ``timeout`` on failure."""
+        reader, writer = await _connect(addr, timeout, tls)
         return cls(addr, reader, writer, on_request)
 
     async def _read_loop(self) -> None:
@@ -145,9 +193,11 @@ class Connection:
 class Pool:
     """One :class:`Connection` per address, opened on first use and replaced after a failure."""
 
-    def __init__(self, connect_timeout: float = 3.0, on_request: OnRequest | None = None) -> None:
+    def __init__(self, connect_timeout: float = 3.0, on_request: OnRequest | None = None,
+                 tls: UpstreamTls | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.on_request = on_request
+        self.tls = tls
         self._conns: dict[str, Connection] = {}
         self._opening: dict[str, asyncio.Future[Connection]] = {}
 
@@ -161,7 +211,7 @@ class Pool:
         fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
         self._opening[addr] = fut
         try:
-            conn = await Connection.open(addr, self.connect_timeout, self.on_request)
+            conn = await Connection.open(addr, self.connect_timeout, self.on_request, self.tls)
             self._conns[addr] = conn
             fut.set_result(conn)
             return conn
@@ -202,8 +252,9 @@ class Lanes:
     """
 
     def __init__(self, connect_timeout: float = 3.0, max_idle: int = 64, max_busy: int = 1024,
-                 shared: Pool | None = None) -> None:
+                 shared: Pool | None = None, tls: UpstreamTls | None = None) -> None:
         self.connect_timeout = connect_timeout
+        self.tls = tls
         self.max_idle = max_idle
         self.max_busy = max_busy
         self.shared = shared
@@ -229,7 +280,7 @@ class Lanes:
             c = idle.pop()
             conn = None if c.closed else c
         if conn is None:
-            conn = await Connection.open(addr, self.connect_timeout)
+            conn = await Connection.open(addr, self.connect_timeout, tls=self.tls)
             self.opened += 1
         answered = False
         try:
