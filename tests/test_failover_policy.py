@@ -212,6 +212,7 @@ def test_worker_gives_the_failover_service_its_limits_and_delay(tmp_path: Path, 
     try:
         assert w.failover.limits is w.limits is not None
         assert w.failover.delay is w.delay is not None
+        assert w.failover.replicate is None  # no [clouds]: nothing to copy moved sends to
         w.listeners[cfg.namesrv.listen] = SimpleNamespace(server=None)  # reload binds nothing
         w.reload(config_mod.from_dict({k: v for k, v in raw.items() if k != "delay"}))
         assert w.failover.limits is w.limits and w.failover.delay is w.delay

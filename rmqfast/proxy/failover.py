@@ -513,6 +513,9 @@ class FailoverService:
         #: [delay] (set by the worker, and on reload): its rmqfast.delay.service.DelayService; a moved send that
         #: asks for proxy-held delay is held for the live master it would have gone to
         self.delay: Any = None
+        #: [clouds] / [replicate] (set by the worker, and on reload): its rmqfast.replicate.ReplicateFilter; a
+        #: moved send is copied to the remote clouds its topic and tag select, released when a broker stores it
+        self.replicate: Any = None
 
     # One send -----------------------------------------------------------------------------------
 
@@ -557,6 +560,28 @@ class FailoverService:
             taken = self._policy(cmd, info, cands[start % len(cands)], dead_addr, peer, nbytes)
             if taken is not None:
                 return taken
+        seqs: list[int] = []
+        if not relayed and self.replicate is not None:
+            from rmqfast.replicate.replicator import SpillFull
+
+            try:
+                seqs = self.replicate.take_send(cmd, cmd.is_oneway)
+            except SpillFull as exc:
+                return self._refuse(cmd, dead_addr, "spill_full", str(exc), code=C.SYSTEM_BUSY)
+        result = self._try(cmd, info, cands, start, dead_addr, peer)
+        if seqs and not cmd.is_oneway:  # a oneway send's copies were released when taken
+            from rmqfast.spill.commit import CommitFailed
+
+            try:
+                self.replicate.settle(seqs, result[0].code)
+            except CommitFailed as exc:
+                return make_response(cmd, C.SYSTEM_ERROR, f"rmqfast: the cross-cloud copy could not be stored "
+                                     f"({exc}); retry"), "refused:copy_not_synced"
+        return result
+
+    def _try(self, cmd: RemotingCommand, info: SendInfo, cands: list[tuple[str, str, int]], start: int,
+             dead_addr: str, peer: str) -> tuple[RemotingCommand, str]:
+        """Send to the candidates from ``start`` on until one stores it; see :meth:`move`."""
         last: RemotingCommand | None = None
         errors = []
         for k in range(len(cands)):

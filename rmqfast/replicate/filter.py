@@ -33,6 +33,7 @@ from typing import Any
 
 from rmqfast.clouds.detector import OnlineDetector
 from rmqfast.codec import codes as C
+from rmqfast.codec.command import RemotingCommand
 from rmqfast.codec.properties import TAGS, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.config import Config, TopicRule
@@ -109,36 +110,10 @@ class ReplicateFilter(Filter):
             cmd = frame.command()
         except ValueError:
             return None  # the broker answers malformed frames itself
-        ext = send_fields(frame.code, cmd.ext_fields)
-        topic = ext.get("b")
-        if not topic:
-            return None
-        props_text = ext.get("i") or ""
-        if _ORIGIN_MARK in props_text:
-            self.replicator.count_not_copied("copy_of_copy")
-            return None
-        if field_int(ext.get("f")) & TRANSACTION_PREPARED:
-            return None
-        tag = parse_properties(props_text).get(TAGS) if props_text else None
-        batch = is_batch(frame.code, cmd.ext_fields)
-        if batch and tag is None and cmd.body:
-            tag = _first_batch_tag(cmd.body)
-            if _ORIGIN_MARK.encode() in cmd.body:
-                self.replicator.count_not_copied("copy_of_copy")
-                return None
-        remotes = self.targets(topic, tag)
-        if not remotes:
-            return None
-        rec = CopyRecord.from_send(ext, body=cmd.body, properties=props_text, batch=batch,
-                                   created_ms=int(time.time() * 1000))
         try:
-            # Durable: a oneway send has no answer to hold, so it waits for its fsync here; any
-            # other send is forwarded at once and its answer waits (on_response), which lets the
-            # sends a connection pipelines share one fsync.
-            seqs = self.replicator.take(remotes, topic, rec.encode(), awaiting=not frame.is_oneway,
-                                        defer=not frame.is_oneway)
+            seqs = self.take_send(cmd, frame.is_oneway)
         except SpillFull as exc:
-            log.warning("send refused: cross-cloud spill full", extra=ctx(topic=topic, client=session.client_addr))
+            log.warning("send refused: cross-cloud spill full", extra=ctx(client=session.client_addr))
             if frame.is_oneway:
                 return divert(str(exc))
             return reply(error_response(frame, C.SYSTEM_BUSY, str(exc)))
@@ -148,6 +123,46 @@ class ReplicateFilter(Filter):
             frame.want_response = True
             self._sessions.add(session)
         return None
+
+    def take_send(self, cmd: RemotingCommand, oneway: bool) -> list[int]:
+        """Copy the send ``cmd`` to the remotes its topic and tag select (the rules above); the copies'
+        sequence numbers ([] : none).  A oneway send's copy is released at once (durable: after its
+        fsync); any other's waits for :meth:`settle` with the broker's answer.  SpillFull: refuse it."""
+        ext = send_fields(cmd.code, cmd.ext_fields)
+        topic = ext.get("b")
+        if not topic:
+            return []
+        props_text = ext.get("i") or ""
+        if _ORIGIN_MARK in props_text:
+            self.replicator.count_not_copied("copy_of_copy")
+            return []
+        if field_int(ext.get("f")) & TRANSACTION_PREPARED:
+            return []
+        tag = parse_properties(props_text).get(TAGS) if props_text else None
+        batch = is_batch(cmd.code, cmd.ext_fields)
+        if batch and tag is None and cmd.body:
+            tag = _first_batch_tag(cmd.body)
+            if _ORIGIN_MARK.encode() in cmd.body:
+                self.replicator.count_not_copied("copy_of_copy")
+                return []
+        remotes = self.targets(topic, tag)
+        if not remotes:
+            return []
+        rec = CopyRecord.from_send(ext, body=cmd.body, properties=props_text, batch=batch,
+                                   created_ms=int(time.time() * 1000))
+        # Durable: a oneway send has no answer to hold, so it waits for its fsync here; any
+        # other send is forwarded at once and its answer waits (on_response), which lets the
+        # sends a connection pipelines share one fsync.
+        return self.replicator.take(remotes, topic, rec.encode(), awaiting=not oneway, defer=not oneway)
+
+    def settle(self, seqs: list[int], code: int) -> None:
+        """The broker answered ``code`` to a send whose copies are ``seqs``: released on SUCCESS
+        (durable: after their fsync; CommitFailed when it failed), dropped otherwise."""
+        if code != C.SUCCESS:
+            self.replicator.cancel(seqs)
+            return
+        self.replicator.synced(seqs)
+        self.replicator.confirm(seqs)
 
     def on_response(self, session: Session, frame: Frame) -> Verdict | None:
         pending: dict[int, list[int]] | None = session.state.get(_PENDING)

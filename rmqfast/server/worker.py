@@ -240,6 +240,8 @@ class Worker:
             broker_filters.insert(0, self.delay.filter)
         # sends the failover service moves take tokens and are held like relayed ones (rmqfast.proxy.failover)
         self.failover.limits, self.failover.delay = self.limits, self.delay
+        # and are copied to remote clouds like relayed ones (the chain's copy filter never sees them)
+        self.failover.replicate = self.replication.filter if self.cfg.replication_enabled else None
         # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
         # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
