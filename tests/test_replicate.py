@@ -370,3 +370,33 @@ def test_quick_topic_is_unsure_when_a_decoy_could_hide_the_topic(header: bytes) 
 
     data = (4 + len(header)).to_bytes(4, "big") + len(header).to_bytes(4, "big") + header
     assert _quick_topic(Frame(data, C.SEND_MESSAGE_V2, 0, 1)) is None  # decoded the slow way
+
+
+def test_a_deliver_process_gone_before_the_hello_is_connected_to_again(tmp: Path, monkeypatch: pytest.MonkeyPatch
+                                                                       ) -> None:
+    """The deliver process is killed between its accept and the worker's HELLO (the link resets on the
+    HELLO): the worker tries again later instead of losing its feeder, and copies reach the next one."""
+    cfg = make_cfg(tmp, durability="durable")
+    fake = FakeDeliverer(P.socket_path(tmp, 0))
+    rep = Replicator(cfg, 0)
+    flt = ReplicateFilter(cfg, rep, None)
+    real_sendall = socket.socket.sendall
+    resets = [1]
+
+    def sendall(self: Any, data: Any, *args: Any) -> Any:
+        if resets and bytes(data[:64]).find(b'"pid"') >= 0:
+            resets.pop()
+            raise BrokenPipeError(32, "Broken pipe")
+        return real_sendall(self, data, *args)
+
+    monkeypatch.setattr(socket.socket, "sendall", sendall)
+    assert rep._connect() is False and not resets  # the reset HELLO: no link, no exception
+    rep.start()
+    try:
+        sess = FakeSession()
+        flt.on_request(sess, send_frame(1, idx=1))
+        flt.on_response(sess, response(1))
+        wait_for(lambda: len(fake.copies) == 1)
+    finally:
+        rep.close()
+        fake.close()

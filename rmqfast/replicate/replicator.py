@@ -293,10 +293,12 @@ class Replicator:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(str(self.sock_path))
+            # a deliver process killed between its accept and this HELLO resets the link here: try
+            # again later (an exception would end the feeder, and no copy would leave this worker)
+            s.sendall(P.json_frame(P.HELLO, {"worker": self.index, "pid": os.getpid()}))
         except OSError:
             s.close()
             return False
-        s.sendall(P.json_frame(P.HELLO, {"worker": self.index, "pid": os.getpid()}))
         self.link = s
         gevent.spawn(self._read_loop, s)
         log.info("connected to the deliver process", extra=ctx(worker=self.index, socket=str(self.sock_path)))
