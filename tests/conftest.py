@@ -66,3 +66,19 @@ def in_process_metrics() -> Iterator[None]:
     yield
     for collector in set(REGISTRY._collector_to_names) - before:  # noqa: SLF001
         REGISTRY.unregister(collector)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (rmqfast.testing.tlscerts)."""
+    from rmqfast.testing.tlscerts import make_certs
+
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def other_certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A second, unrelated CA and its certificates (for verification failures)."""
+    from rmqfast.testing.tlscerts import make_certs
+
+    return make_certs(tmp_path_factory.mktemp("certs2"), prefix="other-")

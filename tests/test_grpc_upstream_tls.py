@@ -19,17 +19,7 @@ pytest.importorskip("cryptography")
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode  # noqa: E402
 from rmqfast.grpcfront.upstream import Lanes, Pool, UpstreamError, UpstreamTls  # noqa: E402
 from rmqfast.proxy.tls import TlsListenSection, TlsSection, TlsUpstreamSection, server_context  # noqa: E402
-from rmqfast.testing.tlscerts import CertSet, make_certs  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> CertSet:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture(scope="module")
-def other_certs(tmp_path_factory: pytest.TempPathFactory) -> CertSet:
-    return make_certs(tmp_path_factory.mktemp("certs2"), prefix="other-")
+from rmqfast.testing.tlscerts import CertSet  # noqa: E402
 
 
 class Seen:

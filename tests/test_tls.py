@@ -27,7 +27,7 @@ from rmqfast.proxy import relay
 from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.proxy.tls import TlsContexts, TlsSection, TlsSocket, is_tls, parse_tls
-from rmqfast.testing.tlscerts import CertSet, make_certs, serial_of
+from rmqfast.testing.tlscerts import CertSet, serial_of
 from rmqfast.testing.wire import read_frame
 from tests.test_relay import FakeBroker, send_frame
 
@@ -36,16 +36,6 @@ pytest.importorskip("cryptography")
 SCANNERS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py-scan")]
 if codec.FrameScannerC is not None:
     SCANNERS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c-scan"))
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> CertSet:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture(scope="module")
-def other_certs(tmp_path_factory: pytest.TempPathFactory) -> CertSet:
-    return make_certs(tmp_path_factory.mktemp("certs2"), prefix="other-")
 
 
 # Configuration --------------------------------------------------------------------------------
