@@ -120,6 +120,49 @@ def test_group_commit_batches_concurrent_producers(tmp_path: Path) -> None:
     st.close()
 
 
+def test_group_commit_answers_after_the_wal_sync_and_the_hub_runs_during_it(tmp_path: Path) -> None:
+    """The fsync runs in a native thread without the GIL (rocksdict holds the GIL through a write
+    with sync=True, which stopped every greenlet of the worker for the whole fsync): while the
+    sync is held up, other greenlets run, and no producer hears SUCCESS before the sync returned."""
+    import threading
+
+    st = SpillStore(tmp_path / "w0")
+    release = threading.Event()
+    entered = threading.Event()
+    synced: list[int] = []
+    real_sync = st.sync_wal
+
+    def slow_sync() -> None:  # stands for a slow disk: waits (GIL released) until the test lets it go
+        entered.set()
+        assert release.wait(60), "the test never released the sync"
+        real_sync()
+        synced.append(st.messages)
+
+    st.sync_wal = slow_sync  # type: ignore[method-assign]
+    gc = GroupCommitter(st)
+    acked: list[int] = []
+    producer = gevent.spawn(lambda: acked.extend(gc.commit([("r", "T", rec(1))])))
+    ticks = 0
+    deadline = time.monotonic() + 60
+    while not entered.is_set():
+        assert time.monotonic() < deadline, "the committer never synced the WAL (SpillStore.sync_wal)"
+        gevent.sleep(0.001)
+    # the hub keeps running this greenlet while the sync is held
+    for _ in range(50):
+        gevent.sleep(0)
+        ticks += 1
+    assert ticks == 50 and not acked and not synced, "a producer was answered before its copy was synced"
+    release.set()
+    producer.join(timeout=30)
+    assert producer.successful(), producer.exception
+    assert acked == [0] and synced, (acked, synced)
+    gc.close()
+    st.close()
+    reopened = SpillStore(tmp_path / "w0")
+    assert [s for s, _ in reopened.read_lane("r", "T", -1, 10)] == [0]
+    reopened.close()
+
+
 def test_disk_cap_accounting(tmp_path: Path) -> None:
     st = SpillStore(tmp_path / "w0", disk_cap_bytes=2000)
     v = rec(0, body=b"x" * 500)

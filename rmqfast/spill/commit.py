@@ -3,9 +3,11 @@
 A producer's greenlet calls :meth:`GroupCommitter.commit` (or :meth:`~GroupCommitter.enqueue` now
 and :meth:`~GroupCommitter.wait` later); the copies get their sequence
 numbers at once (so keys follow arrival order) and join the pending batch; the greenlet then
-waits.  One committer greenlet takes everything pending, writes it as one ``WriteBatch`` with
-``sync=True`` in a native thread (the gevent hub keeps serving other connections meanwhile,
-rocksdict releases the GIL during the write), and wakes every waiter.  While one fsync runs,
+waits.  One committer greenlet takes everything pending, writes it as one unsynced ``WriteBatch``
+and then syncs the write-ahead log with ``flush_wal(sync=True)`` in a native thread, and wakes
+every waiter.  The sync is not asked of the write itself: rocksdict holds the GIL through a
+synced write, so every greenlet of the worker would stop for the whole fsync; ``flush_wal`` lets
+the GIL go, and the hub keeps serving other connections meanwhile.  While one fsync runs,
 the next batch fills, so under concurrency there are many messages per fsync; a lone producer
 pays one fsync per message, as it must.
 """
@@ -90,7 +92,8 @@ class GroupCommitter:
                 continue
             self._pending = _Batch()
             try:
-                pool.apply(self.store.write_unaccounted, (batch.items,), {"sync": True})
+                self.store.write_unaccounted(batch.items, sync=False)  # the memtable and the WAL buffer
+                pool.apply(self.store.sync_wal)  # the fsync, off the GIL: the copies are durable after it
                 self.store.reserved -= self.store.size_of(batch.items)
                 self.store.account(batch.items, sync=True)
                 self.batches += 1

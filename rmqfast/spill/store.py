@@ -267,6 +267,13 @@ class SpillStore:
             wb.put(make_key(remote, topic, seq), value)
         self.db.write(wb, self._sync if sync else self._nosync)
 
+    def sync_wal(self) -> None:
+        """Sync the write-ahead log: every write made before it is durable once it returns.
+
+        Unlike a write with ``sync=True`` (rocksdict holds the GIL through it), this lets the GIL go
+        during the fsync, so run in a native thread it does not stop the worker's other greenlets."""
+        self.db.flush_wal(True)
+
     def account(self, items: list[tuple[str, str, int, bytes]], *, sync: bool) -> None:
         if sync:
             self.fsyncs += 1
