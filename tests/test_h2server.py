@@ -263,3 +263,42 @@ def test_server_setting() -> None:
     assert parse_grpc({"enabled": True, "server": "h2"}).server == "h2"
     with pytest.raises(ConfigError, match="grpc.server"):
         parse_grpc({"server": "netty"})
+
+
+def test_connections_past_max_connections_are_closed_and_counted(pb: Any) -> None:
+    async def go() -> None:
+        svc = Service(pb)
+        server = h2server.H2Server(svc, 1 << 20, None, max_connections=2)
+        port = await server.start("127.0.0.1", 0)
+        held = []
+        for _ in range(2):  # two connections the server keeps (they said nothing yet: within the 30 s)
+            held.append(await asyncio.open_connection("127.0.0.1", port))
+        while len(server.conns) < 2:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(100), 30) == b"", "the third connection was not closed"
+        writer.close()
+        assert server.refused == 1 and len(server.conns) == 2
+        held[0][1].close()  # one closes: a new connection is served again
+        while len(server.conns) > 1:
+            await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            hb = _unary(ch, pb, "Heartbeat", "HeartbeatRequest", "HeartbeatResponse")
+            resp = await hb(pb.HeartbeatRequest(group=pb.Resource(name="G9")), timeout=30)
+            assert resp.status.message == "G9"
+        assert server.refused == 1
+        held[1][1].close()
+        await server.stop(1.0)
+
+    run(go())
+
+
+def test_max_connections_setting_is_checked() -> None:
+    from rmqfast.errors import ConfigError
+    from rmqfast.grpcfront.settings import parse_grpc
+
+    assert parse_grpc({}).max_connections == 10000
+    assert parse_grpc({"max_connections": 50}).max_connections == 50
+    for bad in (0, -1, "many", 1.5):
+        with pytest.raises(ConfigError, match="grpc.max_connections"):
+            parse_grpc({"max_connections": bad})

@@ -11,7 +11,9 @@ handlers run unchanged: the context they get (:class:`Call`) has ``peer()``,
 ``invocation_metadata()`` and ``time_remaining()``.
 
 Bounds (clients are untrusted): SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_HEADER_LIST_SIZE
-(checked in C while the headers arrive), a message longer than ``max_body_size`` ends its call with
+(checked in C while the headers arrive), ``max_connections`` open connections per process (a
+connection past it is closed at once, counted and logged at most every 10 s), a message longer
+than ``max_body_size`` ends its call with
 ``RESOURCE_EXHAUSTED``; the connection's flow-control window is given back only when a message is
 handed to its handler (bidi: when the handler takes it), so the bytes a connection has buffered in
 Python are bounded by that window; a handler streaming answers waits while its stream holds more
@@ -46,6 +48,7 @@ STREAM_WINDOW = 1 << 20
 _WRITE_MARK = 1 << 20  # bytes queued on a stream past which a streaming handler waits
 _PREFACE_WITHIN = 30.0  # s: a connection that sends nothing is closed
 _QUEUE = 32  # client messages of a bidi stream waiting for its handler
+_REFUSAL_LOG_EVERY = 10.0  # s between two log lines about refused connections
 
 # gRPC status codes
 OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 1, 2, 4, 8, 12, 13
@@ -191,6 +194,10 @@ class H2Protocol(asyncio.Protocol):
         addr = transport.get_extra_info("peername")
         if isinstance(addr, tuple) and len(addr) >= 2:
             self.peer = f"ipv6:[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"ipv4:{addr[0]}:{addr[1]}"
+        if len(self.server.conns) >= self.server.max_connections:
+            self.server.refuse(self.peer)
+            transport.abort()
+            return
         c = lib.h2_new(MAX_STREAMS, MAX_HEADER_LIST, STREAM_WINDOW, self.server.conn_window)
         if c == ffi.NULL:
             log.warning("gRPC connection from %s: cannot make an HTTP/2 session", self.peer)
@@ -515,8 +522,13 @@ class H2Protocol(asyncio.Protocol):
 class H2Server:
     """Listens on ``host:port`` (SO_REUSEPORT), serving ``svc``'s methods."""
 
-    def __init__(self, svc: Any, max_body: int, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, svc: Any, max_body: int, ssl_context: ssl.SSLContext | None = None, *,
+                 max_connections: int = 10000) -> None:
         available()
+        self.max_connections = max_connections
+        self.refused = 0
+        self._stats = getattr(svc, "stats", None)  # MessagingService.stats, logged when the front stops
+        self._refusal_logged = -_REFUSAL_LOG_EVERY
         self.loop = asyncio.get_running_loop()
         self.methods = methods_of(svc)
         self.max_body = max_body
@@ -535,6 +547,18 @@ class H2Server:
         self._server = await self.loop.create_server(lambda: H2Protocol(self), host or None, port,
                                                      reuse_port=True, ssl=self.ssl, backlog=1024)
         return int(self._server.sockets[0].getsockname()[1])
+
+    def refuse(self, peer: str) -> None:
+        """A connection past ``max_connections``: counted; logged at most every _REFUSAL_LOG_EVERY s."""
+        self.refused += 1
+        if self._stats is not None and hasattr(self._stats, "connections_refused"):
+            self._stats.connections_refused += 1
+        now = self.loop.time()
+        if now - self._refusal_logged >= _REFUSAL_LOG_EVERY:
+            self._refusal_logged = now
+            log.warning("gRPC connection from %s closed: %d connections open, the most this process takes "
+                        "([grpc] max_connections = %d; %d refused so far); raise it, or add workers",
+                        peer, len(self.conns), self.max_connections, self.refused)
 
     def conn_gone(self) -> None:
         if not self.conns:

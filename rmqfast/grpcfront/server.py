@@ -96,7 +96,7 @@ async def _serve_h2(svc: Any, settings: Any, tls: Any) -> Callable[[float], Awai
         from rmqfast.proxy.tls import server_context
 
         ctx = server_context(tls.listen)
-    server = H2Server(svc, settings.max_body_size, ctx)
+    server = H2Server(svc, settings.max_body_size, ctx, max_connections=settings.max_connections)
     host, _, port = settings.listen.rpartition(":")
     await server.start(host.strip("[]"), int(port))
     return server.stop

@@ -123,6 +123,7 @@ class Stats:
         self.empty_after_hit = 0  # hasMsg answered, the pop that followed found nothing
         self.notify_connections = 0  # opened for notifications
         self.notify_dropped = 0  # closed with their notification still parked (its receive had ended)
+        self.connections_refused = 0  # client connections closed at once: grpc.max_connections reached
 
 
 class MessagingService:
