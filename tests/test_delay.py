@@ -571,11 +571,11 @@ topics = ["Delayed"]
         req = urllib.request.Request(f"{p.admin_url}/delay/cancel?key=k-{victim2}", data=b"", method="POST")
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["cancelled"] == [victim2]
-        time.sleep(1.2)  # a publish period
-        # (a very loaded machine may reach the due times before this: those are released, not pending)
-        assert metric(p, "rmqfast_delay_pending_messages") + metric(p, "rmqfast_delay_released_total") == \
-            n_conn * per_conn - 2
-        assert metric(p, "rmqfast_delay_cancelled_total") == 2
+        # the metrics are published every second: wait for the cancels to show (a very loaded machine may
+        # reach the due times before this: those are released, not pending)
+        wait_for(lambda: metric(p, "rmqfast_delay_cancelled_total") == 2 and
+                 metric(p, "rmqfast_delay_pending_messages") + metric(p, "rmqfast_delay_released_total") ==
+                 n_conn * per_conn - 2, 60, "the cancels in the metrics")
         # kill -9 every worker while all of it is pending; the restarted workers release it
         pids = p.worker_pids()
         for pid in pids:
@@ -596,10 +596,10 @@ topics = ["Delayed"]
         for c in range(n_conn):
             mine = [k for k in keys if k[-6:-4] == f"{c:02d}"]
             assert mine == sorted(mine, key=lambda k: due[k])
-        time.sleep(1.2)
-        assert metric(p, "rmqfast_delay_pending_messages") == 0
-        assert metric(p, "rmqfast_delay_released_total") == len(expected)
-        assert metric(p, "rmqfast_delay_lateness_seconds_count") == len(expected)
+        def settled() -> bool:  # pending, released and lateness are published every second
+            return (metric(p, "rmqfast_delay_pending_messages"), metric(p, "rmqfast_delay_released_total"),
+                    metric(p, "rmqfast_delay_lateness_seconds_count")) == (0, len(expected), len(expected))
+        wait_for(settled, 60, "no message pending and every release in the metrics")
     broker.shutdown()
 
 
