@@ -698,3 +698,119 @@ def test_a_topic_the_broker_does_not_have_ends_as_a_dead_letter(tmp_path):
     svc.close()
     spill.close()
     broker.close()
+
+
+class SilentBroker(GeventBroker):
+    """A broker that accepts and reads, but answers nothing while ``hole`` is set (then as GeventBroker)."""
+
+    def __init__(self) -> None:
+        self.hole = True
+        super().__init__()
+
+    def _handle(self, sock: socket.socket, _addr: object) -> None:
+        while self.hole:
+            try:
+                if not sock.recv(65536):
+                    return
+            except OSError:
+                return
+        super()._handle(sock, _addr)
+
+
+def _held_service(tmp_path: Path) -> tuple[DelayService, SpillStore]:
+    # a small read-ahead (release_in_flight 4: 8 messages per broker in its lanes, 16 in all), so a
+    # handful of messages for a dead broker fill its share
+    cfg = parse_delay({"topics": ["Delayed"], "release_in_flight": 4})
+    spill = SpillStore(tmp_path / "spill")
+    svc = DelayService(cfg, spill.db, 0, state_dir=str(tmp_path / "state"), path=str(spill.path), publish=False,
+                       connect_timeout=0.5, request_timeout=0.5, retry_initial=0.02, retry_max=0.1)
+    svc.start()
+    return svc, spill
+
+
+@pytest.mark.parametrize("dead", ["refused", "silent"])
+def test_a_dead_broker_does_not_hold_up_the_others_and_gets_its_messages_once_back(tmp_path, dead):
+    live = GeventBroker()
+    silent = SilentBroker()
+    refusing = socket.socket()  # bound, never listening: connections to it are refused
+    refusing.bind(("127.0.0.1", 0))
+    gone = silent.addr if dead == "silent" else f"127.0.0.1:{refusing.getsockname()[1]}"
+    svc, spill = _held_service(tmp_path)
+    at = int(time.time() * 1000) + 300
+    n_gone, n_live = 60, 20
+    for i in range(n_gone):  # all due before the live broker's: they are read first
+        cmd = send_cmd("Delayed", i, {"TIMER_DELIVER_MS": str(at + i), "KEYS": f"g{i}"}, uniq=f"{UNIQ[:-4]}g{i:03d}")
+        assert decode_frame(svc.filter.on_request(FakeSession(gone), frame_of(cmd)).data).code == C.SUCCESS
+    for i in range(n_live):
+        cmd = send_cmd("Delayed", 100 + i, {"TIMER_DELIVER_MS": str(at + 500 + i)}, uniq=f"{UNIQ[:-4]}l{i:03d}")
+        assert decode_frame(svc.filter.on_request(FakeSession(live.addr), frame_of(cmd)).data).code == C.SUCCESS
+    # the live broker gets its messages while the other one takes none (before: they waited behind it)
+    wait_for(lambda: len(live.got) == n_live, 60, "the live broker's releases")
+    assert [p["UNIQ_KEY"] for p in live.props()] == [f"{UNIQ[:-4]}l{i:03d}" for i in range(n_live)]
+    r = svc.releaser
+    assert r.parked_moves > 0 and r.held_for[gone] <= r.per_broker
+    svc.store.flush()
+    assert svc.store.messages == n_gone
+    # a message waiting in the dead broker's range is cancelled by its key
+    assert svc.cancel(key="g50")["cancelled"] == [f"{UNIQ[:-4]}g050"]
+    svc.store.flush()
+    assert svc.store.messages == n_gone - 1
+    # a restart while the broker is still away: the wait range is found again, counters exact
+    svc.close()
+    spill.close()
+    svc, spill = _held_service(tmp_path)
+    assert svc.store.messages == n_gone - 1
+    assert any(svc.releaser.parked.values())
+    # the broker comes back: every message once, in due order (one queue, queue_window 1)
+    if dead == "silent":
+        silent.hole = False
+        back = silent
+    else:
+        svc.close()
+        spill.close()
+        refusing.close()
+        back = GeventBroker()  # a new address: the held messages name the old one, so the test moves them
+        _readdress(tmp_path, gone, back.addr)
+        svc, spill = _held_service(tmp_path)
+    want = [f"{UNIQ[:-4]}g{i:03d}" for i in range(n_gone) if i != 50]
+    wait_for(lambda: len({p["UNIQ_KEY"] for p in back.props()}) == len(want), 90, "the returned broker's releases")
+    wait_for(lambda: svc.store.messages == 0, 30, "the releases deleted")
+    got = [p["UNIQ_KEY"] for p in back.props()]
+    if dead == "refused":
+        assert got == want  # nothing reached a broker before: each exactly once, in due order
+    else:
+        # sends the silent broker read and dropped were sent again after their timeout: at least once,
+        # and the first arrival of each in due order
+        first = list(dict.fromkeys(got))
+        assert first == want
+    assert not any(svc.releaser.parked.values())
+    assert svc.store.read_parked(b"w", b"w", 10) == []
+    assert len(live.got) == n_live
+    svc.close()
+    spill.close()
+    for b in (live, silent, back):
+        b.close()
+    refusing.close()
+
+
+def _readdress(tmp_path: Path, old: str, new: str) -> None:
+    """Rewrite the broker address of every held message (wait ranges too) in a closed store."""
+    from rmqfast.delay.store import DUE_PREFIX, PARK_PREFIX, parked_key
+
+    spill = SpillStore(tmp_path / "spill")
+    db = spill.db
+    moves = []
+    for prefix in (DUE_PREFIX, PARK_PREFIX):
+        it = db.iter()
+        it.seek(prefix)
+        while it.valid() and it.key().startswith(prefix):
+            moves.append((it.key(), it.value()))
+            it.next()
+    for k, v in moves:
+        h = Held.decode(v)
+        assert h.addr == old
+        h.addr = new
+        del db[k]
+        nk = k if k[:1] == DUE_PREFIX else parked_key(new, k)
+        db[nk] = h.encode()
+    spill.close()

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import struct
 import time
 import uuid
 from collections import deque
@@ -36,7 +37,17 @@ from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, 
 from rmqfast.delay.channel import ReleaseChannel, Sent
 from rmqfast.delay.semantics import DelayInvalid, due_ms, has_delay_property, strip_delay
 from rmqfast.delay.settings import DelaySection
-from rmqfast.delay.store import DUE_PREFIX, DelayStore, Held, StoreFull, WriteFailed, split_due_key
+from rmqfast.delay.store import (
+    DUE_PREFIX,
+    DelayStore,
+    Held,
+    StoreFull,
+    WriteFailed,
+    due_key,
+    parked_key,
+    parked_prefix,
+    split_due_key,
+)
 from rmqfast.deliver.sender import STORED_CODES, send_until_stored
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply
@@ -349,14 +360,18 @@ class DelayService:
         """Cancel the pending messages with this msgId (or key) held by this worker."""
         done: list[str] = []
         releasing: list[str] = []
+        rel = self.releaser
         for dkey in self.store.find(msg_id=msg_id, key=key):
-            if dkey in self.releaser.dispatched:
-                value = None
+            if dkey in rel.dispatched and any(rel.parking.values()):
+                self.store.flush()  # it may be moving to its broker's wait range: look once it has moved
+            if dkey in rel.dispatched:
+                found = None
             else:
-                value = self.store.get(dkey)
-            if value is None:
+                found = self.store.locate(dkey, [p for p, some in rel.parked.items() if some])
+            if found is None or found[0] in rel.dispatched:
                 releasing.append(dkey.hex())
                 continue
+            dkey, value = found
             try:
                 mid = Held.decode(value).msg_id
             except Exception:
@@ -457,10 +472,23 @@ class Releaser:
         # broker is asked whether it has them before they are sent again (exactly once).
         raw = self.store.db.get(b"m" + b"delay.releasing")
         self.recheck_upto = raw if raw else b""
+        # A broker that does not take its releases (down, or slower than its share of the read-ahead)
+        # gets its due messages moved to its wait range, read from there once it takes releases again,
+        # so that the other brokers' releases are not held up behind it (see _step).
+        self.held_for: dict[str, int] = {}  # messages queued in lanes, by broker
+        self.parked: dict[bytes, bool] = {p: True for p in self.store.parked_prefixes()}  # wait range: may hold some
+        self.parking: dict[bytes, int] = {}  # moves to a wait range not written yet, by range
+        self.wcursor: dict[bytes, bytes] = {}  # wait range -> next key to read
+        self.wmarks = self.store.parked_marks()  # wait range -> last key taken for release (persisted)
+        self.recheck_w = dict(self.wmarks)  # what may have been sent before this run started
+        self.parked_moves = 0
+        self.read_upto = DUE_PREFIX  # the due range is read up to this key (wait ranges are read up to it)
 
     def on_put(self, first_key: bytes) -> None:
         if first_key < self.cursor:
             self.cursor = first_key  # an earlier due time arrived behind the cursor
+        if first_key < self.read_upto:
+            self.read_upto = first_key
         self.wake.set()
 
     def start(self) -> None:
@@ -479,17 +507,117 @@ class Releaser:
                 log.exception("delayed message release failed; retrying", extra=ctx(worker=self.svc.index))
                 gevent.sleep(1.0)
 
+    def _maybe_sent(self, k: bytes) -> bool:
+        """Whether this message may have reached the broker before a crash (then it is asked first)."""
+        if k[:1] == DUE_PREFIX:
+            return bool(self.recheck_upto) and k <= self.recheck_upto
+        mark = self.recheck_w.get(k[:-16])
+        return mark is not None and k <= mark
+
+    @property
+    def per_broker(self) -> int:
+        """Messages one broker may have queued in lanes; past it its due messages wait in its range."""
+        return self.limit * 2
+
+    def _blocked(self, per: int) -> int:
+        """Queued messages of brokers at their share: they do not hold up the reading for the others."""
+        return sum(n for n in self.held_for.values() if n >= per)
+
+    def _queue(self, k: bytes, v: bytes, held: Held) -> None:
+        lane = (held.addr, held.record.topic, held.record.queue_id)
+        q = self.lanes.get(lane)
+        if q is None:
+            q = self.lanes[lane] = deque()
+        q.append((k, v, held, split_due_key(k)[0]))
+        self.queued += 1
+        self.held_for[held.addr] = self.held_for.get(held.addr, 0) + 1
+        if lane not in self._lane_greenlets:
+            self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
+
+    def _park(self, k: bytes, v: bytes, held: Held) -> None:
+        """Move a due message to its broker's wait range (durably, in the next write of the store)."""
+        wkey = parked_key(held.addr, k)
+        prefix = wkey[:-16]
+        self.parked[prefix] = True
+        if wkey < self.wcursor.get(prefix, wkey):
+            self.wcursor[prefix] = wkey  # an earlier due time arrived behind that range's reading
+        if self._maybe_sent(k):
+            # it may have reached the broker before a crash: whatever waits up to it is asked first
+            if wkey > self.wmarks.get(prefix, b""):
+                self.store.mark_parked(wkey)
+                self.wmarks[prefix] = wkey
+            if wkey > self.recheck_w.get(prefix, b""):
+                self.recheck_w[prefix] = wkey
+        self.parking[prefix] = self.parking.get(prefix, 0) + 1
+        self.parked_moves += 1
+        b = self.store.park(k, wkey, v)
+
+        def written(_e: Any, k: bytes = k, prefix: bytes = prefix) -> None:
+            self.dispatched.discard(k)
+            self.parking[prefix] -= 1
+            self.wake.set()  # the range may be read now
+
+        b.done.rawlink(written)
+
+    def _unpark(self, per: int) -> bool:
+        """Queue what waits in the ranges of brokers with room again (half their share free)."""
+        took = False
+        for prefix, some in list(self.parked.items()):
+            if not some:
+                continue
+            (n,) = struct.unpack_from(">H", prefix, 1)
+            addr = prefix[3:3 + n].decode("utf-8", "replace")
+            room = per - self.held_for.get(addr, 0)
+            if room < per // 2 or self.parking.get(prefix):
+                continue  # no room yet; or moves to the range not written yet (they may come first)
+            # only what the due range's reading has passed: an earlier message of this broker still
+            # in the due range (after a restart) is moved here first, so each queue keeps due order
+            before = prefix + self.read_upto[1:]
+            items = self.store.read_parked(self.wcursor.get(prefix, prefix), prefix, room, before)
+            if len(items) < room:
+                nxt = items[-1][0] + b"\x00" if items else self.wcursor.get(prefix, prefix)
+                if not self.store.read_parked(nxt, prefix, 1):
+                    self.parked[prefix] = False  # drained: its next due messages go to its lanes directly
+            if not items:
+                continue
+            last = items[-1][0]
+            if last > self.wmarks.get(prefix, b""):
+                self.store.mark_parked(last)  # before sending, as mark_releasing
+                self.wmarks[prefix] = last
+            self.wcursor[prefix] = last + b"\x00"
+            for k, v in items:
+                if k in self.dispatched:
+                    continue
+                self.dispatched.add(k)
+                try:
+                    held = Held.decode(v)
+                except Exception as exc:
+                    log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
+                    self._done(k, v, None, "undecodable")
+                    continue
+                self._queue(k, v, held)
+                took = True
+        return took
+
     def _step(self) -> None:
         cap = self.limit * 4
-        if self.queued >= cap:
+        per = self.per_broker
+        took = self._unpark(per)
+        if self.queued - self._blocked(per) >= cap:
             self.space.clear()
             self.space.wait(timeout=1.0)
             return
         now = now_ms()
         # read ahead: what falls due over the next READ_AHEAD_MS is read, decoded and queued in its
         # lane now, so that at its due time only the write to the broker is left
-        items = self.store.read_due(self.cursor, now + READ_AHEAD_MS, cap - self.queued)
+        limit = cap - self.queued + self._blocked(per)
+        items = self.store.read_due(self.cursor, now + READ_AHEAD_MS, limit)
+        if len(items) < limit:  # everything due up to now + READ_AHEAD_MS has been read
+            upto = due_key(now + READ_AHEAD_MS + 1, 0)
+            self.read_upto = max(upto, items[-1][0] + b"\x00") if items else max(upto, self.cursor)
         if not items:
+            if took or self._unpark(per):
+                return
             nxt = self.store.next_due(self.cursor)
             self.wake.clear()
             if nxt is None:
@@ -502,7 +630,8 @@ class Releaser:
         # written before sending (unsynced: a process crash keeps it): after a crash, what is at
         # or before it may have reached the broker already
         self.store.mark_releasing(last)
-        lanes = self.lanes
+        held_for = self.held_for
+        parked = self.parked if any(self.parked.values()) else None
         for k, v in items:
             if k in self.dispatched:
                 continue
@@ -513,15 +642,13 @@ class Releaser:
                 log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
                 self._done(k, v, None, "undecodable")
                 continue
-            lane = (held.addr, held.record.topic, held.record.queue_id)
-            q = lanes.get(lane)
-            if q is None:
-                q = lanes[lane] = deque()
-            q.append((k, v, held, split_due_key(k)[0]))
-            self.queued += 1
-            if lane not in self._lane_greenlets:
-                self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
+            if held_for.get(held.addr, 0) >= per or parked is not None and parked.get(parked_prefix(held.addr)):
+                self._park(k, v, held)  # its broker is at its share, or older ones of it wait already
+            else:
+                self._queue(k, v, held)
         self.cursor = last + b"\x00"
+        if len(items) >= limit:
+            self.read_upto = self.cursor
 
     def _lane(self, lane: tuple[str, str, int]) -> None:
         q = self.lanes[lane]
@@ -555,7 +682,7 @@ class Releaser:
             recs = []
             for j in range(flying + wrote, min(end, flying + wrote + group)):
                 k, _v, held, due = q[j]
-                if due > now or (self.recheck_upto and k <= self.recheck_upto):
+                if due > now or self._maybe_sent(k):
                     break
                 recs.append(held.record)
             if not recs:
@@ -577,7 +704,7 @@ class Releaser:
         timeout = sent.deadline - time.monotonic()
         if flying < min(window, len(q)):
             k, _v, _held, due = q[flying]
-            if due > now and not (self.recheck_upto and k <= self.recheck_upto):
+            if due > now and not self._maybe_sent(k):
                 timeout = min(timeout, (due - now) / 1000)
         return timeout
 
@@ -632,6 +759,7 @@ class Releaser:
                     return False  # stopping: it stays stored for the next run
                 q.popleft()
                 self.queued -= 1
+                self.held_for[held.addr] -= 1
                 if outcome is True:
                     released.append((k, v, held, due))
                 elif outcome == DEAD_LETTER:
@@ -641,6 +769,10 @@ class Releaser:
         finally:
             self._released(released)
             self.space.set()
+            if q and self.parked.get(parked_prefix(q[0][2].addr)):
+                self.wake.set()  # its wait range may be read again
+            elif not q and any(self.parked.values()):
+                self.wake.set()
         return True
 
     def _released(self, done: list[tuple[bytes, bytes, Held, int]]) -> None:
@@ -706,7 +838,7 @@ class Releaser:
     def _send(self, k: bytes, held: Held) -> bool | str | None:
         """Send until the broker stores it (True) or refuses it for good (False); None: stopping."""
         rec = held.record
-        if self.recheck_upto and k <= self.recheck_upto:
+        if self._maybe_sent(k):
             if self._recheck(k, held):
                 self.recheck_found += 1
                 if self.svc.m is not None:

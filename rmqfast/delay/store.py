@@ -6,13 +6,21 @@ Keys (beside the spill's ``b"c"`` copy lanes and ``b"m"`` meta keys, one databas
                                                         u16 len + keys, then a CopyRecord
     b"e" + b"u" + msgId + NUL + due_ms + seq        -> b""   (cancel by msgId)
     b"e" + b"k" + key + NUL + due_ms + seq          -> b""   (cancel by key, one per KEYS entry)
+    b"w" + u16 len + broker addr + due_ms + seq     -> the value of a "d" key, moved to its broker's
+                                                        wait range (the broker is down or slow)
     b"x" + due_ms (u64 BE) + seq (u64 BE)            -> the value of a "d" key: a dead letter (the broker
                                                         kept answering that its topic does not exist)
+    b"m" + b"delay.releasing.w." + broker addr      -> the last "w" key of that broker taken for release
     b"m" + b"delay.stats"                           -> u64 messages, u64 bytes (due and index keys
                                                         and values: what max_pending_bytes caps)
 
 Iterating ``b"d"`` keys is iterating in due-time order (ties in order of arrival), so the
-releaser seeks to its cursor and reads only what is due: it never scans what is pending.
+releaser seeks to its cursor and reads only what is due: it never scans what is pending.  A
+message due for a broker that does not take its releases (down, or slower than its share of the
+read-ahead) is moved to that broker's ``b"w"`` range, also in due order, and read from there
+when the broker takes releases again: the other brokers' releases do not wait behind it.  Every
+key of a held message ends with its due time and sequence (16 bytes), which the cancel index
+entries name.
 Nothing per message is kept in memory.  The counters are written in the same ``WriteBatch``
 as the change they count (one writer greenlet makes every write), so they are exact after a
 crash and a restart does not scan the pending messages.
@@ -44,6 +52,8 @@ _STATS = struct.Struct(">QQ")
 DUE_PREFIX = b"d"
 INDEX_PREFIX = b"e"
 DEAD_PREFIX = b"x"
+PARK_PREFIX = b"w"
+PARKED_RELEASING_PREFIX = b"m" + b"delay.releasing.w."
 STATS_KEY = b"m" + b"delay.stats"
 #: The last due key the releaser took (see :meth:`DelayStore.mark_releasing`)
 RELEASING_KEY = b"m" + b"delay.releasing"
@@ -72,7 +82,18 @@ def due_key(due: int, seq: int) -> bytes:
 
 
 def split_due_key(key: bytes) -> tuple[int, int]:
-    return _KEY.unpack_from(key, 1)  # type: ignore[return-value]
+    """(due ms, seq) of a held message's key (``b"d"``, ``b"w"`` or ``b"x"``: the last 16 bytes)."""
+    return _KEY.unpack_from(key, len(key) - 16)  # type: ignore[return-value]
+
+
+def parked_prefix(addr: str) -> bytes:
+    """The start of a broker's wait range: ``b"w"`` + u16 length + its address."""
+    return PARK_PREFIX + _s16(addr)
+
+
+def parked_key(addr: str, dkey: bytes) -> bytes:
+    """Where a due key's message waits for its broker."""
+    return parked_prefix(addr) + dkey[-16:]
 
 
 def _s16(s: str) -> bytes:
@@ -110,7 +131,7 @@ class Held:
         return cls(out[0], out[1], out[2], CopyRecord.decode(mv[pos:]))
 
     def index_keys(self, dkey: bytes) -> list[bytes]:
-        tail = b"\x00" + dkey[1:]
+        tail = b"\x00" + dkey[-16:]
         out = [INDEX_PREFIX + b"u" + self.msg_id.encode("utf-8", "replace") + tail] if self.msg_id else []
         for k in {k for k in self.keys.split(" ") if k}:
             out.append(INDEX_PREFIX + b"k" + k.encode("utf-8", "replace") + tail)
@@ -153,12 +174,13 @@ def _decode(data: bytes) -> Held:
 
 
 class _Batch:
-    __slots__ = ("puts", "deletes", "dead", "done", "error", "sync", "waiting")
+    __slots__ = ("puts", "deletes", "dead", "moves", "done", "error", "sync", "waiting")
 
     def __init__(self) -> None:
         self.puts: list[tuple[bytes, bytes, list[bytes]]] = []  # (due key, value, index keys)
         self.deletes: list[tuple[bytes, int, list[bytes]]] = []  # (due key, value length, index keys)
         self.dead: list[tuple[bytes, bytes, list[bytes]]] = []  # (due key, value, index keys): to the x range
+        self.moves: list[tuple[bytes, bytes, bytes]] = []  # (due key, wait key, value): to a broker's w range
         self.done = Event()
         self.error: BaseException | None = None
         self.sync = False
@@ -223,6 +245,53 @@ class DelayStore:
             yield k, it.value()
             it.next()
 
+    def read_parked(self, after: bytes, prefix: bytes, limit: int,
+                    before: bytes = b"\xff") -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` messages of one broker's wait range (``prefix``), from ``after`` on, each
+        with a key below ``before``."""
+        out: list[tuple[bytes, bytes]] = []
+        if limit <= 0:
+            return out
+        for kv in self._iter(after, prefix):
+            if kv[0] >= before:
+                break
+            out.append(kv)
+            if len(out) >= limit:
+                break
+        return out
+
+    def parked_prefixes(self) -> list[bytes]:
+        """The wait ranges that hold messages (one seek per broker, not one step per message)."""
+        out = []
+        it = self.db.iter(self._scan_once)
+        it.seek(PARK_PREFIX)
+        while it.valid():
+            k = it.key()
+            if not k.startswith(PARK_PREFIX):
+                break
+            prefix = k[:-16]
+            out.append(prefix)
+            it.seek(prefix + b"\xff" * 17)
+        return out
+
+    def parked_marks(self) -> dict[bytes, bytes]:
+        """Per wait range, the last key taken for release (:meth:`mark_parked`)."""
+        return {PARK_PREFIX + k[len(PARKED_RELEASING_PREFIX):]: v
+                for k, v in self._iter(PARKED_RELEASING_PREFIX, PARKED_RELEASING_PREFIX)}
+
+    def locate(self, dkey: bytes, prefixes: Any = ()) -> tuple[bytes, bytes] | None:
+        """(key, value) of a pending message by its due key: in the due range, else in one of the
+        brokers' wait ranges (``prefixes``); None when it is in neither."""
+        v = self.db.get(dkey)
+        if v is not None:
+            return dkey, v
+        for prefix in prefixes:
+            k = prefix + dkey[-16:]
+            v = self.db.get(k)
+            if v is not None:
+                return k, v
+        return None
+
     def _first_due(self) -> bytes | None:
         for k, _v in self._iter(DUE_PREFIX, DUE_PREFIX):
             return k
@@ -236,7 +305,7 @@ class DelayStore:
 
     def _count(self) -> tuple[int, int]:
         n = b = 0
-        for k, v in self._iter(DUE_PREFIX, DUE_PREFIX):
+        for k, v in [*self._iter(DUE_PREFIX, DUE_PREFIX), *self._iter(PARK_PREFIX, PARK_PREFIX)]:
             n += 1
             b += len(k) + len(v)
             try:
@@ -321,10 +390,18 @@ class DelayStore:
     def mark_releasing(self, dkey: bytes) -> None:
         """Record the last due key taken for release, before it is sent (unsynced: a process crash
         keeps it); a write stall is waited out in gevent (see :meth:`_put_batch`)."""
+        self._mark(RELEASING_KEY, dkey)
+
+    def mark_parked(self, wkey: bytes) -> None:
+        """The same for a broker's wait range: its last key taken for release (or moved there after
+        it may have been sent before a crash), before it is sent."""
+        self._mark(PARKED_RELEASING_PREFIX + wkey[1:-16], wkey)
+
+    def _mark(self, mark: bytes, key: bytes) -> None:
         waited = 0.0
         while True:
             try:
-                self.db.put(RELEASING_KEY, dkey, self._fast)
+                self.db.put(mark, key, self._fast)
                 return
             except Exception as exc:
                 if not _stalled(exc) or waited >= STALL_WAIT_MAX:
@@ -364,11 +441,19 @@ class DelayStore:
         self._wake.set()
         return batch
 
+    def park(self, dkey: bytes, wkey: bytes, value: bytes) -> _Batch:
+        """Queue the move of a due message to its broker's wait range (same value, same index entries:
+        they name the due time and sequence, which both keys end with)."""
+        batch = self._pending
+        batch.moves.append((dkey, wkey, value))
+        self._wake.set()
+        return batch
+
     def dead_letters(self, limit: int = 100) -> list[tuple[bytes, bytes]]:
         """The first ``limit`` dead letters: (their due key, value)."""
         out = []
         for k, v in self._iter(DEAD_PREFIX, DEAD_PREFIX):
-            out.append((DUE_PREFIX + k[1:], v))
+            out.append((DUE_PREFIX + k[-16:], v))
             if len(out) >= limit:
                 break
         return out
@@ -379,13 +464,14 @@ class DelayStore:
             self._wake.wait()
             self._wake.clear()
             batch = self._pending
-            if not batch.puts and not batch.deletes and not batch.dead:
+            if not batch.puts and not batch.deletes and not batch.dead and not batch.moves:
                 if self._closed:
                     return
                 continue
             self._pending = _Batch()
             self._write(batch, pool)
-            if self._closed and not self._pending.puts and not self._pending.deletes and not self._pending.dead:
+            p = self._pending
+            if self._closed and not p.puts and not p.deletes and not p.dead and not p.moves:
                 return
 
     def _batch_of(self, batch: _Batch) -> tuple[Any, int, int, int]:
@@ -409,9 +495,13 @@ class DelayStore:
             wb.delete(dkey)
             for k in idx:
                 wb.delete(k)
-            wb.put(DEAD_PREFIX + dkey[1:], value)
+            wb.put(DEAD_PREFIX + dkey[-16:], value)
             messages -= 1
-            nbytes -= sum(map(len, idx))
+            nbytes -= sum(map(len, idx)) + len(dkey) - 17  # the x key is as long as a d key
+        for dkey, wkey, value in batch.moves:
+            wb.delete(dkey)
+            wb.put(wkey, value)
+            nbytes += len(wkey) - len(dkey)
         nbytes += put_bytes
         wb.put(STATS_KEY, _STATS.pack(max(0, messages), max(0, nbytes)))
         if batch.puts:
@@ -461,7 +551,7 @@ class DelayStore:
     def flush(self) -> None:
         """Wait until everything queued so far is written."""
         batch = self._pending
-        if batch.puts or batch.deletes or batch.dead:
+        if batch.puts or batch.deletes or batch.dead or batch.moves:
             self._wake.set()
             batch.done.wait()
 
@@ -473,6 +563,6 @@ class DelayStore:
         self._wake.set()
         self._greenlet.join(timeout=10)
         batch = self._pending
-        if batch.puts or batch.deletes or batch.dead:
+        if batch.puts or batch.deletes or batch.dead or batch.moves:
             self._pending = _Batch()
             self._write(batch)
