@@ -552,7 +552,7 @@ def release(args: argparse.Namespace, tools: Tools, px: Proxy, rec: Recorder, ac
     late = sorted(rec.late)
     k = len(late)
     if not k:
-        print("   nothing released")
+        print(f"   nothing released within {args.release_seconds * 3 + 60:.0f} s of the first due time")
         return n / took
     span = max(args.release_seconds, (rec.last - start) / 1000)
     reached = k / span
@@ -598,6 +598,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--py-spy-dir", default="py-spy", help="where --py-spy writes its collapsed stacks")
     ap.add_argument("--reuse", type=Path, default=None,
                     help="run on the state directory a --keep run filled (the capacity phase is skipped)")
+    ap.add_argument("--dead-broker", type=int, default=0, metavar="N",
+                    help="before the proxy starts, N messages due at once for a broker that refuses connections "
+                         "(the release phases then show whether it holds up the others)")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: capacity,accept,release,load")
     return ap.parse_args()
 
@@ -623,6 +626,13 @@ def main() -> int:
             elif args.reuse is not None:
                 kept(wdir)
                 args.pending = held(wdir)[0]
+            dead = socket.socket()  # bound, never listening: connections to it are refused
+            dead.bind(("127.0.0.1", 0))
+            if args.dead_broker:
+                dead_addr = f"127.0.0.1:{dead.getsockname()[1]}"
+                print(f"   dead broker: {args.dead_broker:,} messages due from now on (1 ms apart) for {dead_addr}, "
+                      "which refuses connections, written through DelayStore.put", flush=True)
+                fill(wdir, args.dead_broker, args.body, int(time.time() * 1000), dead_addr)
             if not {"accept", "release", "load"} <= skip:
                 px = Proxy(work, state, addr, rec.addr, args.queue_window)
                 try:
@@ -635,6 +645,7 @@ def main() -> int:
                     px.stop()
                 print(f"   after the run: {held(wdir)[0]:,} pending, disk {du_bytes(wdir) / 2**20:,.0f} MiB",
                       flush=True)
+            dead.close()
     finally:
         rec.close()
         if not args.keep or args.reuse is not None:  # a reused state directory lies outside work
