@@ -814,3 +814,30 @@ def _readdress(tmp_path: Path, old: str, new: str) -> None:
         nk = k if k[:1] == DUE_PREFIX else parked_key(new, k)
         db[nk] = h.encode()
     spill.close()
+
+
+def test_stats_cli_shows_counts_waiting_messages_by_broker_and_dead_letters(tmp_path):
+    from rmqfast.delay.store import parked_key
+
+    spill, st = open_store(tmp_path / "state" / "spill" / "worker-0")
+    base = 1_700_000_000_000
+    keys = []
+    for i in range(5):
+        k, b = st.put(held(f"M{i}", addr="10.0.0.9:10911" if i < 3 else "127.0.0.1:1"), base + i)
+        st.wait(b)
+        keys.append(k)
+    for k in keys[:2]:  # two wait for broker 10.0.0.9, as the releaser moves them
+        st.park(k, parked_key("10.0.0.9:10911", k), st.get(k))
+    st.dead_letter(keys[4], st.get(keys[4]), held("M4"))
+    st.flush()
+    assert st.messages == 4
+    st.close()
+    spill.close()
+    out = subprocess.run([sys.executable, "-m", "rmqfast", "delay", "stats", "--state-dir", str(tmp_path / "state")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["worker"] == "worker-0" and row["messages"] == 4
+    assert row["waiting_for_broker"] == {"10.0.0.9:10911": 2}
+    assert row["dead_letters"] == 1
+    assert row["next_due_ms"] == base + 2

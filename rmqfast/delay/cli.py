@@ -57,8 +57,25 @@ def _cancel(args: argparse.Namespace) -> int:
         return 1
 
 
+def _count_keys(db: Any, prefix: bytes) -> dict[bytes, int]:
+    """Keys under ``prefix``, counted by their part before the last 16 bytes (due time, sequence)."""
+    out: dict[bytes, int] = {}
+    it = db.iter()
+    it.seek(prefix)
+    while it.valid():
+        k = it.key()
+        if not k.startswith(prefix):
+            break
+        out[k[:-16]] = out.get(k[:-16], 0) + 1
+        it.next()
+    return out
+
+
 def _stats(args: argparse.Namespace) -> int:
-    from rmqfast.delay.store import _STATS, DUE_PREFIX, STATS_KEY, split_due_key
+    """Per worker: messages and bytes held (the store's counters), the next due time, the messages
+    waiting for a broker that did not take its releases (by broker) and the dead letters (both
+    counted by reading their keys)."""
+    from rmqfast.delay.store import _STATS, DEAD_PREFIX, DUE_PREFIX, PARK_PREFIX, STATS_KEY, split_due_key
     from rmqfast.spill.cli import open_reader, spill_dirs
 
     rows = []
@@ -70,7 +87,10 @@ def _stats(args: argparse.Namespace) -> int:
             it = st.db.iter()
             it.seek(DUE_PREFIX)
             first = split_due_key(it.key())[0] if it.valid() and it.key().startswith(DUE_PREFIX) else None
-            rows.append({"worker": d.name, "messages": n, "bytes": b, "next_due_ms": first})
+            waiting = {p[3:].decode("utf-8", "replace"): c for p, c in _count_keys(st.db, PARK_PREFIX).items()}
+            dead = sum(_count_keys(st.db, DEAD_PREFIX).values())
+            rows.append({"worker": d.name, "messages": n, "bytes": b, "next_due_ms": first,
+                         "waiting_for_broker": waiting, "dead_letters": dead})
         finally:
             st.close()
     print(json.dumps(rows, indent=2))
