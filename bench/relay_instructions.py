@@ -294,6 +294,8 @@ def main() -> None:
     ap.add_argument("--conns", type=int, default=1, help="connections driven at once")
     ap.add_argument("--proxy", choices=("rmqfast", "haproxy"), default="rmqfast")
     ap.add_argument("--strace", action="store_true", help="count system calls instead of instructions")
+    ap.add_argument("--keep", type=Path, help="keep the callgrind/strace outputs in this directory "
+                    "(callgrind_annotate reads them)")
     args = ap.parse_args()
     if args.serve is not None:
         serve(args.serve, args.scenario[0], args.runtime, args.conns)
@@ -308,6 +310,9 @@ def main() -> None:
         impl = "haproxy-1t"
     unit = "system calls" if args.strace else "instructions"
     with NullBroker(build_tools()) as nb, tempfile.TemporaryDirectory() as tmp:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep)
         for scenario in args.scenario or SCENARIOS:
             counts = []
             for n in args.frames:

@@ -233,13 +233,89 @@ cdef inline uint64_t word_special_mask(const uint8_t* p) noexcept nogil:
             | ((x - 0x2020202020202020ULL) & ~x) | x) & 0x8080808080808080ULL
 
 
+# The special-byte bitmap of a header: bit k of word k / 64 is set when byte k is '"', '\\', a
+# control character or non-ASCII, and every bit from the header's end to the end of its word (a
+# word of set bits when the end falls on a word boundary), so a search for the next special byte
+# always stops by the end.  Built once per header with SSE2 (16 bytes in a few instructions) and
+# read by every string of the walk: finding a string's end is then a bit search, not a byte loop.
+# Headers up to BITMAP_MAX_HEADER bytes (nearly all: a Java send's is ~350) get one on the stack;
+# longer ones are walked with the eight-byte loop instead (both are tested alike).
+cdef enum:
+    BITMAP_WORDS = 64
+    BITMAP_MAX_HEADER = BITMAP_WORDS * 64 - 1
+
+
+cdef extern from *:
+    """
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
+    /* 64 flags of h[0:64]: '"', '\\', < 0x20 or >= 0x80 (a signed compare with 0x20 catches both). */
+    static inline uint64_t rmq_special64(const uint8_t* h) {
+    #if defined(__SSE2__)
+        const __m128i q = _mm_set1_epi8(0x22), b = _mm_set1_epi8(0x5C), sp = _mm_set1_epi8(0x20);
+        uint64_t m = 0;
+        int k;
+        for (k = 0; k < 4; k++) {
+            __m128i x = _mm_loadu_si128((const __m128i*)(h + 16 * k));
+            __m128i s = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, q), _mm_cmpeq_epi8(x, b)),
+                                     _mm_cmplt_epi8(x, sp));
+            m |= (uint64_t)(uint16_t)_mm_movemask_epi8(s) << (16 * k);
+        }
+        return m;
+    #else
+        uint64_t m = 0;
+        int k;
+        for (k = 0; k < 64; k++) {
+            uint8_t c = h[k];
+            if (c == 0x22 || c == 0x5C || c < 0x20 || c >= 0x80) m |= 1ULL << k;
+        }
+        return m;
+    #endif
+    }
+    /* The bitmap of h[0:n] into bm[0 .. n / 64] (n / 64 + 1 words). */
+    static inline void rmq_special_bitmap(const uint8_t* h, Py_ssize_t n, uint64_t* bm) {
+        uint8_t tail[64];
+        Py_ssize_t i = 0, rest;
+        for (; i + 64 <= n; i += 64)
+            bm[i >> 6] = rmq_special64(h + i);
+        rest = n - i;  /* 0..63: zero bytes after it are control characters, so flagged */
+        memset(tail, 0, sizeof tail);
+        memcpy(tail, h + i, (size_t)rest);
+        bm[i >> 6] = rmq_special64(tail);
+    }
+    /* The first special byte at or after i (i <= n): at most n. */
+    static inline Py_ssize_t rmq_next_special(const uint64_t* bm, Py_ssize_t i) {
+        Py_ssize_t w = i >> 6;
+        uint64_t m = bm[w] & (~0ULL << (i & 63));
+        while (!m)
+            m = bm[++w];
+    #if defined(__GNUC__)
+        return (w << 6) + __builtin_ctzll(m);
+    #else
+        {
+            int k = 0;
+            while (!(m & 1)) { m >>= 1; k++; }
+            return (w << 6) + k;
+        }
+    #endif
+    }
+    """
+    void rmq_special_bitmap(const uint8_t* h, Py_ssize_t n, uint64_t* bm) nogil
+    Py_ssize_t rmq_next_special(const uint64_t* bm, Py_ssize_t i) nogil
+
+
 # Return convention of the walkers: new index >= 0, or -(error code).
-cdef inline Py_ssize_t scan_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int* flags) noexcept nogil:
+cdef inline Py_ssize_t scan_string(const uint64_t* bm, const uint8_t* h, Py_ssize_t i, Py_ssize_t n,
+                                   int* flags) noexcept nogil:
     """``h[i]`` is the opening quote: strict JSON string, strict UTF-8.  Inline fast path for
-    strings of plain ASCII (nearly all of them); the rest goes on in scan_string_rest."""
+    strings of plain ASCII (nearly all of them); the rest goes on in scan_string_rest.  ``bm``:
+    the header's special-byte bitmap, or NULL (a long header: eight bytes at a time)."""
     cdef uint64_t mask
     i += 1
-    if RMQ_SWAR_LE:
+    if bm != NULL:
+        i = rmq_next_special(bm, i)
+    elif RMQ_SWAR_LE:
         # eight bytes at a time; the first special byte of a word found from its mask
         while i + 8 <= n:
             mask = word_special_mask(h + i)
@@ -258,20 +334,23 @@ cdef inline Py_ssize_t scan_string(const uint8_t* h, Py_ssize_t i, Py_ssize_t n,
     if i < n and h[i] == 34:
         flags[0] = 0
         return i + 1
-    return scan_string_rest(h, i, n, flags)
+    return scan_string_rest(bm, h, i, n, flags)
 
 
-cdef Py_ssize_t scan_string_rest(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int* flags) noexcept nogil:
+cdef Py_ssize_t scan_string_rest(const uint64_t* bm, const uint8_t* h, Py_ssize_t i, Py_ssize_t n,
+                                 int* flags) noexcept nogil:
     """scan_string from ``h[i]``, a byte that is not plain ASCII."""
     cdef uint8_t c
     cdef int32_t u, lo
     cdef int f = 0, k
     while True:
-        # eight plain bytes at a time, then byte by byte up to the next special one
-        while i + 8 <= n and not word_has_special(h + i):
-            i += 8
-        while i < n and STR_PLAIN[h[i]]:
-            i += 1
+        if bm != NULL:    # up to the next special byte (at most n)
+            i = rmq_next_special(bm, i)
+        else:             # eight plain bytes at a time, then byte by byte up to the next special one
+            while i + 8 <= n and not word_has_special(h + i):
+                i += 8
+            while i < n and STR_PLAIN[h[i]]:
+                i += 1
         if i >= n:
             break
         c = h[i]
@@ -286,6 +365,9 @@ cdef Py_ssize_t scan_string_rest(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, i
             if c == 117:  # \uXXXX, surrogates only in pairs
                 if i + 6 > n:
                     return -E_BAD_ESCAPE
+                if h[i + 2] == 48 and h[i + 3] == 48 and h[i + 4] == 48 and HEXVAL[h[i + 5]] >= 0:
+                    i += 6    # \u000X: the property separators \u0001 \u0002 of every send
+                    continue
                 u = hex4(h + i + 2)
                 if u < 0 or 0xDC00 <= u <= 0xDFFF:
                     return -E_BAD_ESCAPE
@@ -396,12 +478,12 @@ cdef inline Py_ssize_t scan_literal(const uint8_t* h, Py_ssize_t i, Py_ssize_t n
     return -E_UNEXPECTED_CHAR
 
 
-cdef inline Py_ssize_t scan_member_key(const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+cdef inline Py_ssize_t scan_member_key(const uint64_t* bm, const uint8_t* h, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
     """A key of a nested object, its ':' and the whitespace after it."""
     cdef int f
     if i >= n or h[i] != 34:
         return -E_KEY_EXPECTED
-    i = scan_string(h, i, n, &f)
+    i = scan_string(bm, h, i, n, &f)
     if i < 0:
         return i
     i = skip_ws(h, i, n)
@@ -410,7 +492,7 @@ cdef inline Py_ssize_t scan_member_key(const uint8_t* h, Py_ssize_t i, Py_ssize_
     return skip_ws(h, i + 1, n)
 
 
-cdef Py_ssize_t skip_value(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int depth0) noexcept nogil:
+cdef Py_ssize_t skip_value(const uint64_t* bm, const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int depth0) noexcept nogil:
     """Validate and skip one strict JSON value inside containers ``depth0`` deep."""
     cdef uint64_t objects = 0      # bit d: nesting level d is an object (else an array)
     cdef int depth = 0, f
@@ -434,14 +516,14 @@ cdef Py_ssize_t skip_value(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int dep
                 i += 1
                 depth -= 1
             elif c == 123:
-                i = scan_member_key(h, i, n)
+                i = scan_member_key(bm, h, i, n)
                 if i < 0:
                     return i
                 continue
             else:
                 continue
         elif c == 34:
-            i = scan_string(h, i, n, &f)
+            i = scan_string(bm, h, i, n, &f)
         elif c == 45 or 48 <= c <= 57:
             i = scan_number(h, i, n)
         elif c == 116 or c == 102 or c == 110:
@@ -462,7 +544,7 @@ cdef Py_ssize_t skip_value(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int dep
             if c == 44:
                 i = skip_ws(h, i + 1, n)
                 if is_obj:
-                    i = scan_member_key(h, i, n)
+                    i = scan_member_key(bm, h, i, n)
                     if i < 0:
                         return i
                 break
@@ -483,7 +565,7 @@ cdef Py_ssize_t parse_int(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int32_t*
     if i < n and h[i] == 48:
         i += 1
     elif i < n and 49 <= h[i] <= 57:
-        while i < n and 48 <= h[i] <= 57:
+        while i < n and <uint8_t>(h[i] - 48) < 10:
             v = v * 10 + (h[i] - 48)
             if v > 2147483648LL:
                 return -E_INT_RANGE
@@ -595,7 +677,8 @@ cdef inline void ext_record(const uint8_t* h, HeaderInfo* info, int k, Py_ssize_
         info.pr_start, info.pr_len, info.pr_esc = start, length, esc
 
 
-cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
+cdef Py_ssize_t walk_ext_fields(const uint64_t* bm, const uint8_t* h, Py_ssize_t i, Py_ssize_t n,
+                                HeaderInfo* info) noexcept nogil:
     cdef Py_ssize_t ks, klen, vs
     cdef int f, k, seen = 0
     i = skip_ws(h, i + 1, n)
@@ -605,7 +688,7 @@ cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, He
         if i >= n or h[i] != 34:
             return -E_KEY_EXPECTED
         ks = i + 1
-        i = scan_string(h, i, n, &f)
+        i = scan_string(bm, h, i, n, &f)
         if i < 0:
             return i
         if f & S_ESC:
@@ -623,16 +706,16 @@ cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, He
             if i >= n or h[i] != 34:
                 return -E_EXT_NOT_STRING
             vs = i + 1
-            i = scan_string(h, i, n, &f)
+            i = scan_string(bm, h, i, n, &f)
             if i < 0:
                 return i
             ext_record(h, info, k, vs, i - 1 - vs, f & S_ESC)
         elif i < n and h[i] == 34:     # most values are strings: skip_value's loop is not needed
-            i = scan_string(h, i, n, &f)
+            i = scan_string(bm, h, i, n, &f)
             if i < 0:
                 return i
         else:
-            i = skip_value(h, i, n, 2)
+            i = skip_value(bm, h, i, n, 2)
             if i < 0:
                 return i
         i = skip_ws(h, i, n)
@@ -647,6 +730,11 @@ cdef Py_ssize_t walk_ext_fields(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, He
 cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noexcept nogil:
     cdef Py_ssize_t i, ks
     cdef int f, k, seen = 0
+    cdef uint64_t bitmap[BITMAP_WORDS]
+    cdef const uint64_t* bm = NULL
+    if n <= BITMAP_MAX_HEADER:
+        rmq_special_bitmap(h, n, bitmap)
+        bm = bitmap
     i = skip_ws(h, 0, n)
     if i >= n or h[i] != 123:
         return E_NOT_OBJECT
@@ -657,7 +745,7 @@ cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noe
         if i >= n or h[i] != 34:
             return E_KEY_EXPECTED
         ks = i + 1
-        i = scan_string(h, i, n, &f)
+        i = scan_string(bm, h, i, n, &f)
         if i < 0:
             return <int>(-i)
         if f & S_ESC:
@@ -679,11 +767,11 @@ cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noe
         elif k == K_OPAQUE:
             i = parse_int(h, i, n, &info.opaque)
         elif k == K_EXT and i < n and h[i] == 123:
-            i = walk_ext_fields(h, i, n, info)
+            i = walk_ext_fields(bm, h, i, n, info)
         elif i < n and h[i] == 34:
-            i = scan_string(h, i, n, &f)
+            i = scan_string(bm, h, i, n, &f)
         else:
-            i = skip_value(h, i, n, 1)
+            i = skip_value(bm, h, i, n, 1)
         if i < 0:
             return <int>(-i)
         i = skip_ws(h, i, n)

@@ -33,6 +33,7 @@ cdef class ScanStats:
     cdef uint64_t _resp_counts[CODE_SLOTS_C]
     cdef TopicEntry* _topics
     cdef int _ntopics
+    cdef int _last_topic     # index of the entry topic_slot returned last: most sends repeat it
     cdef public uint64_t frames
     cdef public uint64_t bytes
     cdef public uint64_t protocol_errors
@@ -181,7 +182,9 @@ cdef class ScanStats:
         cdef uint32_t h = 2166136261u
         cdef int i
         cdef uint32_t idx
-        cdef TopicEntry* e
+        cdef TopicEntry* e = &self._topics[self._last_topic]
+        if e.length == length and memcmp(e.name, name, length) == 0:
+            return e     # the same topic as the last send or pull: no hash
         if length > MAX_TOPIC_LEN_C:
             return self.other_topic()
         for i in range(length):
@@ -197,8 +200,10 @@ cdef class ScanStats:
                 e.hash = h
                 memcpy(e.name, name, length)
                 self._ntopics += 1
+                self._last_topic = idx
                 return e
             if e.hash == h and e.length == length and memcmp(e.name, name, length) == 0:
+                self._last_topic = idx
                 return e
             idx = (idx + 1) & (TOPIC_SLOTS_C - 1)
         # The table is full (1023 topics and the overflow bucket).

@@ -97,3 +97,41 @@ def test_top_level_key_spellings_are_read_alike():
         frames.append(header_fuzz.frame_of(b'{"' + key + b'":0,"code":25,"opaque":1}'))
     accepted, refused = _check_all(frames)
     assert accepted and refused
+
+
+SPECIALS_SHORT = [b"", b"\\u0001", b'\\"', b"\\\\", "\u00e9".encode(), b"\x01", b"\xff", b'"']
+
+
+def _padded(total: int, at: int, special: bytes) -> bytes | None:
+    """A send header of ``total`` bytes whose ext value "zz" holds ``special`` ``at`` bytes in."""
+    prefix = b'{"code":310,"extFields":{"b":"TopicA","zz":"'
+    suffix = b'"},"flag":0,"opaque":1}'
+    fill = total - len(prefix) - len(suffix) - len(special)
+    if fill < 0 or at > fill:
+        return None
+    return prefix + b"v" * at + special + b"v" * (fill - at) + suffix
+
+
+def test_strings_across_bitmap_words_and_the_long_header_switch_are_read_alike():
+    """The compiled walk finds the end of a string in a bitmap of the header's special bytes (64
+    bytes a word) for headers up to 4,095 bytes, and with the eight-byte loop beyond: special bytes
+    at every offset of a word and across word boundaries, headers whose end falls on, just before
+    and just after a word boundary and the 4,095-byte switch, and headers cut inside a string
+    (the body after them holds the rest, which must not be read)."""
+    frames = []
+    for total, offsets in ((127, range(0, 70)), (128, range(0, 70)), (129, range(0, 70)),
+                           (4095, range(56, 72)), (4096, range(56, 72)), (4097, range(56, 72))):
+        for special in SPECIALS_SHORT:
+            for at in offsets:
+                header = _padded(total, at, special)
+                if header is not None:
+                    frames.append(header_fuzz.frame_of(header))
+    for total in list(range(120, 137)) + list(range(4088, 4105)):
+        for special in SPECIALS_SHORT:
+            header = _padded(total, 40, special)
+            assert header is not None
+            frames.append(header_fuzz.frame_of(header, body=b'"}' * 4))
+            cut = header[:-len(b'"},"flag":0,"opaque":1}')]
+            frames.append(header_fuzz.frame_of(cut, body=b'"},"flag":0,"opaque":1}'))
+    accepted, refused = _check_all(frames)
+    assert accepted > 500 and refused > 500  # both sides of the decision, on both sides of the switch
