@@ -339,6 +339,7 @@ SUBS = {False: {"TagA", "TagB"}, True: {"TagA", "TagB", "TagC"}}
 TAG_SETTLE = 3.0
 DRAIN_TIMEOUT = 90.0
 FAIL_EVERY = 10  # the gray consumers refuse the first delivery of idx % 10 == 0 (a retry)
+ROUNDING = 0.1  # the status gives drained_after rounded to 0.1 s: the promote's end is known to that
 
 
 def _backlog_sum(proxy: ProxyProcess, group: str) -> float | None:
@@ -407,6 +408,7 @@ producer_groups = ["pg-canary*"]
                             fail_every=FAIL_EVERY)
         gray_pids = [java["canary-j4"][1].pid, go.pid]
         traces = {n: p.stderr_text for n, (_, p) in java.items()} | {"canary-go": lambda: go.stderr_tail(10**8)}
+        gray_of = {n: g for n, (g, _) in java.items()} | {"canary-go": True}
         results: dict[str, dict[str, Any]] = {}
         try:
             for _, p in java.values():
@@ -445,9 +447,12 @@ producer_groups = ["pg-canary*"]
             promoted_at = st["since"] + st["drained_after"]
             # a batch acknowledged before the promote ended was sent during the drain; the last one may
             # straddle its end: its TagC messages on a queue an old-version instance owns after the
-            # hand-over are skipped by that instance (documented), so they are judged apart, not awaited
-            straddled = {k for batch, ended in drain_batches if ended >= promoted_at - 0.1 for k in batch}
-            awaited = {k: v for k, v in sent.items() if k not in straddled}
+            # hand-over are skipped by that instance (documented), so they are judged apart, not awaited;
+            # so are the refused messages still in flight to the gray version at the end (not delivered yet
+            # count as delivered now: the judgement below decides on the complete traces)
+            straddled = {k for batch, ended in drain_batches if ended >= promoted_at - ROUNDING for k in batch}
+            in_flight, _ = _refused_in_flight(sent, _traced(traces), gray_of, promoted_at, undelivered_at=time.time())
+            awaited = {k: v for k, v in sent.items() if k not in straddled and k not in in_flight}
             _wait_consumed(traces, awaited, "batches 2 and d consumed")
             wait_until(lambda: _backlog_sum(proxy, group) == 0, BOUND, "the gray queues committed")
             m = proxy.metrics()
@@ -467,17 +472,22 @@ producer_groups = ["pg-canary*"]
             go.kill()
             with contextlib.suppress(OSError):
                 shutil.copy(proxy.log_path, tmp_path / "proxy.log")
-    res = _judge_tags(sent, _deliveries(results, go_trace), {n: g for n, (g, _) in java.items()} | {"canary-go": True},
-                      promoted_at, straddled)
-    drain_tagc = [k for batch, ended in drain_batches if ended < promoted_at - 0.1
-                  for k, (gray, tag, _) in batch.items() if gray and tag == "TagC"]
+    deliveries = _deliveries(results, go_trace)
+    in_flight, redelivery = _refused_in_flight(sent, [(n, k, t) for n, k, _, _, t in deliveries], gray_of,
+                                               promoted_at)
+    res = _judge_tags(sent, deliveries, gray_of, promoted_at, straddled, in_flight)
+    # sent during the drain (acknowledged before its end) and not refused in flight at its end
+    drain_tagc = [k for batch, ended in drain_batches if ended < promoted_at - ROUNDING
+                  for k, (gray, tag, _) in batch.items() if gray and tag == "TagC" and k not in in_flight]
     with capsys.disabled():
         shown = {k: v for k, v in res.items() if k != "gray_consumed"}
         print(f"\ngray tags: {shown}\npromote held: {held}\nafter: {after}\ndrain batches (messages, s after "
               f"the promote): {[(len(b), round(e - st['since'], 1)) for b, e in drain_batches]}; gray TagC sent "
               f"during the drain {len(drain_tagc)}, consumed by the gray version "
-              f"{sum(1 for k in drain_tagc if k in res['gray_consumed'])}")
+              f"{sum(1 for k in drain_tagc if k in res['gray_consumed'])}; gray redelivery of a refused message "
+              f"after {redelivery and round(redelivery, 1)} s: {len(in_flight)} refused in flight at the end")
     assert held[:3] == ("promoting", "draining", 1.0) and held[3], held  # past its settle, gray messages waiting
+    assert redelivery is not None, res  # measured on the gray consumers' refusals before the end
     # every TagC message the gray producer sent during the drain, consumed by the gray version
     assert len(drain_tagc) >= 4 and all(k in res["gray_consumed"] for k in drain_tagc), (drain_tagc, res)
     assert st["drain"] == "drained" and st["phase"] == "promoted", st
@@ -554,6 +564,50 @@ def _wait_consumed(traces: dict[str, Any], sent: dict[str, tuple[bool, str, int]
         time.sleep(0.5)
 
 
+_SEEN = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ (\d+)(?: \d+)?(?: refused)?$", re.M)  # Java and Go drivers
+
+
+def _traced(traces: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """(consumer, run:idx, epoch s) of every delivery traced so far."""
+    return [(name, m[1], int(m[2]) / 1000) for name, text in traces.items() for m in _SEEN.finditer(text())]
+
+
+def _refused_in_flight(sent: dict[str, tuple[bool, str, int]], seen: list[tuple[str, str, float]],
+                       gray_of: dict[str, bool], promoted_at: float,
+                       undelivered_at: float | None = None) -> tuple[set[str], float | None]:
+    """The gray messages the gray consumers refuse (their first delivery, idx % FAIL_EVERY == 0) that were
+    still in flight to the gray version when the promote ended, and the redelivery delay that says so.
+
+    While the gray side owns its queues, a refused message's send-back is refused and the client delivers
+    the message again itself after a delay (Java: 5 s; Go: its 3 s send-back timeout, then 5 s), measured
+    here: the longest gap between a gray consumer's first and second delivery of such a message, both before
+    the end.  Until then the message is neither consumed nor, if sent after the promote was seen, below its
+    marks, so the drain does not wait for it.  One first delivered less than that delay before the end
+    (or after it) is in flight at the end: its send-back may pass (the retry topic, which an old-version
+    instance may pull) or its queue leave the gray consumer at its rebalance before the redelivery (an
+    old-version instance then skips a tag it does not subscribe to): README, gray section, "After a
+    promote ends".  ``undelivered_at``: the first delivery assumed for one the gray version has not been
+    delivered yet (the traces still growing); None: such a message is not in flight (it was due before)."""
+    refused = {k for k, (gray, _, _) in sent.items() if gray and int(k.rsplit(":", 1)[1]) % FAIL_EVERY == 0}
+    times: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for name, key, t in seen:
+        if key in refused and gray_of.get(name):
+            times[(name, key)].append(t)
+    gaps = [ts[1] - ts[0] for ts in map(sorted, times.values()) if len(ts) > 1 and ts[1] < promoted_at - ROUNDING]
+    if not gaps:
+        return set(), None
+    redelivery = max(gaps)
+    first: dict[str, float] = {}
+    for (_, key), ts in times.items():
+        first[key] = min(first.get(key, ts[0]), *ts)
+    late: set[str] = set()
+    for k in refused:
+        t = first.get(k, undelivered_at)
+        if t is not None and t + redelivery >= promoted_at - ROUNDING:
+            late.add(k)
+    return late, redelivery
+
+
 _GO_TRACE = re.compile(r"^DELIVERED (\S+) \S+:-?\d+ (\d+) (\d+)( refused)?$", re.M)
 
 
@@ -568,11 +622,14 @@ def _deliveries(results: dict[str, dict[str, Any]], go_trace: str) -> list[tuple
 
 
 def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[str, str, bool, int, float]],
-                gray_of: dict[str, bool], promoted_at: float, straddled: set[str]) -> dict[str, Any]:
+                gray_of: dict[str, bool], promoted_at: float, straddled: set[str],
+                in_flight: set[str]) -> dict[str, Any]:
     """Per acknowledged message: until the promote ended (``promoted_at``), consumed by the side of its
     producer only (a retry too), and only by a consumer subscribing to its tag; after it one group.
     ``straddled``: messages that may have been sent after the promote ended (placed as the producer chose;
-    a gray TagC message on a queue an old-version consumer owns is then skipped): reported apart."""
+    a gray TagC message on a queue an old-version consumer owns is then skipped): reported apart.
+    ``in_flight``: refused messages still in flight to the gray version at the end
+    (:func:`_refused_in_flight`; a gray TagC one may be skipped by the old version): reported apart."""
     acked: dict[str, list[str]] = defaultdict(list)
     wrong, unwanted, cross_after = [], [], []
     retried: Counter[str] = Counter()
@@ -590,7 +647,8 @@ def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[s
             acked[key].append(name)
     wanted = [k for k, (gray, tag, _) in sent.items() if tag in SUBS[gray]]
     only_gray = [k for k in wanted if k in straddled and sent[k][0] and sent[k][1] not in SUBS[False]]
-    lost = [k for k in wanted if k not in acked and k not in only_gray]
+    refused_late = [k for k in wanted if k in in_flight and k not in straddled and sent[k][1] not in SUBS[False]]
+    lost = [k for k in wanted if k not in acked and k not in only_gray and k not in refused_late]
     return {"sent": {"gray": sum(1 for v in sent.values() if v[0]),
                      "normal": sum(1 for v in sent.values() if not v[0])},
             "wanted": len(wanted), "lost": len(lost), "lost_keys": lost[:10],
@@ -603,6 +661,10 @@ def _judge_tags(sent: dict[str, tuple[bool, str, int]], deliveries: list[tuple[s
             "gray_consumed": {k for k, names in acked.items() if any(gray_of[n] for n in names)},
             "straddled_gray_tagc": {"sent": len(only_gray), "consumed": sum(1 for k in only_gray if k in acked),
                                     "on_gray_queue": sum(1 for k in only_gray if sent[k][2] == QUEUES - 1)},
+            "refused_in_flight_gray_tagc": {
+                "sent": len(refused_late),
+                "consumed_by_gray": sum(1 for k in refused_late if any(gray_of[n] for n in acked.get(k, ()))),
+                "consumed_by_nobody": sum(1 for k in refused_late if k not in acked)},
             "gray_tagc_by_gray": sum(1 for k, names in acked.items() if sent[k][0] and sent[k][1] == "TagC"
                                      and any(gray_of[n] for n in names)),
             "retries": dict(retried),
