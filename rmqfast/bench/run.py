@@ -112,7 +112,8 @@ def _targets(args: argparse.Namespace, broker: NullBroker, haproxy_exe: Any) -> 
             assert haproxy_exe is not None
             targets.append(HAProxyTarget(haproxy_exe, broker.port, 1 if name == "haproxy-1t" else 2, name))
         else:
-            targets.append(RmqfastTarget(broker.port, workers=args.workers, pure=name == "rmqfast-pure", name=name))
+            workers = 1 if name == "rmqfast-1w" else args.workers
+            targets.append(RmqfastTarget(broker.port, workers=workers, pure=name == "rmqfast-pure", name=name))
     return targets
 
 
