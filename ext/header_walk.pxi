@@ -698,10 +698,13 @@ cdef Py_ssize_t walk_ext_fields(const uint64_t* bm, const uint8_t* h, Py_ssize_t
         if k & seen:
             return -E_EXT_DUP_KEY
         seen |= k
-        i = skip_ws(h, i, n)
-        if i >= n or h[i] != 58:
-            return -E_COLON_EXPECTED
-        i = skip_ws(h, i + 1, n)
+        if i + 1 < n and h[i] == 58 and h[i + 1] == 34:
+            i += 1           # '":"' as every client writes it: a string value next
+        else:
+            i = skip_ws(h, i, n)
+            if i >= n or h[i] != 58:
+                return -E_COLON_EXPECTED
+            i = skip_ws(h, i + 1, n)
         if k:
             if i >= n or h[i] != 34:
                 return -E_EXT_NOT_STRING
@@ -718,6 +721,9 @@ cdef Py_ssize_t walk_ext_fields(const uint64_t* bm, const uint8_t* h, Py_ssize_t
             i = skip_value(bm, h, i, n, 2)
             if i < 0:
                 return i
+        if i + 1 < n and h[i] == 44 and h[i + 1] == 34:
+            i += 1           # ',"': the next key
+            continue
         i = skip_ws(h, i, n)
         if i < n and h[i] == 44:
             i = skip_ws(h, i + 1, n)
