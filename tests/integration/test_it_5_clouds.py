@@ -212,7 +212,7 @@ def test_remote_broker_down_copies_spill_then_drain_in_order(
 
 
 #: What the durable kill -9 test must have seen, however slow the machine is.
-MIN_KILLS = 20
+MIN_KILLS = 12  # 6 workers and 6 deliverers, alternating (20 took 136 s of the 17 min lane)
 MIN_ACKED = 500
 #: Messages that must pass through between two kills: stored in A (a worker relayed them) and
 #: copies stored in B (a deliverer sent them), so every kill finds both restarted and working.
