@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from itutil import metric, unique, wait_metric
+from itutil import BOUND, log_records, metric, unique, wait_metric, wait_until
 
 from rmqfast.testing import RocketMQCluster
 from rmqfast.testing.javaclient import run_driver
@@ -89,19 +89,28 @@ def test_which_clients_retry_system_busy(limited, client, record_property):
         assert rejected == failed, (rejected, failed)
 
 
+def _every_worker_reloaded(p: ProxyProcess, before: int) -> int:
+    """Waits until every worker logged the reload the admin change made (it applies the rules
+    then); the count of reload records."""
+    want = before + len(p.worker_pids())
+    wait_until(lambda: len(log_records(p, "configuration reloaded")) >= want, BOUND, "every worker reloaded")
+    return len(log_records(p, "configuration reloaded"))
+
+
 def test_live_limit_change_takes_effect(limited):
     p, slow, _ = limited
+    reloads = len(log_records(p, "configuration reloaded"))
     cli = [sys.executable, "-m", "rmqfast", "limits", "--admin", p.admin_url]
     out = subprocess.run([*cli, "set", "--topic", slow, "--rate", "5000", "--burst", "500"], capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    time.sleep(1.0)
+    reloads = _every_worker_reloaded(p, reloads)
     res = produce(p, slow, "5", count=50, retries=0)
     assert res["sent_count"] == 50 and not res["failed"], res["failed"][:2]
     out = subprocess.run([*cli, "set", "--topic", slow, "--mode", "reject"], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0, out.stderr
-    time.sleep(1.0)
+    _every_worker_reloaded(p, reloads)
     res = produce(p, slow, "5", count=5, retries=0)
     assert res["sent_count"] == 0 and len(res["failed"]) == 5
     assert all("is switched to reject" in f["error"] for f in res["failed"]), [f["error"] for f in res["failed"]]
