@@ -45,6 +45,7 @@ def produce(p: ProxyProcess, topic: str, client: str, count: int, retries: int) 
 @pytest.mark.parametrize("client", ["5", "4"])
 def test_over_limit_sends_fail_with_system_busy_and_under_limit_topics_are_untouched(limited, client):
     p, slow, free = limited
+    time.sleep(2.0)  # a full bucket (burst 3 at 2/s: 1.5 s): the test before may have emptied it
     m0 = p.metrics()
     res = produce(p, slow, client, count=12, retries=0)
     ok, failed = res["sent_count"], res["failed"]
