@@ -555,7 +555,7 @@ cdef Py_ssize_t skip_value(const uint64_t* bm, const uint8_t* h, Py_ssize_t i, P
             return -E_COMMA_EXPECTED
 
 
-cdef Py_ssize_t parse_int(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int32_t* out) noexcept nogil:
+cdef inline Py_ssize_t parse_int(const uint8_t* h, Py_ssize_t i, Py_ssize_t n, int32_t* out) noexcept nogil:
     """A strict JSON integer in int32 range."""
     cdef bint neg = False
     cdef int64_t v = 0
@@ -776,10 +776,15 @@ cdef int parse_json_header(const uint8_t* h, Py_ssize_t n, HeaderInfo* info) noe
             i = walk_ext_fields(bm, h, i, n, info)
         elif i < n and h[i] == 34:
             i = scan_string(bm, h, i, n, &f)
+        elif i < n and (<uint8_t>(h[i] - 48) < 10 or h[i] == 45):
+            i = scan_number(h, i, n)    # "version": skip_value would read it so, with more steps
         else:
             i = skip_value(bm, h, i, n, 1)
         if i < 0:
             return <int>(-i)
+        if i + 1 < n and h[i] == 44 and h[i + 1] == 34:
+            i += 1           # ',"': the next key
+            continue
         i = skip_ws(h, i, n)
         if i < n and h[i] == 44:
             i = skip_ws(h, i + 1, n)
