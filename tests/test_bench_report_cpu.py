@@ -24,3 +24,19 @@ def test_cpu_per_request_of_rmqfast_and_haproxy_is_in_the_summary() -> None:
         "pull-16x4 haproxy-1t CPU per request": (13.9, "us", "info", False),
     }
     assert found["send-64x1 rmqfast / best HAProxy"].value == 60_000 / 59_000
+
+
+def test_one_worker_rmqfast_is_reported_beside_the_goal_target_as_info() -> None:
+    cells = {(c.scenario, c.target): c for c in [
+        cell("send-64x1", "rmqfast", 60_000, 15.8), cell("send-64x1", "rmqfast-1w", 63_000, 14.0),
+        cell("send-64x1", "haproxy", 59_000, 16.2), cell("send-64x1", "haproxy-1t", 61_000, 15.0),
+        cell("open-60k", "direct", 60_000, 0.0), cell("open-60k", "rmqfast-1w", 60_000, 10.0, other=0.5),
+    ]}
+    found = {c.name: c for c in checks(cells, {})}
+    assert found["send-64x1 rmqfast / best HAProxy"].value == 60_000 / 61_000  # the goal stays on rmqfast
+    one = found["send-64x1 rmqfast-1w / best HAProxy"]
+    assert (one.value, one.goal, one.met) == (63_000 / 61_000, "info", None)
+    assert found["send-64x1 rmqfast-1w CPU per request"].value == 14.0
+    lat = found["open-60k rmqfast-1w added p99 over direct"]
+    assert (lat.value, lat.goal, lat.disturbed) == (0.0, "info", True)
+    assert found["open-60k rmqfast added p99 over direct"].value is None  # not measured: goal line kept

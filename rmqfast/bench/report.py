@@ -72,6 +72,11 @@ class Check:
     disturbed: bool = False
 
 
+def _noisy(*cs: Cell | None) -> bool:
+    """Other processes used more than NOISE_CORES during one of these runs."""
+    return any(c is not None and c.other_cores > NOISE_CORES for c in cs)
+
+
 def _open_loop_checks(cells: dict[tuple[str, str], Cell]) -> list[Check]:
     """Added p99 over direct in the open-loop scenarios (the goal on ``rmqfast``; ``rmqfast-1w`` info)."""
     out = []
@@ -86,8 +91,7 @@ def _open_loop_checks(cells: dict[tuple[str, str], Cell]) -> list[Check]:
             met = None if added is None or g is None else added < g and kept_up
             goal = f"< {g} ms (at the full rate)" if g is not None else "info"
             if added is not None or g is not None:
-                noisy = any(c is not None and c.other_cores > NOISE_CORES for c in (d, p))
-                out.append(Check(f"{sc} {tg} added p99 over direct", added, goal, met, "ms", noisy))
+                out.append(Check(f"{sc} {tg} added p99 over direct", added, goal, met, "ms", _noisy(d, p)))
     return out
 
 
@@ -97,8 +101,7 @@ def checks(cells: dict[tuple[str, str], Cell], rss: dict[str, list[dict[str, int
     def cell(sc: str, tg: str) -> Cell | None:
         return cells.get((sc, tg))
 
-    def noisy(*cs: Cell | None) -> bool:
-        return any(c is not None and c.other_cores > NOISE_CORES for c in cs)
+    noisy = _noisy
 
     def best_haproxy(sc: str) -> Cell | None:
         hs = [c for c in (cell(sc, "haproxy"), cell(sc, "haproxy-1t")) if c is not None]
