@@ -6,6 +6,7 @@ The Cython sources in ``ext/`` compile into ``rmqfast._speedups``. Set
 
 import importlib.util
 import os
+from pathlib import Path
 
 from setuptools import Extension, setup
 
@@ -22,6 +23,7 @@ def extensions() -> list:
         "rmqfast._speedups",
         sources=["ext/_speedups.pyx"],
         include_dirs=["ext"],
+        depends=[str(p) for p in sorted(Path("ext").glob("*.h"))],
         extra_compile_args=["-O3"],
     )
     return cythonize(

@@ -33,6 +33,19 @@ cdef extern from "<sys/socket.h>" nogil:
     ssize_t c_send "send"(int fd, const void* buf, size_t n, int flags)
     enum: MSG_NOSIGNAL
 
+cdef extern from "uring.h" nogil:
+    ctypedef struct rmq_uring:
+        int fd
+    void rmq_uring_zero(rmq_uring* r)
+    const char* rmq_uring_init(rmq_uring* r, unsigned entries)
+    void rmq_uring_free(rmq_uring* r)
+    int rmq_uring_prep_send(rmq_uring* r, int fd, const void* buf, unsigned length, uint64_t data)
+    int rmq_uring_prep_recv(rmq_uring* r, int fd, void* buf, unsigned length, uint64_t data)
+    unsigned rmq_uring_unsubmitted(const rmq_uring* r)
+    void rmq_uring_rewind(rmq_uring* r)
+    int rmq_uring_submit(rmq_uring* r, unsigned wait)
+    int rmq_uring_reap(rmq_uring* r, uint64_t* data, int* res)
+
 cdef extern from "<sys/mman.h>" nogil:
     void* c_mmap "mmap"(void* addr, size_t length, int prot, int flags, int fd, long offset)
     int c_munmap "munmap"(void* addr, size_t length)
@@ -54,6 +67,7 @@ cdef enum:
     PS_YIELD = 7
     PS_BOUNDARY = 8      # ``hold`` is set and the destination stream is at a frame boundary
     PS_OVER_BUDGET = 9   # a frame held whole took the BufferBudget past its limit
+    PS_QUEUED = 10       # (reactor only) a receive or send is queued in the reactor's ring
 
 P_WAIT_READ = PS_WAIT_READ
 P_WAIT_WRITE = PS_WAIT_WRITE
@@ -71,13 +85,17 @@ cdef enum:
     PH_FLUSH = 1     # send [start, fwd), then act on the pending scan event
     PH_READ = 2      # compact, then receive more
     PH_POLICY = 3    # frame [start, pend_b) is with Python until consume()
+    PH_SENDQ = 4     # the send of [start, fwd) is queued in the reactor's ring
+    PH_RECVQ = 5     # a receive into [filled, filled + qspace) is queued in the reactor's ring
 
 DEF READS_BEFORE_YIELD = 16
 DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
-DEF POOL_MAX = 4        # free base buffers a process keeps for the next steps (the rest are unmapped)
+DEF POOL_MAX = 40       # free base buffers a process keeps for the next steps (the rest are unmapped):
+                        # a reactor turn with io_uring has up to URING_BATCH pumps holding one at once
 
 # The process's free base buffers (one thread steps pumps: no lock).  Their pages stay resident,
-# so at most POOL_MAX x buffer_size is kept for reuse.
+# so at most POOL_MAX x buffer_size is kept for reuse (in practice the pages the frames touched:
+# a 1 KiB send touches one).
 cdef uint8_t* _pool_buf[POOL_MAX]
 cdef Py_ssize_t _pool_size[POOL_MAX]
 cdef int _pool_n = 0
@@ -112,6 +130,9 @@ cdef void _buffer_put(uint8_t* p, Py_ssize_t size) noexcept:
         _pool_n += 1
     else:
         c_munmap(p, size)
+
+
+PUMP_POOL_MAX = POOL_MAX
 
 
 def pump_pool_free():
@@ -169,6 +190,11 @@ cdef class Pump:
     # sets ``locked`` then, before anyone holds it).
     cdef bint ready_in
     cdef object waiter
+    # Set by the reactor while it steps the pump in a turn with io_uring (NULL otherwise): the
+    # pump queues its receive or send there (PS_QUEUED) instead of calling recv/send, and the
+    # reactor hands the result to ``_resume`` once the turn's operations are submitted together.
+    cdef rmq_uring* ring
+    cdef Py_ssize_t qspace
     cdef public object locked
     cdef bint attached
 
@@ -208,8 +234,9 @@ cdef class Pump:
     cdef void _give_back(self) noexcept:
         """After a step: nothing buffered (everything received went out) and no frame with
         Python: the base buffer goes back to the pool; the offsets restart at 0."""
-        if self.buf != self.base or self.base == NULL or self.filled != self.start or self.phase == PH_POLICY:
-            return
+        if (self.buf != self.base or self.base == NULL or self.filled != self.start or self.phase == PH_POLICY
+                or self.phase == PH_RECVQ or self.phase == PH_SENDQ):
+            return  # (a queued operation uses the buffer until the reactor resumes the pump)
         self.filled = self.start = self.pos = self.fwd = self.scan_end = 0
         _buffer_put(self.base, self.base_cap)
         self.base = self.buf = NULL
@@ -304,6 +331,8 @@ cdef class Pump:
 
     def step(self, bint may_send):
         """Work until the pump must wait or Python must act; returns a P_* status."""
+        if self.phase == PH_SENDQ or self.phase == PH_RECVQ:
+            raise RuntimeError("step() called while an operation of the pump is queued in the reactor")
         return self._step(may_send)
 
     cdef int _step(self, bint may_send) except -1:
@@ -316,6 +345,7 @@ cdef class Pump:
 
     cdef int _work(self, bint may_send) except -1:
         cdef tuple t
+        cdef int st
         cdef ssize_t n
         cdef Py_ssize_t space, rest, end
         while True:
@@ -337,17 +367,15 @@ cdef class Pump:
                 while self.start < self.fwd:
                     if not may_send:
                         return PS_WAIT_LOCK
+                    if self.ring != NULL and rmq_uring_prep_send(self.ring, self.dst, self.buf + self.start,
+                                                                 <unsigned>(self.fwd - self.start),
+                                                                 <uint64_t><void*>self) == 0:
+                        self.phase = PH_SENDQ
+                        return PS_QUEUED
                     n = c_send(self.dst, self.buf + self.start, self.fwd - self.start, MSG_NOSIGNAL)
-                    if n < 0:
-                        if errno == EAGAIN:
-                            return PS_WAIT_WRITE
-                        if errno == EINTR:
-                            continue
-                        self.errno_value = errno
-                        return PS_OS_ERROR
-                    self.start += n
-                    if self.start < self.fwd:
-                        return PS_WAIT_WRITE
+                    st = self._sent(n, errno if n < 0 else 0)
+                    if st >= 0:
+                        return st
                 if self.pend_ev == 1:
                     self.frame_start = self.fwd
                     self.frame_end = self.pend_b
@@ -386,21 +414,67 @@ cdef class Pump:
             space = self.cap - self.filled
             if self.buf != self.base and space > self.base_cap:
                 space = self.base_cap  # a held frame is charged as it arrives: bounded steps
+            if self.ring != NULL and rmq_uring_prep_recv(self.ring, self.src, self.buf + self.filled,
+                                                         <unsigned>space, <uint64_t><void*>self) == 0:
+                self.qspace = space
+                self.phase = PH_RECVQ
+                return PS_QUEUED
             n = c_recv(self.src, self.buf + self.filled, space, 0)
-            if n < 0:
-                if errno == EAGAIN:
-                    self.reads = 0
-                    return PS_WAIT_READ
-                if errno == EINTR:
-                    continue
-                self.errno_value = errno
-                return PS_OS_ERROR
-            if n == 0:
-                return PS_EOF
-            self.reads += 1
-            self.now = monotonic_ns()
-            self.readable = n == space
-            self.filled += n
-            self.phase = PH_SCAN
-            if self.buf != self.base and self.filled > self.base_cap and self._charge(self.filled - self.base_cap):
-                return PS_OVER_BUDGET
+            st = self._received(n, errno if n < 0 else 0, space)
+            if st >= 0:
+                return st
+
+    cdef int _sent(self, ssize_t n, int err) noexcept:
+        """After a send of [start, fwd) (``n`` bytes, or -1 and ``err``): a status to return, or -1
+        to go on working (everything went out, or EINTR: send again)."""
+        if n < 0:
+            if err == EAGAIN:
+                return PS_WAIT_WRITE
+            if err == EINTR:
+                return -1
+            self.errno_value = err
+            return PS_OS_ERROR
+        self.start += n
+        if self.start < self.fwd:
+            return PS_WAIT_WRITE
+        return -1
+
+    cdef int _received(self, ssize_t n, int err, Py_ssize_t space) noexcept:
+        """After a receive of at most ``space`` bytes at ``filled`` (``n`` bytes, or -1 and ``err``):
+        a status to return, or -1 to go on working (scan what came, or EINTR: receive again)."""
+        if n < 0:
+            if err == EAGAIN:
+                self.reads = 0
+                return PS_WAIT_READ
+            if err == EINTR:
+                return -1
+            self.errno_value = err
+            return PS_OS_ERROR
+        if n == 0:
+            return PS_EOF
+        self.reads += 1
+        self.now = monotonic_ns()
+        self.readable = n == space
+        self.filled += n
+        self.phase = PH_SCAN
+        if self.buf != self.base and self.filled > self.base_cap and self._charge(self.filled - self.base_cap):
+            return PS_OVER_BUDGET
+        return -1
+
+    cdef int _resume(self, int res, bint may_send) except -1:
+        """The reactor's ring completed the pump's queued operation with ``res`` (bytes, or
+        -errno): take the result as ``_work`` would have taken the system call's, and go on."""
+        cdef int st
+        if self.phase == PH_SENDQ:
+            self.phase = PH_FLUSH
+            st = self._sent(res if res >= 0 else -1, -res if res < 0 else 0)
+        elif self.phase == PH_RECVQ:
+            self.phase = PH_READ
+            st = self._received(res if res >= 0 else -1, -res if res < 0 else 0, self.qspace)
+        else:
+            raise RuntimeError("no operation of the pump is queued")
+        if st < 0:
+            st = self._work(may_send)  # raising, it keeps its buffer (given back at the next step or the end)
+        if st != PS_QUEUED:
+            self._give_back()
+        return st

@@ -21,6 +21,15 @@
 # stepped, and taking them in the same turn saves a hub wake-up each (the hub's epoll_wait, the
 # getpid libev makes per loop iteration, gevent's callback into ``turn``).  A poll that finds one
 # source, or none, ends the turn: a lone connection pays no extra system call.
+#
+# With io_uring (``uring.h``; on unless ``Reactor(uring=False)`` or the kernel refuses it), the
+# pumps a poll found ready queue their receive or send in the reactor's ring instead of calling
+# recv/send (PS_QUEUED), and one ``io_uring_enter`` issues them all.  Each carries MSG_DONTWAIT,
+# so the kernel completes it inline, within that call (checked when the ring is made): by the
+# time it returns every queued pump has its result, and ``_resume`` takes it exactly as the
+# system call's.  A pump that goes on to another receive or send queues again, and the next
+# ``io_uring_enter`` issues those.  No Python runs while operations are queued: the greenlets of
+# pumps that need Python are woken once every operation of the poll is done.
 
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
@@ -50,6 +59,10 @@ cdef extern from "<string.h>" nogil:
     char* c_strerror "strerror"(int errnum)
 
 DEF REACTOR_EVENTS = 256
+DEF URING_ENTRIES = 256   # size of the submission ring (at most one queued operation per pump)
+# Pumps queued before the reactor issues their operations: each holds a receive buffer until its
+# operation is done, and the process keeps only POOL_MAX free ones for reuse.
+DEF URING_BATCH = 32
 
 
 cdef class Reactor:
@@ -65,20 +78,49 @@ cdef class Reactor:
     cdef int epfd
     cdef dict pumps              # source fd -> Pump
     cdef readonly Py_ssize_t turns, steps, wakeups, repolls, polls_empty
+    cdef rmq_uring ring
+    cdef bint use_ring
+    cdef list queued             # the pumps with an operation in the ring, in submission order
+    # ``uring``: whether receives and sends go through io_uring; ``uring_off``: why not (None
+    # when they do); ``submits``: io_uring_enter calls; ``ring_ops``: operations they issued.
+    cdef readonly object uring_off
+    cdef readonly Py_ssize_t submits, ring_ops
     # Extra epoll_waits a turn may make while the previous one found several sources ready (0:
     # one per turn): under concurrent load more are ready by the time those are stepped, and
     # taking them here saves the hub's wait, libev's getpid and the callback into the turn.
     cdef public int repoll
 
-    def __cinit__(self):
+    def __cinit__(self, bint uring=True):
+        cdef const char* why
+        rmq_uring_zero(&self.ring)
         self.epfd = epoll_create1(EPOLL_CLOEXEC)
         if self.epfd < 0:
             raise OSError(errno, c_strerror(errno).decode())
         self.pumps = {}
+        self.queued = []
+        if not uring:
+            self.uring_off = "turned off"
+            return
+        why = rmq_uring_init(&self.ring, URING_ENTRIES)
+        if why != NULL:
+            self.uring_off = why.decode() + (f" ({c_strerror(errno).decode()})" if errno else "")
+            return
+        self.use_ring = True
 
     def __dealloc__(self):
         if self.epfd >= 0:
             c_close(self.epfd)
+        rmq_uring_free(&self.ring)
+
+    @property
+    def uring_fd(self):
+        """The ring's file descriptor (-1: none; a test and debugging aid)."""
+        return self.ring.fd if self.use_ring else -1
+
+    @property
+    def uring(self):
+        """Whether the pumps' receives and sends go through io_uring (see the section comment)."""
+        return self.use_ring
 
     def fileno(self):
         return self.epfd
@@ -156,7 +198,8 @@ cdef class Reactor:
     cdef void _handle(self, epoll_event* evs, int n) except *:
         cdef int i, st
         cdef Pump pump
-        cdef object found, waiter
+        cdef object found
+        cdef list wake = []
         for i in range(n):
             found = self.pumps.get(evs[i].data.fd)
             if found is None:
@@ -171,13 +214,101 @@ cdef class Reactor:
                 pump.ready_in = True  # its greenlet is busy: acted on when it parks
                 continue
             self.steps += 1
+            if self.use_ring:
+                pump.ring = &self.ring
             try:
                 st = pump._step(pump.locked is None or not pump.locked())
             except BaseException:
                 st = PS_YIELD  # the greenlet steps again itself and meets the error there
-            if st == PS_WAIT_READ:
-                continue
-            waiter = pump.waiter
-            pump.waiter = None
-            self.wakeups += 1
-            waiter.switch(st)  # runs the greenlet until it waits again
+            if st == PS_QUEUED:
+                self.queued.append(pump)
+                if len(self.queued) >= URING_BATCH:
+                    self._run_ring(wake)
+            else:
+                self._settle(pump, st, wake)
+        if self.queued:
+            self._run_ring(wake)
+        for i in range(len(wake) // 2):
+            wake[2 * i].switch(wake[2 * i + 1])  # runs the greenlet until it waits again
+
+    cdef void _settle(self, Pump pump, int st, list wake) except *:
+        """A pump stepped in this turn is done (``st``): parked again, or its greenlet is woken
+        once the turn's operations are all done."""
+        pump.ring = NULL
+        if st == PS_WAIT_READ:
+            return
+        waiter = pump.waiter
+        pump.waiter = None
+        self.wakeups += 1
+        wake.append(waiter)
+        wake.append(st)
+
+    cdef void _run_ring(self, list wake) except *:
+        """Issue the queued operations with one io_uring_enter, resume their pumps, and again
+        while resumed pumps queue more."""
+        cdef list batch
+        cdef Pump pump
+        cdef int done, st, res, k
+        cdef uint64_t data
+        while self.queued:
+            batch = self.queued
+            self.queued = []
+            k = rmq_uring_submit(&self.ring, 0)
+            self.submits += 1
+            if k != len(batch):
+                self._ring_failed(batch, k, wake)
+                return
+            self.ring_ops += k
+            done = 0
+            while done < k:
+                if not rmq_uring_reap(&self.ring, &data, &res):
+                    # Cannot happen after the check at start (MSG_DONTWAIT completes inline);
+                    # wait rather than resume a pump whose buffer the kernel may still use.
+                    if rmq_uring_submit(&self.ring, 1) < 0:
+                        self._ring_failed(batch, 0, wake)
+                        return
+                    continue
+                done += 1
+                pump = <Pump><void*>data
+                try:
+                    st = pump._resume(res, pump.locked is None or not pump.locked())
+                except BaseException:
+                    st = PS_YIELD
+                if st == PS_QUEUED:
+                    self.queued.append(pump)
+                else:
+                    self._settle(pump, st, wake)
+
+    cdef void _ring_failed(self, list batch, int taken, list wake) except *:
+        """io_uring_enter failed or took only ``taken`` of the batch: the ring is given up for
+        good (the reactor makes plain system calls from now on); the operations it did not take
+        are forgotten and their pumps step again without it.  (Those it took complete inline.)"""
+        cdef Pump pump
+        cdef int i, st, res
+        cdef uint64_t data
+        cdef int err = -taken if taken < 0 else 0
+        if taken < 0:
+            taken = 0
+        rmq_uring_rewind(&self.ring)
+        self.uring_off = f"io_uring_enter failed ({c_strerror(err).decode() if err else 'took part of a batch'})"
+        self.use_ring = False
+        for i in range(taken):
+            if rmq_uring_reap(&self.ring, &data, &res):
+                pump = <Pump><void*>data
+                pump.ring = NULL
+                try:
+                    st = pump._resume(res, pump.locked is None or not pump.locked())
+                except BaseException:
+                    st = PS_YIELD
+                self._settle(pump, st, wake)
+        for pump in batch[taken:]:
+            pump.ring = NULL
+            pump.phase = PH_FLUSH if pump.phase == PH_SENDQ else PH_READ
+            try:
+                st = pump._step(pump.locked is None or not pump.locked())
+            except BaseException:
+                st = PS_YIELD
+            self._settle(pump, st, wake)
+        for pump in self.queued:
+            pump.ring = NULL
+        self.queued = []

@@ -51,9 +51,18 @@ class Events:
         pass
 
 
-@pytest.fixture(params=[True, False], ids=["reactor", "watchers"])
+@pytest.fixture(params=["uring", "syscalls", None], ids=["reactor-io_uring", "reactor-syscalls", "watchers"])
 def proxy(request, monkeypatch):
-    monkeypatch.setattr(relay, "USE_REACTOR", request.param)
+    """The relay with its pumps in a reactor (whose receives and sends go through io_uring, or
+    are plain system calls), or on libev watchers of their own (None)."""
+    monkeypatch.setattr(relay, "USE_REACTOR", request.param is not None)
+    monkeypatch.setattr(relay, "USE_URING", request.param == "uring")
+    made: dict = {}
+    monkeypatch.setattr(relay, "_reactors", made)  # a reactor of this mode for this test
+    if request.param == "uring":
+        reactor = relay.reactor_of(gevent.get_hub())
+        if not reactor.uring:
+            pytest.skip(f"io_uring is not available here: {reactor.uring_off}")
     broker = Echo()
     chain = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
     settings = RelaySettings(4096, 16 << 20, 1 << 16, 1.0, 30.0)
@@ -68,9 +77,11 @@ def proxy(request, monkeypatch):
 
     server = StreamServer(("127.0.0.1", 0), handle)
     server.start()
-    yield server.server_port, broker, sessions, request.param
+    yield server.server_port, broker, sessions, request.param is not None
     server.stop(timeout=1)
     broker.server.stop(timeout=1)
+    for _reactor, watcher in made.values():
+        watcher.stop()
 
 
 def send(opaque: int, body: bytes) -> bytes:
@@ -84,7 +95,7 @@ def test_frames_relay_byte_identical_and_parked_pumps_need_no_python(proxy):
     denied = encode(RemotingCommand(code=C.UPDATE_BROKER_CONFIG, opaque=10_000, version=401, body=b"a=b"))
     data = b"".join(frames[:150]) + denied + b"".join(frames[150:])
     reactor = relay.reactor_of(gevent.get_hub()) if reactor_on else None
-    before = (reactor.steps, reactor.wakeups) if reactor is not None else (0, 0)
+    before = (reactor.steps, reactor.wakeups, reactor.submits, reactor.ring_ops) if reactor is not None else (0,) * 4
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s, gevent.Timeout(20):
         for i in range(0, len(data), 777):  # writes split frames and headers anywhere
             s.sendall(data[i : i + 777])
@@ -99,6 +110,11 @@ def test_frames_relay_byte_identical_and_parked_pumps_need_no_python(proxy):
         assert steps > 0  # the reactor stepped the pumps
         # Python ran for the policy frame and a few other statuses, not per receive.
         assert wakeups < steps
+        submits, ops = reactor.submits - before[2], reactor.ring_ops - before[3]
+        if reactor.uring:  # receives and sends went through the ring
+            assert submits > 0 and ops >= submits
+        else:
+            assert submits == ops == 0
 
 
 def test_close_takes_the_pumps_out_of_the_reactor(proxy):

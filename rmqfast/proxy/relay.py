@@ -100,6 +100,12 @@ USE_REACTOR = os.environ.get("RMQFAST_RELAY_REACTOR", "1") != "0"
 #: poll per turn (a comparison aid).
 REACTOR_REPOLL = int(os.environ.get("RMQFAST_REACTOR_REPOLL", "4") or 0)
 
+#: Whether a reactor issues its pumps' receives and sends through io_uring, one
+#: ``io_uring_enter`` for all the pumps a poll found ready (``Reactor(uring=...)``; the reactor
+#: falls back to plain system calls where the kernel or a seccomp profile refuses io_uring, and
+#: logs why).  ``RMQFAST_URING=0`` turns it off.
+USE_URING = os.environ.get("RMQFAST_URING", "1") != "0"
+
 _reactors: dict[Any, Any] = {}  # hub -> (Reactor, its libev watcher)
 
 
@@ -110,8 +116,12 @@ def reactor_of(hub: Any) -> Any:
         return None
     entry = _reactors.get(hub)
     if entry is None:
-        reactor = Reactor()
+        reactor = Reactor(uring=USE_URING)
         reactor.repoll = REACTOR_REPOLL
+        if reactor.uring:
+            log.info("relay reactor uses io_uring")
+        else:
+            log.info("relay reactor uses plain system calls", extra=ctx(io_uring=reactor.uring_off))
         watcher = hub.loop.io(reactor.fileno(), 1)
         watcher.start(reactor.turn)
         entry = _reactors[hub] = (reactor, watcher)
