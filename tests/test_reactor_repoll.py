@@ -4,17 +4,15 @@ turn, none is lost, and a turn that found one source ready polls once."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from rmqfast import codec
 from tests import test_reactor_edges as edges
-from tests.test_reactor_edges import Wake, drain, forward_frame, policy_frame, reactor_mode, rig
+from tests.test_reactor_edges import Wake, drain, forward_frame, policy_frame, rig
 
 needs_reactor = pytest.mark.skipif(codec.Pump is None, reason="the reactor drives the compiled pump only")
 
-__all__ = ["reactor_mode", "rig"]  # the fixtures, imported for the tests below
+__all__ = ["rig"]  # the fixture, imported for the tests below
 
 
 def _on_one_reactor(rig, n: int, repoll: int):  # noqa: F811
@@ -85,50 +83,3 @@ def test_one_ready_source_polls_once_and_an_empty_poll_ends_the_turn(rig) -> Non
     drain(a.dst_peer, sink)
     assert bytes(sink) == forward_frame(1) + forward_frame(2)
 
-
-@needs_reactor
-def test_the_pumps_of_one_poll_share_each_io_uring_enter(rig, reactor_mode: str) -> None:  # noqa: F811
-    """Eight sources ready at one poll: with io_uring their eight receives go out in one
-    io_uring_enter and their eight sends in the next; every frame arrives whole and no greenlet
-    runs.  With plain system calls the ring is not used."""
-    rigs, reactor = _on_one_reactor(rig, 8, 0)
-    wakes = []
-    for r in rigs:
-        wakes.append(Wake())
-        assert reactor.park(r.pump, wakes[-1]) == -1
-    for i, r in enumerate(rigs):
-        r.send(forward_frame(i, 300 + i))
-    reactor.turn()
-    for i, r in enumerate(rigs):
-        sink = bytearray()
-        drain(r.dst_peer, sink)
-        assert bytes(sink) == forward_frame(i, 300 + i)
-    assert all(w.got == [] for w in wakes)
-    if reactor_mode == "io_uring":
-        assert (reactor.submits, reactor.ring_ops) == (2, 16)
-    else:
-        assert (reactor.submits, reactor.ring_ops) == (0, 0)
-
-
-@needs_reactor
-def test_a_ring_that_fails_is_given_up_and_nothing_is_lost(rig, reactor_mode: str) -> None:  # noqa: F811
-    """io_uring_enter fails (here: the ring's descriptor now names /dev/null): the reactor gives
-    the ring up for good, says why, and steps the queued pumps with plain system calls; the
-    frames of that turn and of the next ones arrive whole."""
-    if reactor_mode != "io_uring":
-        pytest.skip("the ring is what fails here")
-    rigs, reactor = _on_one_reactor(rig, 4, 0)
-    for r in rigs:
-        assert reactor.park(r.pump, Wake()) == -1
-    with open(os.devnull, "rb") as null:
-        os.dup2(null.fileno(), reactor.uring_fd)
-    for round_ in range(2):
-        for i, r in enumerate(rigs):
-            r.send(forward_frame(10 * round_ + i, 200))
-        reactor.turn()
-        for i, r in enumerate(rigs):
-            sink = bytearray()
-            drain(r.dst_peer, sink)
-            assert bytes(sink) == forward_frame(10 * round_ + i, 200)
-        assert not reactor.uring and "io_uring_enter failed" in reactor.uring_off
-    assert reactor.ring_ops == 0 and reactor.submits == 1  # the one that failed
