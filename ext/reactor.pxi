@@ -23,7 +23,7 @@
 # source, or none, ends the turn: a lone connection pays no extra system call.
 #
 # With io_uring (``uring.h``; on unless ``Reactor(uring=False)`` or the kernel refuses it), the
-# pumps a poll found ready queue their receive or send in the reactor's ring instead of calling
+# pumps a poll found ready (two or more) queue their receive or send in the reactor's ring instead of calling
 # recv/send (PS_QUEUED), and one ``io_uring_enter`` issues them all.  Each carries MSG_DONTWAIT,
 # so the kernel completes it inline, within that call (checked when the ring is made): by the
 # time it returns every queued pump has its result, and ``_resume`` takes it exactly as the
@@ -85,6 +85,10 @@ cdef class Reactor:
     # when they do); ``submits``: io_uring_enter calls; ``ring_ops``: operations they issued.
     cdef readonly object uring_off
     cdef readonly Py_ssize_t submits, ring_ops
+    # Ready sources a poll must find for their pumps to use the ring (default 2: a lone source's
+    # receive and send cost one system call each either way, and the plain ones skip the ring's
+    # own work; tests set 1 to drive every step through the ring).
+    cdef public int ring_min
     # Extra epoll_waits a turn may make while the previous one found several sources ready (0:
     # one per turn): under concurrent load more are ready by the time those are stepped, and
     # taking them here saves the hub's wait, libev's getpid and the callback into the turn.
@@ -98,6 +102,7 @@ cdef class Reactor:
             raise OSError(errno, c_strerror(errno).decode())
         self.pumps = {}
         self.queued = []
+        self.ring_min = 2
         if not uring:
             self.uring_off = "turned off"
             return
@@ -200,6 +205,7 @@ cdef class Reactor:
         cdef Pump pump
         cdef object found
         cdef list wake = []
+        cdef bint batch = self.use_ring and n >= self.ring_min
         for i in range(n):
             found = self.pumps.get(evs[i].data.fd)
             if found is None:
@@ -214,7 +220,7 @@ cdef class Reactor:
                 pump.ready_in = True  # its greenlet is busy: acted on when it parks
                 continue
             self.steps += 1
-            if self.use_ring:
+            if batch:
                 pump.ring = &self.ring
             try:
                 st = pump._step(pump.locked is None or not pump.locked())

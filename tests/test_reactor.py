@@ -111,8 +111,8 @@ def test_frames_relay_byte_identical_and_parked_pumps_need_no_python(proxy):
         # Python ran for the policy frame and a few other statuses, not per receive.
         assert wakeups < steps
         submits, ops = reactor.submits - before[2], reactor.ring_ops - before[3]
-        if reactor.uring:  # receives and sends went through the ring
-            assert submits > 0 and ops >= submits
+        if reactor.uring:  # each io_uring_enter issued queued operations (none when each poll found one source)
+            assert ops >= submits
         else:
             assert submits == ops == 0
 

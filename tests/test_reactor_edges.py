@@ -59,7 +59,13 @@ def reactor_mode(request, monkeypatch):
     uring = request.param == "io_uring"
     if uring and not CompiledReactor().uring:
         pytest.skip(f"io_uring is not available here: {CompiledReactor().uring_off}")
-    monkeypatch.setattr(sys.modules[__name__], "Reactor", lambda: CompiledReactor(uring=uring))
+
+    def make() -> CompiledReactor:
+        reactor = CompiledReactor(uring=uring)
+        reactor.ring_min = 1  # every step of a turn through the ring, even a lone source's
+        return reactor
+
+    monkeypatch.setattr(sys.modules[__name__], "Reactor", make)
     return request.param
 
 HANG = -2  # parked, and the epoll set has nothing to report: nothing will ever wake the pump
