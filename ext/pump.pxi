@@ -89,6 +89,10 @@ cdef enum:
     PH_RECVQ = 5     # a receive into [filled, filled + qspace) is queued in the reactor's ring
 
 DEF READS_BEFORE_YIELD = 16
+# Larger sends go out at once with send(2) even in a reactor turn with io_uring: that system call
+# is shared by several frames already, and holding the bytes until the batch is issued only
+# delays the receiver (pipelined traffic through 2 workers was 4 % slower when they waited).
+DEF RING_SEND_MAX = 4096
 DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
 DEF POOL_MAX = 40       # free base buffers a process keeps for the next steps (the rest are unmapped):
                         # a reactor turn with io_uring has up to URING_BATCH pumps holding one at once
@@ -367,9 +371,10 @@ cdef class Pump:
                 while self.start < self.fwd:
                     if not may_send:
                         return PS_WAIT_LOCK
-                    if self.ring != NULL and rmq_uring_prep_send(self.ring, self.dst, self.buf + self.start,
+                    if (self.ring != NULL and self.fwd - self.start <= RING_SEND_MAX
+                            and rmq_uring_prep_send(self.ring, self.dst, self.buf + self.start,
                                                                  <unsigned>(self.fwd - self.start),
-                                                                 <uint64_t><void*>self) == 0:
+                                                                 <uint64_t><void*>self) == 0):
                         self.phase = PH_SENDQ
                         return PS_QUEUED
                     n = c_send(self.dst, self.buf + self.start, self.fwd - self.start, MSG_NOSIGNAL)
