@@ -36,11 +36,13 @@ cdef extern from "<sys/socket.h>" nogil:
 cdef extern from "uring.h" nogil:
     ctypedef struct rmq_uring:
         int fd
+        int op_flags
     void rmq_uring_zero(rmq_uring* r)
     const char* rmq_uring_init(rmq_uring* r, unsigned entries)
     void rmq_uring_free(rmq_uring* r)
     int rmq_uring_prep_send(rmq_uring* r, int fd, const void* buf, unsigned length, uint64_t data)
     int rmq_uring_prep_recv(rmq_uring* r, int fd, void* buf, unsigned length, uint64_t data)
+    int rmq_uring_prep_cancel(rmq_uring* r, uint64_t target)
     unsigned rmq_uring_unsubmitted(const rmq_uring* r)
     void rmq_uring_rewind(rmq_uring* r)
     int rmq_uring_submit(rmq_uring* r, unsigned wait)
@@ -199,6 +201,7 @@ cdef class Pump:
     # reactor hands the result to ``_resume`` once the turn's operations are submitted together.
     cdef rmq_uring* ring
     cdef Py_ssize_t qspace
+    cdef bint in_ring    # its queued operation was submitted and has not completed yet
     cdef public object locked
     cdef bint attached
 
@@ -219,6 +222,8 @@ cdef class Pump:
         self.now = -1
 
     def __dealloc__(self):
+        if self.in_ring:
+            return  # the kernel may still write into its buffer: kept for good (see Reactor)
         if self.base != NULL:
             self._release_big()
             _buffer_put(self.base, self.base_cap)
@@ -279,7 +284,7 @@ cdef class Pump:
     def at_boundary(self):
         """Whether the bytes written to the destination so far end at a frame boundary (a
         local answer written now cannot land inside a forwarded frame)."""
-        if self.phase == PH_FLUSH and self.start < self.fwd:
+        if (self.phase == PH_FLUSH or self.phase == PH_SENDQ) and self.start < self.fwd:
             return False
         return self.scanner._skip == 0
 
@@ -287,7 +292,7 @@ cdef class Pump:
     def stalled_since(self):
         """Monotonic ns of the last receive while the source is in the middle of a frame and
         the pump waits for its next bytes; 0 when it is not (a frame-completion deadline)."""
-        if self.phase == PH_READ and (self.filled > self.start or self.scanner._skip > 0):
+        if (self.phase == PH_READ or self.phase == PH_RECVQ) and (self.filled > self.start or self.scanner._skip > 0):
             return self.now
         return 0
 
@@ -483,3 +488,13 @@ cdef class Pump:
         if st != PS_QUEUED:
             self._give_back()
         return st
+
+    cdef void _unqueue(self) noexcept:
+        """Its queued operation will not be issued (or was cancelled): back to the phase that
+        makes it with a system call at the next step."""
+        if self.phase == PH_SENDQ:
+            self.phase = PH_FLUSH
+        elif self.phase == PH_RECVQ:
+            self.phase = PH_READ
+        self.ring = NULL
+        self.in_ring = False

@@ -58,6 +58,10 @@ cdef extern from "<unistd.h>" nogil:
 cdef extern from "<string.h>" nogil:
     char* c_strerror "strerror"(int errnum)
 
+cdef extern from "<errno.h>" nogil:
+    enum: ECANCELED
+    enum: EIO
+
 DEF REACTOR_EVENTS = 256
 DEF URING_ENTRIES = 256   # size of the submission ring (at most one queued operation per pump)
 # Pumps queued before the reactor issues their operations: each holds a receive buffer until its
@@ -81,6 +85,7 @@ cdef class Reactor:
     cdef rmq_uring ring
     cdef bint use_ring
     cdef list queued             # the pumps with an operation in the ring, in submission order
+    cdef list wake               # greenlets to wake after the poll's operations, with their statuses
     # ``uring``: whether receives and sends go through io_uring; ``uring_off``: why not (None
     # when they do); ``submits``: io_uring_enter calls; ``ring_ops``: operations they issued.
     cdef readonly object uring_off
@@ -102,6 +107,7 @@ cdef class Reactor:
             raise OSError(errno, c_strerror(errno).decode())
         self.pumps = {}
         self.queued = []
+        self.wake = []
         self.ring_min = 2
         if not uring:
             self.uring_off = "turned off"
@@ -116,6 +122,11 @@ cdef class Reactor:
         if self.epfd >= 0:
             c_close(self.epfd)
         rmq_uring_free(&self.ring)
+
+    def _test_ops_may_wait(self):
+        """A test aid: queue operations without MSG_DONTWAIT from now on, so that one can stay in
+        the kernel past io_uring_enter (the case the check at start rules out)."""
+        self.ring.op_flags = 0
 
     @property
     def uring_fd(self):
@@ -204,8 +215,6 @@ cdef class Reactor:
         cdef int i, st
         cdef Pump pump
         cdef object found
-        cdef list wake = []
-        cdef bint batch = self.use_ring and n >= self.ring_min
         for i in range(n):
             found = self.pumps.get(evs[i].data.fd)
             if found is None:
@@ -220,24 +229,31 @@ cdef class Reactor:
                 pump.ready_in = True  # its greenlet is busy: acted on when it parks
                 continue
             self.steps += 1
-            if batch:
+            if self.use_ring and n >= self.ring_min:
                 pump.ring = &self.ring
             try:
-                st = pump._step(pump.locked is None or not pump.locked())
+                st = pump._step(self._may_send(pump))
             except BaseException:
                 st = PS_YIELD  # the greenlet steps again itself and meets the error there
             if st == PS_QUEUED:
                 self.queued.append(pump)
                 if len(self.queued) >= URING_BATCH:
-                    self._run_ring(wake)
+                    self._run_ring()
             else:
-                self._settle(pump, st, wake)
+                self._settle(pump, st)
         if self.queued:
-            self._run_ring(wake)
-        for i in range(len(wake) // 2):
-            wake[2 * i].switch(wake[2 * i + 1])  # runs the greenlet until it waits again
+            self._run_ring()
+        if self.wake:
+            self._wake_all()
 
-    cdef void _settle(self, Pump pump, int st, list wake) except *:
+    cdef bint _may_send(self, Pump pump) noexcept:
+        """Whether ``pump`` may send now: no one else holds its destination's write lock."""
+        try:
+            return pump.locked is None or not pump.locked()
+        except BaseException:
+            return False  # it waits for the lock in its greenlet, which meets the error there
+
+    cdef void _settle(self, Pump pump, int st) except *:
         """A pump stepped in this turn is done (``st``): parked again, or its greenlet is woken
         once the turn's operations are all done."""
         pump.ring = NULL
@@ -246,75 +262,126 @@ cdef class Reactor:
         waiter = pump.waiter
         pump.waiter = None
         self.wakeups += 1
-        wake.append(waiter)
-        wake.append(st)
+        self.wake.append(waiter)
+        self.wake.append(st)
 
-    cdef void _run_ring(self, list wake) except *:
+    cdef void _wake_all(self) except *:
+        """Wake the greenlets of the pumps that need Python, each once, in order; one that raises
+        does not keep the others waiting (the first error goes on to the hub afterwards)."""
+        cdef list wake = self.wake
+        cdef Py_ssize_t i
+        cdef object error = None
+        self.wake = []
+        for i in range(0, len(wake), 2):
+            try:
+                wake[i].switch(wake[i + 1])  # runs the greenlet until it waits again
+            except BaseException as exc:
+                if error is None:
+                    error = exc
+        if error is not None:
+            raise error
+
+    cdef void _run_ring(self) except *:
         """Issue the queued operations with one io_uring_enter, resume their pumps, and again
         while resumed pumps queue more."""
         cdef list batch
         cdef Pump pump
-        cdef int done, st, res, k
+        cdef int k, res, left
         cdef uint64_t data
         while self.queued:
             batch = self.queued
             self.queued = []
+            if not self.use_ring:
+                for pump in batch:
+                    self._step_plain(pump)
+                continue
             k = rmq_uring_submit(&self.ring, 0)
             self.submits += 1
-            if k != len(batch):
-                self._ring_failed(batch, k, wake)
-                return
+            if k < <int>len(batch):
+                # The kernel took the first k (none: k < 0 is -errno); forget the others' entries
+                # and step their pumps with plain system calls.  The ring is not used again.
+                rmq_uring_rewind(&self.ring)
+                self._give_up(f"io_uring_enter failed ({c_strerror(-k).decode() if k < 0 else 'took part of a batch'})")
+                if k < 0:
+                    k = 0
+                for pump in batch[k:]:
+                    self._step_plain(pump)
+                batch = batch[:k]
             self.ring_ops += k
-            done = 0
-            while done < k:
-                if not rmq_uring_reap(&self.ring, &data, &res):
-                    # Cannot happen after the check at start (MSG_DONTWAIT completes inline);
-                    # wait rather than resume a pump whose buffer the kernel may still use.
-                    if rmq_uring_submit(&self.ring, 1) < 0:
-                        self._ring_failed(batch, 0, wake)
-                        return
+            for pump in batch:
+                pump.in_ring = True
+            left = k
+            while left > 0:
+                if rmq_uring_reap(&self.ring, &data, &res):
+                    if data != 0:  # (0: a cancellation's own completion)
+                        left -= 1
+                        self._complete(<Pump><void*>data, res)
                     continue
-                done += 1
-                pump = <Pump><void*>data
-                try:
-                    st = pump._resume(res, pump.locked is None or not pump.locked())
-                except BaseException:
-                    st = PS_YIELD
-                if st == PS_QUEUED:
-                    self.queued.append(pump)
-                else:
-                    self._settle(pump, st, wake)
+                # An operation did not complete inside io_uring_enter, which the check at start
+                # rules out.  Its buffer is the kernel's until it completes: cancel it, wait for
+                # its completion, and give the ring up.
+                left = self._cancel_pending(batch, left)
 
-    cdef void _ring_failed(self, list batch, int taken, list wake) except *:
-        """io_uring_enter failed or took only ``taken`` of the batch: the ring is given up for
-        good (the reactor makes plain system calls from now on); the operations it did not take
-        are forgotten and their pumps step again without it.  (Those it took complete inline.)"""
+    cdef void _complete(self, Pump pump, int res) except *:
+        """The completion of ``pump``'s operation: resume it with the result."""
+        cdef int st
+        pump.in_ring = False
+        if not self.use_ring:
+            pump.ring = NULL
+            if res == -ECANCELED:  # cancelled (see _cancel_pending): it did not happen
+                self._step_plain(pump)
+                return
+        try:
+            st = pump._resume(res, self._may_send(pump))
+        except BaseException:
+            st = PS_YIELD
+        if st == PS_QUEUED:
+            self.queued.append(pump)
+        else:
+            self._settle(pump, st)
+
+    cdef void _step_plain(self, Pump pump) except *:
+        """Step a pump whose queued operation is not issued through the ring after all."""
+        cdef int st
+        pump._unqueue()
+        try:
+            st = pump._step(self._may_send(pump))
+        except BaseException:
+            st = PS_YIELD
+        self._settle(pump, st)
+
+    cdef int _cancel_pending(self, list batch, int left) except -1:
+        """``left`` operations of ``batch`` have not completed: drop what resumed pumps queued
+        since (not submitted yet), cancel those operations and wait until each has completed;
+        the ring is given up.  Returns how many completions are still to be reaped (0 when the
+        wait itself failed and the pumps were ended instead)."""
         cdef Pump pump
-        cdef int i, st, res
-        cdef uint64_t data
-        cdef int err = -taken if taken < 0 else 0
-        if taken < 0:
-            taken = 0
+        cdef list later = self.queued
+        cdef int n = 0, tries
         rmq_uring_rewind(&self.ring)
-        self.uring_off = f"io_uring_enter failed ({c_strerror(err).decode() if err else 'took part of a batch'})"
-        self.use_ring = False
-        for i in range(taken):
-            if rmq_uring_reap(&self.ring, &data, &res):
-                pump = <Pump><void*>data
-                pump.ring = NULL
-                try:
-                    st = pump._resume(res, pump.locked is None or not pump.locked())
-                except BaseException:
-                    st = PS_YIELD
-                self._settle(pump, st, wake)
-        for pump in batch[taken:]:
-            pump.ring = NULL
-            pump.phase = PH_FLUSH if pump.phase == PH_SENDQ else PH_READ
-            try:
-                st = pump._step(pump.locked is None or not pump.locked())
-            except BaseException:
-                st = PS_YIELD
-            self._settle(pump, st, wake)
-        for pump in self.queued:
-            pump.ring = NULL
         self.queued = []
+        self._give_up("an operation did not complete inside io_uring_enter")
+        for pump in batch:
+            if pump.in_ring:
+                rmq_uring_prep_cancel(&self.ring, <uint64_t><void*>pump)
+                n += 1
+        # Wait for the cancellations' completions and the operations' own.
+        for tries in range(3):
+            if rmq_uring_submit(&self.ring, n + left) >= 0:
+                break
+        else:
+            # The kernel may still write into those buffers: their pumps end with an error and
+            # keep them for good (never given back, see Pump.__dealloc__).
+            for pump in batch:
+                if pump.in_ring:
+                    pump.ring = NULL
+                    pump.errno_value = EIO
+                    self._settle(pump, PS_OS_ERROR)
+            left = 0
+        for pump in later:
+            self._step_plain(pump)
+        return left
+
+    cdef void _give_up(self, str why) except *:
+        self.use_ring = False
+        self.uring_off = why

@@ -17,7 +17,9 @@
 #define RMQ_URING_H
 
 #include <errno.h>
+#include <arpa/inet.h>
 #include <linux/io_uring.h>
+#include <netinet/in.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -36,6 +38,7 @@ typedef struct rmq_uring {
     size_t sq_len, cq_len, sqes_len;
     unsigned local_tail;   /* SQEs prepared and not yet published to the kernel */
     unsigned published;    /* tail published to the kernel by the last submit */
+    int op_flags;          /* MSG_DONTWAIT (a test may clear it, to leave an operation in the kernel) */
 } rmq_uring;
 
 static inline void rmq_uring_zero(rmq_uring *r) { memset(r, 0, sizeof *r); r->fd = -1; }
@@ -77,12 +80,18 @@ static inline int rmq_uring_prep(rmq_uring *r, int op, int fd, void *buf, unsign
 
 static inline int rmq_uring_prep_send(rmq_uring *r, int fd, const void *buf, unsigned len, uint64_t data)
 {
-    return rmq_uring_prep(r, IORING_OP_SEND, fd, (void *)buf, len, MSG_NOSIGNAL | MSG_DONTWAIT, data);
+    return rmq_uring_prep(r, IORING_OP_SEND, fd, (void *)buf, len, MSG_NOSIGNAL | r->op_flags, data);
 }
 
 static inline int rmq_uring_prep_recv(rmq_uring *r, int fd, void *buf, unsigned len, uint64_t data)
 {
-    return rmq_uring_prep(r, IORING_OP_RECV, fd, buf, len, MSG_DONTWAIT, data);
+    return rmq_uring_prep(r, IORING_OP_RECV, fd, buf, len, r->op_flags, data);
+}
+
+/* Queue the cancellation of the operation whose data is ``target`` (its own completion has data 0). */
+static inline int rmq_uring_prep_cancel(rmq_uring *r, uint64_t target)
+{
+    return rmq_uring_prep(r, IORING_OP_ASYNC_CANCEL, -1, (void *)(uintptr_t)target, 0, 0, 0);
 }
 
 /* Operations prepared and not yet submitted. */
@@ -124,22 +133,42 @@ static inline int rmq_uring_reap(rmq_uring *r, uint64_t *data, int *res)
     return 1;
 }
 
-/* Does the kernel complete MSG_DONTWAIT socket operations inline, as the reactor needs?  A
- * receive on an empty socket must complete with -EAGAIN within the submitting call, a send must
- * complete with its byte count, and the receive after it must get that byte.  0, or a reason. */
+/* Does the kernel complete MSG_DONTWAIT socket operations inline, as the reactor needs?  On a TCP
+ * loopback connection: a receive on an empty socket must complete with -EAGAIN within the
+ * submitting call, a send must complete with its byte count, the receive after it must get that
+ * byte, and a send into a full socket buffer must complete with -EAGAIN (or the part that fit)
+ * within the call too.  0, or a reason. */
 static const char *rmq_uring_selftest(rmq_uring *r)
 {
     /* static: should an operation be left armed after all, it targets no stack frame */
     static char out = 'x', in = 0;
-    int sv[2], res, got;
+    static char fill[65536];
+    int sv[2] = {-1, -1}, ls = -1, res, got, small = 4096;
     uint64_t data;
+    socklen_t len;
+    struct sockaddr_in a;
     const char *why = NULL;
     in = 0;
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) return "socketpair failed";
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    len = sizeof a;
+    ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sv[1] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (ls < 0 || sv[1] < 0 || bind(ls, (struct sockaddr *)&a, sizeof a) < 0 || listen(ls, 1) < 0
+        || getsockname(ls, (struct sockaddr *)&a, &len) < 0 || connect(sv[1], (struct sockaddr *)&a, sizeof a) < 0
+        || (sv[0] = accept4(ls, NULL, NULL, SOCK_CLOEXEC)) < 0) {
+        why = "no loopback TCP connection for the check";
+        goto out;
+    }
+    /* small buffers, so that the sending side fills up after a few sends */
+    setsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &small, sizeof small);
+    setsockopt(sv[0], SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
     for (int step = 0; step < 3 && why == NULL; step++) {
         if (step == 0) rmq_uring_prep_recv(r, sv[0], &in, 1, 1);
         else if (step == 1) rmq_uring_prep_send(r, sv[1], &out, 1, 2);
         else rmq_uring_prep_recv(r, sv[0], &in, 1, 3);
+        if (step == 2) usleep(1000);  /* loopback delivery is synchronous; this is a margin */
         if (rmq_uring_submit(r, 0) != 1) { why = "io_uring_enter did not take a socket operation"; break; }
         got = rmq_uring_reap(r, &data, &res);
         if (!got || data != (uint64_t)(step + 1)) { why = "a MSG_DONTWAIT socket operation did not complete inline"; break; }
@@ -147,8 +176,22 @@ static const char *rmq_uring_selftest(rmq_uring *r)
         if (step == 1 && res != 1) why = "a send did not complete";
         if (step == 2 && (res != 1 || in != 'x')) why = "a receive did not get the byte sent";
     }
-    close(sv[0]);
-    close(sv[1]);
+    /* fill the connection until a send cannot go on: each must still complete within its call */
+    for (int i = 0; i < 256 && why == NULL; i++) {
+        if (rmq_uring_prep_send(r, sv[1], fill, sizeof fill, 4) < 0 || rmq_uring_submit(r, 0) != 1) {
+            why = "io_uring_enter did not take a socket operation";
+            break;
+        }
+        if (!rmq_uring_reap(r, &data, &res) || data != 4) { why = "a send into a full socket did not complete inline"; break; }
+        if (res == -EAGAIN) break;
+        if (res <= 0) why = "a send into a full socket failed";
+        else if (i == 255) why = "the check's socket never filled up";
+    }
+out:
+    if (sv[0] >= 0) close(sv[0]);
+    if (sv[1] >= 0) close(sv[1]);
+    if (ls >= 0) close(ls);
+    if (why) errno = 0;  /* the reason is the text, not an earlier call's errno */
     return why;
 }
 
@@ -189,6 +232,7 @@ static const char *rmq_uring_init(rmq_uring *r, unsigned entries)
     r->cq_mask = (unsigned *)((char *)r->cq_ptr + p.cq_off.ring_mask);
     r->cqes = (struct io_uring_cqe *)((char *)r->cq_ptr + p.cq_off.cqes);
     r->local_tail = r->published = *r->sq_tail;
+    r->op_flags = MSG_DONTWAIT;
     why = rmq_uring_selftest(r);
     if (why) { rmq_uring_free(r); return why; }
     return NULL;

@@ -40,3 +40,15 @@ def test_one_worker_rmqfast_is_reported_beside_the_goal_target_as_info() -> None
     lat = found["open-60k rmqfast-1w added p99 over direct"]
     assert (lat.value, lat.goal, lat.disturbed) == (0.0, "info", True)
     assert found["open-60k rmqfast added p99 over direct"].value is None  # not measured: goal line kept
+
+
+def test_rmqfast_with_plain_system_calls_is_compared_with_rmqfast_as_info() -> None:
+    cells = {(c.scenario, c.target): c for c in [
+        cell("send-64x1", "rmqfast", 62_000, 10.4), cell("send-64x1", "rmqfast-syscalls", 60_000, 11.0),
+        cell("send-64x1", "haproxy", 61_000, 10.8),
+    ]}
+    found = {c.name: c for c in checks(cells, {})}
+    pair = found["send-64x1 rmqfast / rmqfast-syscalls"]
+    assert (pair.value, pair.goal, pair.met) == (62_000 / 60_000, "info", None)
+    assert found["send-64x1 rmqfast-syscalls CPU per request"].value == 11.0
+    assert found["send-64x1 rmqfast / best HAProxy"].value == 62_000 / 61_000  # the goal stays on rmqfast

@@ -64,6 +64,9 @@ def test_loadgen_direct_and_through_rmqfast(tools: Tools) -> None:
             assert via["cpu"]["target"]["user_s"] + via["cpu"]["target"]["sys_s"] > 0
             assert all(memory_kib(pid).get("VmRSS", 0) > 0 for pid in target.worker_pids())
             assert len(target.worker_pids()) == 2
+            # the workers said whether their reactors batch through io_uring (the pure relay has none)
+            io_uring = target.info()["io_uring"]
+            assert io_uring is None if pure else (io_uring is True or isinstance(io_uring, str)), io_uring
         finally:
             target.stop()
 

@@ -85,3 +85,29 @@ def test_a_kernel_that_refuses_the_ring_leaves_plain_system_calls_with_the_reaso
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert not reactor.uring and reactor.uring_fd == -1
     assert reactor.uring_off == "io_uring_setup failed (Too many open files)"
+
+
+@needs_reactor
+def test_an_operation_left_in_the_kernel_is_cancelled_and_the_ring_given_up(rig, reactor_mode: str) -> None:  # noqa: F811
+    """A receive that does not complete inside io_uring_enter (here: queued without MSG_DONTWAIT on
+    a drained socket, after a receive that filled the buffer) is cancelled and waited for before
+    its pump goes on with plain system calls; the ring is given up and every byte arrives."""
+    if reactor_mode != "io_uring":
+        pytest.skip("the ring is what is tested here")
+    rigs, reactor = _on_one_reactor(rig, 2, 0)
+    reactor._test_ops_may_wait()
+    for r in rigs:
+        assert reactor.park(r.pump, Wake()) == -1
+    frames = b"".join(forward_frame(i, 200) for i in range(40))
+    first = frames[:4096]  # exactly one buffer: the pump receives again and finds nothing
+    for r in rigs:
+        r.send(first)
+    reactor.turn()
+    assert not reactor.uring and reactor.uring_off == "an operation did not complete inside io_uring_enter"
+    for r in rigs:
+        r.send(frames[4096:])
+    reactor.turn()
+    for r in rigs:
+        sink = bytearray()
+        drain(r.dst_peer, sink)
+        assert bytes(sink) == frames

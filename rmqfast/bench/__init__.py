@@ -13,7 +13,8 @@ What runs
   latency from the scheduled send time).  It prints one JSON object per run.
 * Targets: ``direct`` (loadgen -> nullbroker), ``haproxy`` (``mode tcp``, nbthread 2; full
   mode also ``haproxy-1t``, nbthread 1), ``rmqfast`` (``rmqfast serve``, 2 workers, one static
-  broker endpoint, compiled scanner; full mode also ``rmqfast-1w``, 1 worker) and ``rmqfast-pure`` (same with
+  broker endpoint, compiled scanner; full mode also ``rmqfast-1w``, 1 worker; on request
+  ``rmqfast-syscalls``, ``RMQFAST_URING=0``) and ``rmqfast-pure`` (same with
   ``RMQFAST_NO_EXTENSIONS=1``).
 
 The two C tools are compiled with ``gcc -O2`` into ``build/bench/`` on first use (the binary

@@ -124,7 +124,7 @@ def checks(cells: dict[tuple[str, str], Cell], rss: dict[str, list[dict[str, int
     out.extend(_open_loop_checks(cells))
     # the proxy's own CPU per answered request: steadier than throughput on a shared machine
     for sc in ("send-16x32", "send-64x1", "open-60k", "open-120k", "pull-16x4"):
-        for tg in ("rmqfast", "rmqfast-1w", "haproxy", "haproxy-1t"):
+        for tg in ("rmqfast", "rmqfast-1w", "rmqfast-syscalls", "haproxy", "haproxy-1t"):
             ce = cell(sc, tg)
             if ce is not None:
                 out.append(Check(f"{sc} {tg} CPU per request", ce.cpu_us_per_req, "info", None, "us", noisy(ce)))
@@ -134,7 +134,8 @@ def checks(cells: dict[tuple[str, str], Cell], rss: dict[str, list[dict[str, int
                      "< 64 MB", None if worst is None else worst < 64 * 1024, "MiB"))
     for sc in ("send-16x32", "send-64x1", "pull-16x4"):
         for a, b in (("rmqfast", "haproxy"), ("rmqfast", "haproxy-1t"), ("rmqfast", "direct"),
-                     ("rmqfast-pure", "rmqfast"), ("haproxy", "direct"), ("haproxy-1t", "haproxy")):
+                     ("rmqfast-pure", "rmqfast"), ("rmqfast", "rmqfast-syscalls"), ("haproxy", "direct"),
+                     ("haproxy-1t", "haproxy")):
             ca, cb = cell(sc, a), cell(sc, b)
             if ca is not None and cb is not None:
                 out.append(vs(sc, ca, cb, f"{a} / {b}", None))

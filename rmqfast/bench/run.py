@@ -113,7 +113,8 @@ def _targets(args: argparse.Namespace, broker: NullBroker, haproxy_exe: Any) -> 
             targets.append(HAProxyTarget(haproxy_exe, broker.port, 1 if name == "haproxy-1t" else 2, name))
         else:
             workers = 1 if name == "rmqfast-1w" else args.workers
-            targets.append(RmqfastTarget(broker.port, workers=workers, pure=name == "rmqfast-pure", name=name))
+            targets.append(RmqfastTarget(broker.port, workers=workers, pure=name == "rmqfast-pure", name=name,
+                                         uring=name != "rmqfast-syscalls"))
     return targets
 
 

@@ -59,4 +59,6 @@ FULL = Mode(3, 2.0, 8.0, tuple(SCENARIOS), ("direct", "haproxy", "haproxy-1t", "
 #: ``rmqfast-1w``: rmqfast with one worker, beside ``rmqfast`` (``--workers``, default 2), as
 #: ``haproxy-1t`` is beside ``haproxy``: on a machine whose cores the load generator and the
 #: null broker share, one proxy process can beat two.
-ALL_TARGETS = ("direct", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-1w", "rmqfast-pure")
+#: ``rmqfast-syscalls`` (asked for with ``--targets``): ``rmqfast`` with ``RMQFAST_URING=0``, its
+#: reactor making one recv/send per pump instead of batching them through io_uring.
+ALL_TARGETS = ("direct", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-1w", "rmqfast-syscalls", "rmqfast-pure")

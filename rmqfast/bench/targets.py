@@ -57,8 +57,8 @@ class BenchProxy(ProxyProcess):
     disabled, so no name-server traffic is needed.
     """
 
-    def __init__(self, broker_port: int, *, workers: int, pure: bool) -> None:
-        env = {"RMQFAST_NO_EXTENSIONS": "1" if pure else "0"}
+    def __init__(self, broker_port: int, *, workers: int, pure: bool, uring: bool = True) -> None:
+        env = {"RMQFAST_NO_EXTENSIONS": "1" if pure else "0", "RMQFAST_URING": "1" if uring else "0"}
         super().__init__([f"127.0.0.1:{broker_port}"], workers=workers, range_size=3, env=env)
         self.upstream = f"127.0.0.1:{broker_port}"
 
@@ -79,9 +79,10 @@ class BenchProxy(ProxyProcess):
 class RmqfastTarget:
     """rmqfast (compiled, or pure Python with ``pure=True``) in front of the null broker."""
 
-    def __init__(self, broker_port: int, *, workers: int, pure: bool, name: str) -> None:
+    def __init__(self, broker_port: int, *, workers: int, pure: bool, name: str, uring: bool = True) -> None:
         self.name = name
         self.pure = pure
+        self.uring = uring  # False: the reactor makes plain recv/send calls (RMQFAST_URING=0)
         self.broker_port = broker_port
         self.workers = workers
         self.proxy: BenchProxy | None = None
@@ -95,7 +96,7 @@ class RmqfastTarget:
     def start(self) -> None:
         # Created here, not in __init__: ProxyProcess picks its port block when constructed,
         # and two proxies constructed before either binds would get the same block.
-        self.proxy = BenchProxy(self.broker_port, workers=self.workers, pure=self.pure)
+        self.proxy = BenchProxy(self.broker_port, workers=self.workers, pure=self.pure, uring=self.uring)
         self.proxy.start()
         deadline = time.monotonic() + 10
         codecs: set[str] = set()
@@ -120,7 +121,20 @@ class RmqfastTarget:
         return sup + self._workers
 
     def info(self) -> dict[str, Any]:
-        return {"workers": len(self._workers), "codec": "python" if self.pure else "compiled"}
+        return {"workers": len(self._workers), "codec": "python" if self.pure else "compiled",
+                "io_uring": self._io_uring()}
+
+    def _io_uring(self) -> Any:
+        """What the workers' reactors said of io_uring (True, or the reason they make plain
+        system calls; None before any session started)."""
+        if self.proxy is None:
+            return None
+        for r in self.proxy.log_records():
+            if r.get("msg") == "relay reactor uses io_uring":
+                return True
+            if r.get("msg") == "relay reactor uses plain system calls":
+                return str(r.get("io_uring"))
+        return None
 
     def stop(self) -> None:
         if self.proxy is not None:
