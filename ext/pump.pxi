@@ -91,9 +91,10 @@ cdef enum:
     PH_RECVQ = 5     # a receive into [filled, filled + qspace) is queued in the reactor's ring
 
 DEF READS_BEFORE_YIELD = 16
-# Larger sends go out at once with send(2) even in a reactor turn with io_uring: that system call
-# is shared by several frames already, and holding the bytes until the batch is issued only
-# delays the receiver (pipelined traffic through 2 workers was 4 % slower when they waited).
+# Larger sends go out at once with send(2) even in a reactor turn with io_uring, and a source whose
+# last receive brought more is received from with recv(2): those system calls are shared by
+# several frames already, and waiting for the batch only delays the other side (pipelined traffic
+# through 2 workers was 4 % slower when its sends waited).
 DEF RING_SEND_MAX = 4096
 DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
 DEF POOL_MAX = 40       # free base buffers a process keeps for the next steps (the rest are unmapped):
@@ -202,6 +203,7 @@ cdef class Pump:
     cdef rmq_uring* ring
     cdef Py_ssize_t qspace
     cdef bint in_ring    # its queued operation was submitted and has not completed yet
+    cdef Py_ssize_t last_n  # bytes of the last receive: a source that sends more receives alone
     cdef public object locked
     cdef bint attached
 
@@ -424,8 +426,9 @@ cdef class Pump:
             space = self.cap - self.filled
             if self.buf != self.base and space > self.base_cap:
                 space = self.base_cap  # a held frame is charged as it arrives: bounded steps
-            if self.ring != NULL and rmq_uring_prep_recv(self.ring, self.src, self.buf + self.filled,
-                                                         <unsigned>space, <uint64_t><void*>self) == 0:
+            if (self.ring != NULL and self.last_n <= RING_SEND_MAX
+                    and rmq_uring_prep_recv(self.ring, self.src, self.buf + self.filled,
+                                                         <unsigned>space, <uint64_t><void*>self) == 0):
                 self.qspace = space
                 self.phase = PH_RECVQ
                 return PS_QUEUED
@@ -463,6 +466,7 @@ cdef class Pump:
         if n == 0:
             return PS_EOF
         self.reads += 1
+        self.last_n = n
         self.now = monotonic_ns()
         self.readable = n == space
         self.filled += n
