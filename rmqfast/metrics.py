@@ -140,6 +140,11 @@ class Metrics:
         self.workers_up = Gauge(
             "rmqfast_worker_up", "1 for every running worker process", multiprocess_mode="livesum",
         )
+        self.publishes = Counter(
+            "rmqfast_worker_publishes_total",
+            "Times a worker published its counters (about once a second), by worker index",
+            ["worker"],
+        )
 
 
 def _code_label(slot: int) -> str:

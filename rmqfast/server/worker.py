@@ -619,6 +619,8 @@ class Worker:
         gone, self._closed_ids = self._closed_ids, []
         for cid in gone:
             self.clients.pop(cid, None)
+        # Last: a reader that sees this count go up knows every counter above was written.
+        self.metrics.publishes.labels(str(self.index)).inc()
 
     def _record_samples(self) -> None:
         """Sampled requests (picked and timed by the scanners in C) into per-request records."""

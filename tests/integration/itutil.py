@@ -258,6 +258,26 @@ def wait_metric(proxy: ProxyProcess, name: str, at_least: float, timeout: float 
         time.sleep(0.2)
 
 
+def wait_published(proxy: ProxyProcess, timeout: float = BOUND) -> Metrics:
+    """Waits until every worker has published its counters twice since the call, so that the
+    whole of one publish began after it (a worker publishes in one go, between frames); returns
+    the metrics then.  What a test sent and saw answered before the call is in them."""
+    def counts(m: Metrics) -> dict[tuple[tuple[str, str], ...], float]:
+        return {lab: v for (n, lab), v in m.items() if n == "rmqfast_worker_publishes_total"}
+
+    start = counts(proxy.metrics())
+    assert start, "no worker has published its counters yet (rmqfast_worker_publishes_total)"
+    deadline = time.monotonic() + timeout
+    while True:
+        m = proxy.metrics()
+        now = counts(m)
+        if all(now.get(lab, 0.0) >= v + 2 for lab, v in start.items()):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers did not publish twice within {timeout:.1f} s: {start} -> {now}")
+        time.sleep(0.1)
+
+
 # --------------------------------------------------------------------------- logs
 
 

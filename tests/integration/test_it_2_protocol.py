@@ -41,6 +41,7 @@ from itutil import (
     unique,
     wait_closed,
     wait_metric,
+    wait_published,
     wait_until,
 )
 
@@ -254,8 +255,8 @@ def test_truncated_frame_then_close(proxy: ProxyProcess) -> None:
             else:
                 assert call(s, GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"}).code == SUCCESS
         assert log_records(proxy, PROTOCOL_ERROR_MSG, client=local) == []
-        time.sleep(1.2)  # one metrics publish period: a wrongly counted error would show by now
-        assert metric(proxy.metrics(), "rmqfast_protocol_errors_total") == metric(m0, "rmqfast_protocol_errors_total")
+        after = wait_published(proxy)  # a wrongly counted error would show by now
+        assert metric(after, "rmqfast_protocol_errors_total") == metric(m0, "rmqfast_protocol_errors_total")
 
 
 # --------------------------------------------------------------------------- 10. metrics
@@ -304,6 +305,7 @@ def test_metrics_after_traffic(proxy: ProxyProcess) -> None:
         "rmqfast_connections_active to return to 0",
     )
     assert metric(m, "rmqfast_worker_up") == 2
+    assert {dict(lab)["worker"] for (n, lab) in m if n == "rmqfast_worker_publishes_total"} == {"0", "1"}
 
     code, body = proxy.get("/healthz")
     assert code == 200
