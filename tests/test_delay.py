@@ -282,8 +282,11 @@ class GeventBroker:
                     code = 26
                 elif not self.busy:
                     self.got.append((int(time.time() * 1000), cmd))
-                sock.sendall(encode(make_response(cmd, code, ext_fields={
-                    "msgId": "X", "queueId": "0", "queueOffset": "1", "MSG_REGION": "R", "TRACE_ON": "true"})))
+                try:
+                    sock.sendall(encode(make_response(cmd, code, ext_fields={
+                        "msgId": "X", "queueId": "0", "queueOffset": "1", "MSG_REGION": "R", "TRACE_ON": "true"})))
+                except OSError:
+                    return  # the releaser gave up on this connection (its request timed out), as with a real broker
 
     def props(self) -> list[dict[str, str]]:
         return [dict(p.split("\x01", 1) for p in (c.ext_fields or {}).get("i", "").split("\x02") if p)
