@@ -43,7 +43,6 @@ cdef extern from "uring.h" nogil:
     int rmq_uring_prep_send(rmq_uring* r, int fd, const void* buf, unsigned length, uint64_t data)
     int rmq_uring_prep_recv(rmq_uring* r, int fd, void* buf, unsigned length, uint64_t data)
     int rmq_uring_prep_cancel(rmq_uring* r, uint64_t target)
-    unsigned rmq_uring_unsubmitted(const rmq_uring* r)
     void rmq_uring_rewind(rmq_uring* r)
     int rmq_uring_submit(rmq_uring* r, unsigned wait)
     int rmq_uring_reap(rmq_uring* r, uint64_t* data, int* res)
@@ -95,7 +94,7 @@ DEF READS_BEFORE_YIELD = 16
 # last receive brought more is received from with recv(2): those system calls are shared by
 # several frames already, and waiting for the batch only delays the other side (pipelined traffic
 # through 2 workers was 4 % slower when its sends waited).
-DEF RING_SEND_MAX = 4096
+DEF RING_BYTES_MAX = 4096
 DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
 DEF POOL_MAX = 40       # free base buffers a process keeps for the next steps (the rest are unmapped):
                         # a reactor turn with io_uring has up to URING_BATCH pumps holding one at once
@@ -378,7 +377,7 @@ cdef class Pump:
                 while self.start < self.fwd:
                     if not may_send:
                         return PS_WAIT_LOCK
-                    if (self.ring != NULL and self.fwd - self.start <= RING_SEND_MAX
+                    if (self.ring != NULL and self.fwd - self.start <= RING_BYTES_MAX
                             and rmq_uring_prep_send(self.ring, self.dst, self.buf + self.start,
                                                                  <unsigned>(self.fwd - self.start),
                                                                  <uint64_t><void*>self) == 0):
@@ -426,7 +425,7 @@ cdef class Pump:
             space = self.cap - self.filled
             if self.buf != self.base and space > self.base_cap:
                 space = self.base_cap  # a held frame is charged as it arrives: bounded steps
-            if (self.ring != NULL and self.last_n <= RING_SEND_MAX
+            if (self.ring != NULL and self.last_n <= RING_BYTES_MAX
                     and rmq_uring_prep_recv(self.ring, self.src, self.buf + self.filled,
                                                          <unsigned>space, <uint64_t><void*>self) == 0):
                 self.qspace = space

@@ -94,9 +94,6 @@ static inline int rmq_uring_prep_cancel(rmq_uring *r, uint64_t target)
     return rmq_uring_prep(r, IORING_OP_ASYNC_CANCEL, -1, (void *)(uintptr_t)target, 0, 0, 0);
 }
 
-/* Operations prepared and not yet submitted. */
-static inline unsigned rmq_uring_unsubmitted(const rmq_uring *r) { return r->local_tail - r->published; }
-
 /* Forget the prepared operations the kernel has not consumed (after a failed submit). */
 static inline void rmq_uring_rewind(rmq_uring *r)
 {
