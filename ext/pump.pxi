@@ -184,6 +184,7 @@ cdef class Pump:
     cdef bint peer_closed  # the reactor saw the source's peer close: read until recv says EOF
     cdef int64_t now     # when the bytes being scanned arrived
     cdef readonly int errno_value
+    cdef readonly bint send_failed  # the error (P_OS_ERROR) came from a send to the destination
     cdef readonly Py_ssize_t frame_start, frame_end
     cdef readonly BufferBudget budget
     cdef readonly Py_ssize_t need   # size of the frame being held (after P_OVER_BUDGET)
@@ -445,6 +446,7 @@ cdef class Pump:
             if err == EINTR:
                 return -1
             self.errno_value = err
+            self.send_failed = True
             return PS_OS_ERROR
         self.start += n
         if self.start < self.fwd:

@@ -490,6 +490,63 @@ def test_relay_answers_requests_in_flight_when_the_broker_connection_dies(proxy:
     dying.stop(timeout=1)
 
 
+@pytest.mark.parametrize("mode", ["reactor-io_uring", "reactor-syscalls", "watchers"])
+def test_a_send_failing_on_a_reset_broker_connection_still_answers_what_is_in_flight(
+        proxy: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The broker reads a send and resets its connection (a kill -9 with bytes unread) just after
+    the client's next send arrived, so the relay may fail sending that one before it reads the
+    reset.  The first send, which the broker had, is answered SYSTEM_ERROR all the same (and the
+    second one if the relay had read it), not dropped with the connection: a client whose close
+    notice loses a race waits out its whole send timeout."""
+    from rmqfast.proxy import relay
+
+    monkeypatch.setattr(relay, "USE_REACTOR", mode != "watchers")
+    monkeypatch.setattr(relay, "USE_URING", mode == "reactor-io_uring")
+    monkeypatch.setattr(relay, "_reactors", {})  # a reactor of this mode for this test
+    if mode == "reactor-io_uring" and relay.Pump is not None and not relay.reactor_of(gevent.get_hub()).uring:
+        pytest.skip("io_uring is not available here")
+    port, _broker, stats, events, upstreams, sessions = proxy
+    conns: list[socket.socket] = []
+    got_first = gevent.event.Event()
+    done = gevent.event.Event()
+
+    def swallow(sock: socket.socket, _addr: Any) -> None:
+        conns.append(sock)
+        if _read_frame(sock, bytearray()) is not None:
+            got_first.set()
+        done.wait(30)
+
+    dying = StreamServer(("127.0.0.1", 0), swallow)
+    dying.start()
+    upstreams[:] = [HostPort("127.0.0.1", dying.server_port)]
+    lost: list[tuple[int, int, int]] = []
+    events.upstream_lost = lambda session: lost.append(answer_in_flight(session, "rmqfast: broker gone; send again"))
+    s = relay_connect(port)
+    try:
+        s.sendall(send_frame(41))
+        with gevent.Timeout(10):
+            got_first.wait()
+        # No switch from here until both are in the kernel: the client's next send first, then
+        # the reset (SO_LINGER 0), so one poll of the relay finds both.
+        s.sendall(send_frame(42))
+        conns[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conns[0].close()
+        buf = bytearray()
+        answers = []
+        with gevent.Timeout(10):
+            while (f := _read_frame(s, buf)) is not None:
+                answers.append(decode_frame(f))
+        opaques = sorted(a.opaque for a in answers)
+        assert opaques in ([41], [41, 42]), opaques
+        assert all(a.code == C.SYSTEM_ERROR and "send again" in (a.remark or "") for a in answers), answers
+        assert lost == [(len(answers), len(answers), 0)]
+        wait_until(lambda: not sessions)
+    finally:
+        done.set()
+        s.close()
+        dying.stop(timeout=1)
+
+
 def test_draining_session_close_rule() -> None:
     from rmqfast.proxy.goaway import QUIET, may_close
 

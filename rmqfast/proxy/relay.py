@@ -78,6 +78,10 @@ DEFAULT_BUFFER_BUDGET = 64 * 1024 * 1024
 #: Default of ``proxy.frame_timeout``: seconds a started frame may wait for its next bytes.
 DEFAULT_FRAME_TIMEOUT = 30.0
 
+#: After a send to the upstream failed, how long the session waits for the upstream-reading pump to
+#: meet the end of the broken connection (milliseconds, normally) before it ends the session itself.
+UPSTREAM_END_WAIT = 5.0
+
 
 class PyBufferBudget:
     """The pure-Python twin of ``_speedups.BufferBudget`` (same two attributes)."""
@@ -195,13 +199,14 @@ class _Out(Writer):
     connections never have a write that waits: ~230 bytes per connection for the two locks and
     the reactor's view of them); until then no one holds it."""
 
-    __slots__ = ("sock", "_lock", "session")
+    __slots__ = ("sock", "_lock", "session", "failed")
 
     def __init__(self, sock: Sock, session: Session) -> None:
         super().__init__()
         self.sock = sock
         self._lock: Semaphore | None = None
         self.session = session
+        self.failed = False  # a write raised (the peer reset the connection, say)
 
     @property
     def lock(self) -> Semaphore:
@@ -268,6 +273,9 @@ class _Out(Writer):
                 except BlockingIOError:
                     self.session.hub.wait(wwatch)
                     continue
+                except OSError:
+                    self.failed = True
+                    raise
                 rest = rest[n:]
         return True
 
@@ -284,6 +292,9 @@ class _Out(Writer):
                 n = raw.send(data)
             except BlockingIOError:
                 n = 0
+            except OSError:
+                self.failed = True
+                raise
             if n == len(data):
                 return
             data = memoryview(data)[n:]
@@ -296,6 +307,9 @@ class _Out(Writer):
                 except BlockingIOError:
                     session.hub.wait(wwatch)
                     continue
+                except OSError:
+                    self.failed = True
+                    raise
                 data = data[n:]
 
 
@@ -456,6 +470,9 @@ class Session(SessionCore):
             back = gevent.spawn(self._pump, upstream, self.client, self.u2c, "upstream", False)
             try:
                 self._pump(self.client, upstream, self.c2u, "client", True)
+                if not self.closed:  # a send to the upstream failed: its pump ends the session (_await_upstream_end)
+                    back.join(timeout=UPSTREAM_END_WAIT)
+                    self._end_after_upstream_wait()
             finally:
                 self.close()
                 back.join(timeout=5)
@@ -674,10 +691,13 @@ class Session(SessionCore):
         except OSError as exc:
             self._ended_by(exc, side)
         finally:
-            if not from_client and not self.closed:
-                self._upstream_lost()
-            self.close()
             out = self._out_of(dst)
+            if from_client and out is not None and self._upstream_send_failed(out):
+                self._await_upstream_end(out, waited_by_run=True)
+            else:
+                if not from_client and not self.closed:
+                    self._upstream_lost()
+                self.close()
             if out is not None:
                 self._forget_pump(out)  # its buffers (and budget share) go now, not when the session is collected
 
@@ -694,6 +714,34 @@ class Session(SessionCore):
         if out is self.to_client:
             self._heard = self.heard_at()
         out.pump = None
+
+    def _upstream_send_failed(self, out: _Out) -> bool:
+        """Whether the client's direction (forwarding into ``out``) ended because a send to the
+        upstream failed: the broker's side broke (a reset, say), not the client's."""
+        if self.closed or out is not self.to_upstream:
+            return False
+        pump = out.pump
+        return out.failed or (pump is not None and not isinstance(pump, PumpState) and pump.send_failed)
+
+    def _await_upstream_end(self, out: _Out, waited_by_run: bool = False) -> None:
+        """The client's direction ended on a failed send to the upstream.  Closing now would drop
+        the answers the broker sent before it broke (still to be read) and the requests in flight
+        (never answered: a client may wait out its whole timeout).  So only that direction ends:
+        the upstream-reading pump relays what is left and meets the end itself, which answers what
+        is still in flight (:meth:`_upstream_lost`) and closes.  Bounded by UPSTREAM_END_WAIT
+        (``run`` waits for that pump itself when the client's direction ran in its greenlet)."""
+        pump = out.pump
+        if self._reactor is not None and pump is not None and not isinstance(pump, PumpState):
+            self._reactor.detach(pump)  # the client's bytes are not read any more
+        log.debug("send to the upstream failed; waiting for the upstream's end",
+                  extra=ctx(role=self.role, client=self.client_addr, upstream=self.upstream_addr))
+        if not waited_by_run:
+            gevent.spawn_later(UPSTREAM_END_WAIT, self._end_after_upstream_wait)
+
+    def _end_after_upstream_wait(self) -> None:
+        if not self.closed:  # the upstream pump did not end by itself: end the session as it would
+            self._upstream_lost()
+            self.close()
 
     def _upstream_lost(self) -> None:
         """The upstream connection ended first: the worker hears of it (broker health) and may answer
@@ -888,9 +936,12 @@ class Session(SessionCore):
         """A parked pump (the one forwarding into ``out``) ended: what ``_pump`` does when its loop
         ends; ``on_end`` after the last."""
         try:
-            if not out.from_client and not self.closed:
-                self._upstream_lost()
-            self.close()
+            if out.from_client and self._upstream_send_failed(out):
+                self._await_upstream_end(out)
+            else:
+                if not out.from_client and not self.closed:
+                    self._upstream_lost()
+                self.close()
             self._forget_pump(out)
         finally:
             self._live -= 1
