@@ -261,9 +261,14 @@ level = "info"
     def __enter__(self) -> ProxyProcess:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+        if exc_type is not None:
+            # the test failed inside the block: keep the proxy's log for the post-mortem
+            # (pytest shows stderr of a failed test; CI keeps its output)
+            print(f"rmqfast log kept at {self.log_path}; its last lines:\n{self.log_tail(60)}", file=sys.stderr)
+            return
         shutil.rmtree(self.workdir, ignore_errors=True)
