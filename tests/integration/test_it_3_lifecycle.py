@@ -26,6 +26,7 @@ from itutil import (
     SYSTEM_ERROR,
     assert_roundtrip,
     call,
+    checked,
     connect,
     drive,
     finish,
@@ -164,9 +165,11 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
 
             # counters never go backwards while the run goes on
             samples = [before]
-            sent = finish(producer, 90)
+            sent = checked(producer.result(90, check=False))
             samples.append(_requests_total(p))
-            consumed = finish(consumer, 90)
+            # (a send lost to the client's race below is never consumed: the consumer then stops at
+            # its timeout, one short)
+            consumed = finish(consumer, 90) if not sent["failed"] else checked(consumer.result(90, check=False))
             wait_until(lambda: p.get("/readyz")[0] == 200, BOUND, "readyz after the restart")
             samples.append(_requests_total(p))
             for a, b in zip(samples, samples[1:], strict=False):
@@ -178,9 +181,21 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
                 producer.kill()
             consumer.kill()
 
-        assert sent["sent_count"] == count and sent["failed"] == [], sent["failed"][:3]
+        # The Java client fails the requests in flight on a connection the moment it closes
+        # (NettyRemotingClient: channelInactive -> closeChannel -> close -> failFast), unless another
+        # client thread (its heartbeat, say) met the dead channel first: createChannelAsync drops an
+        # inactive channel from the table, closeChannel then finds nothing and skips the failFast,
+        # and the send in flight at the kill waits out its whole timeout (15 s: no time left for a
+        # retry).  Seen once in CI, 799 of 800.  So at most that one send may fail, by the client's
+        # timeout; every other send is acknowledged, and every acknowledged send arrives.
+        failed = sent["failed"]
+        assert len(failed) <= 1 and all("timeout" in f["error"] for f in failed), failed[:3]
+        if failed:
+            print(f"one send in flight at the kill timed out in the client: {failed[0]['error']}")
+        acked = {d["idx"] for d in sent["sent"]}
+        assert sent["sent_count"] == len(acked) == count - len(failed)
         got = {d["idx"] for d in consumed["received"] if d["run"] == sent["run_id"]}
-        assert got == set(range(count)), f"missing {sorted(set(range(count)) - got)[:20]}"
+        assert acked <= got, f"missing {sorted(acked - got)[:20]}"
         # (a send whose answer died with the worker may have been retried: duplicates are allowed)
         assert log_records(p, "worker died; restarting it", worker_pid=wpid)
         assert len(log_records(p, "worker ready")) == 3
