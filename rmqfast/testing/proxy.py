@@ -261,7 +261,7 @@ level = "info"
     def __enter__(self) -> ProxyProcess:
         return self.start()
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: object = None, *exc: object) -> None:
         self.stop()
         if self._lease is not None:
             self._lease.release()
