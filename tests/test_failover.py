@@ -490,6 +490,73 @@ def test_relay_answers_requests_in_flight_when_the_broker_connection_dies(proxy:
     dying.stop(timeout=1)
 
 
+def _answers_until_closed(s: socket.socket) -> list[RemotingCommand]:
+    """The frames the relay writes to the client until it closes (a reset counts as the close)."""
+    buf = bytearray()
+    answers = []
+    with gevent.Timeout(10):
+        try:
+            while (f := _read_frame(s, buf)) is not None:
+                answers.append(decode_frame(f))
+        except ConnectionResetError:
+            pass
+    return answers
+
+
+def _relay_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmqfast.proxy import relay
+
+    monkeypatch.setattr(relay, "USE_REACTOR", mode != "watchers")
+    monkeypatch.setattr(relay, "USE_URING", mode == "reactor-io_uring")
+    monkeypatch.setattr(relay, "_reactors", {})  # a reactor of this mode for this test
+    if mode == "reactor-io_uring" and relay.Pump is not None and not relay.reactor_of(gevent.get_hub()).uring:
+        pytest.skip("io_uring is not available here")
+
+
+@pytest.mark.parametrize("mode", ["reactor-io_uring", "reactor-syscalls", "watchers"])
+def test_a_send_failing_on_a_live_broker_connection_ends_the_session_answering_what_is_in_flight(
+        proxy: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Sends to the broker fail (here: the relay's own side of the connection is shut for writing)
+    while the broker's side stays open and silent: the upstream pump never meets an end.  After
+    UPSTREAM_END_WAIT the session ends as that pump would have: both requests, the one the broker
+    had and the one whose send failed, are answered SYSTEM_ERROR, once, and the session closes."""
+    from rmqfast.proxy import relay
+
+    _relay_mode(mode, monkeypatch)
+    monkeypatch.setattr(relay, "UPSTREAM_END_WAIT", 0.3)
+    port, _broker, stats, events, upstreams, sessions = proxy
+    got_first = gevent.event.Event()
+    done = gevent.event.Event()
+
+    def silent(sock: socket.socket, _addr: Any) -> None:
+        if _read_frame(sock, bytearray()) is not None:
+            got_first.set()
+        done.wait(30)
+
+    broker = StreamServer(("127.0.0.1", 0), silent)
+    broker.start()
+    upstreams[:] = [HostPort("127.0.0.1", broker.server_port)]
+    lost: list[tuple[int, int, int]] = []
+    events.upstream_lost = lambda session: lost.append(answer_in_flight(session, "rmqfast: broker gone; send again"))
+    s = relay_connect(port)
+    try:
+        s.sendall(send_frame(41))
+        with gevent.Timeout(10):
+            got_first.wait()
+        (session,) = sessions
+        session.upstream.shutdown(socket.SHUT_WR)  # the relay's next send to it fails (EPIPE)
+        s.sendall(send_frame(42))
+        answers = _answers_until_closed(s)
+        assert sorted(a.opaque for a in answers) == [41, 42]
+        assert all(a.code == C.SYSTEM_ERROR and "send again" in (a.remark or "") for a in answers), answers
+        assert lost == [(2, 2, 0)]  # once
+        wait_until(lambda: not sessions)
+    finally:
+        done.set()
+        s.close()
+        broker.stop(timeout=1)
+
+
 @pytest.mark.parametrize("mode", ["reactor-io_uring", "reactor-syscalls", "watchers"])
 def test_a_send_failing_on_a_reset_broker_connection_still_answers_what_is_in_flight(
         proxy: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
@@ -498,13 +565,7 @@ def test_a_send_failing_on_a_reset_broker_connection_still_answers_what_is_in_fl
     reset.  The first send, which the broker had, is answered SYSTEM_ERROR all the same (and the
     second one if the relay had read it), not dropped with the connection: a client whose close
     notice loses a race waits out its whole send timeout."""
-    from rmqfast.proxy import relay
-
-    monkeypatch.setattr(relay, "USE_REACTOR", mode != "watchers")
-    monkeypatch.setattr(relay, "USE_URING", mode == "reactor-io_uring")
-    monkeypatch.setattr(relay, "_reactors", {})  # a reactor of this mode for this test
-    if mode == "reactor-io_uring" and relay.Pump is not None and not relay.reactor_of(gevent.get_hub()).uring:
-        pytest.skip("io_uring is not available here")
+    _relay_mode(mode, monkeypatch)
     port, _broker, stats, events, upstreams, sessions = proxy
     conns: list[socket.socket] = []
     got_first = gevent.event.Event()
@@ -531,12 +592,10 @@ def test_a_send_failing_on_a_reset_broker_connection_still_answers_what_is_in_fl
         s.sendall(send_frame(42))
         conns[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         conns[0].close()
-        buf = bytearray()
-        answers = []
-        with gevent.Timeout(10):
-            while (f := _read_frame(s, buf)) is not None:
-                answers.append(decode_frame(f))
+        answers = _answers_until_closed(s)
         opaques = sorted(a.opaque for a in answers)
+        # [41] alone: the relay met the reset before it read 42 (then it closes with 42 unread,
+        # which resets the client's connection after the answer)
         assert opaques in ([41], [41, 42]), opaques
         assert all(a.code == C.SYSTEM_ERROR and "send again" in (a.remark or "") for a in answers), answers
         assert lost == [(len(answers), len(answers), 0)]

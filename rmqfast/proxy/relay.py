@@ -374,7 +374,7 @@ class Session(SessionCore):
     # instance dict would pass the 30 keys CPython shares between instances and cost ~1.6 KB
     # per connection instead of its inline values.
     __slots__ = ("client", "upstreams", "settings", "events", "upstream", "last_activity", "_heard", "conn_id", "hub",
-                 "_watchers", "_reactor", "_live", "_on_end")
+                 "_watchers", "_reactor", "_live", "_on_end", "_lost", "_end_wait")
 
     def __init__(
         self,
@@ -403,6 +403,8 @@ class Session(SessionCore):
         self._reactor: Any = None  # the reactor the compiled pumps wait in (set by _pump_c)
         self._live = 0  # pumps serving without a greenlet that have not ended (serve)
         self._on_end: Callable[[], None] | None = None
+        self._lost = False  # _upstream_lost ran (it runs once)
+        self._end_wait: Any = None  # the greenlet that ends the session if the upstream pump does not
 
     @property
     def client_lock(self) -> Semaphore:
@@ -472,7 +474,10 @@ class Session(SessionCore):
                 self._pump(self.client, upstream, self.c2u, "client", True)
                 if not self.closed:  # a send to the upstream failed: its pump ends the session (_await_upstream_end)
                     back.join(timeout=UPSTREAM_END_WAIT)
-                    self._end_after_upstream_wait()
+                    if self._lost:
+                        back.join()  # its end is under way (resends, answers): it closes when done
+                    else:
+                        self._end_after_upstream_wait()
             finally:
                 self.close()
                 back.join(timeout=5)
@@ -528,6 +533,10 @@ class Session(SessionCore):
                 tables.pop(self.inflight, None)
         self.chain.on_close(self)
         self._detach_pumps()
+        end_wait = self._end_wait
+        if end_wait is not None:  # (not when it is what closes: it cleared the field first)
+            self._end_wait = None
+            end_wait.kill(block=False)
         watchers = [w for pair in self._watchers.values() for w in pair] if self._watchers else []
         self._watchers = None
         # Thrown into a pump waiting on one of these watchers (a fresh one: it carries a traceback).
@@ -736,16 +745,22 @@ class Session(SessionCore):
         log.debug("send to the upstream failed; waiting for the upstream's end",
                   extra=ctx(role=self.role, client=self.client_addr, upstream=self.upstream_addr))
         if not waited_by_run:
-            gevent.spawn_later(UPSTREAM_END_WAIT, self._end_after_upstream_wait)
+            self._end_wait = gevent.spawn_later(UPSTREAM_END_WAIT, self._end_after_upstream_wait)
 
     def _end_after_upstream_wait(self) -> None:
-        if not self.closed:  # the upstream pump did not end by itself: end the session as it would
+        self._end_wait = None
+        # The upstream pump did not end by itself: end the session as it would (unless its end is
+        # under way: _upstream_lost may be waiting for resends, and closing now would drop them).
+        if not self.closed and not self._lost:
             self._upstream_lost()
             self.close()
 
     def _upstream_lost(self) -> None:
         """The upstream connection ended first: the worker hears of it (broker health) and may answer
         the client's requests still waiting (rmqfast.proxy.failover.answer_in_flight) before the close."""
+        if self._lost:
+            return
+        self._lost = True
         hook = getattr(self.events, "upstream_lost", None)
         if hook is None:
             return
