@@ -355,7 +355,6 @@ cdef class Pump:
         return st
 
     cdef int _work(self, bint may_send) except -1:
-        cdef tuple t
         cdef int st
         cdef ssize_t n
         cdef Py_ssize_t space, rest, end
@@ -369,10 +368,7 @@ cdef class Pump:
                     if self.pos + self.scanner._skip < end:
                         end = self.pos + self.scanner._skip
                 self.scan_end = end
-                t = self.scanner._scan(self.buf, self.pos, end, self.now)
-                self.pend_ev = t[0]
-                self.fwd = t[1]
-                self.pend_b = t[2]
+                self.pend_ev = self.scanner._scan_c(self.buf, self.pos, end, self.now, True, &self.fwd, &self.pend_b)
                 self.phase = PH_FLUSH
             if self.phase == PH_FLUSH:
                 while self.start < self.fwd:

@@ -107,6 +107,15 @@ cdef class FrameScanner:
             PyBuffer_Release(&view)
 
     cdef tuple _scan(self, uint8_t* p, Py_ssize_t start, Py_ssize_t end, int64_t now, bint writable=True):
+        """``scan``'s (event, a, b) as a tuple: for the Python API; the pump calls ``_scan_c``."""
+        cdef Py_ssize_t a, b
+        cdef int ev = self._scan_c(p, start, end, now, writable, &a, &b)
+        return (ev, a, b)
+
+    cdef int _scan_c(self, uint8_t* p, Py_ssize_t start, Py_ssize_t end, int64_t now, bint writable,
+                     Py_ssize_t* out_a, Py_ssize_t* out_b) except -1:
+        """The scan: returns the event (0 forward, 1 policy frame, 2 protocol error) and stores
+        its two positions in ``out_a``/``out_b`` (no Python object per frame)."""
         cdef Py_ssize_t pos = start, avail, take, total
         cdef int32_t length, mark
         cdef int stype, err, slot
@@ -124,37 +133,45 @@ cdef class FrameScanner:
             self._skip -= take
             pos += take
             if self._skip:
-                return (0, end, 0)
+                out_a[0] = end
+                out_b[0] = 0
+                return 0
         while pos < end:
             avail = end - pos
             if avail < 4:
-                return (0, pos, 8)
+                out_a[0] = pos
+                out_b[0] = 8
+                return 0
             length = rd_i32(p + pos)
             if length < 4:
-                return self._fail(pos, f"frame length {length} is shorter than the 4-byte header-length word")
+                return self._fail_c(out_a, out_b, pos, f"frame length {length} is shorter than the 4-byte header-length word")
             total = <Py_ssize_t>length + 4
             if total > self.max_frame_size:
-                return self._fail(pos, f"frame of {total} bytes exceeds the limit of {self.max_frame_size} bytes")
+                return self._fail_c(out_a, out_b, pos, f"frame of {total} bytes exceeds the limit of {self.max_frame_size} bytes")
             if avail < 8:
-                return (0, pos, 8)
+                out_a[0] = pos
+                out_b[0] = 8
+                return 0
             mark = rd_i32(p + pos + 4)
             stype = (mark >> 24) & 0xFF
             hlen = mark & 0xFFFFFF
             if stype > 1:
-                return self._fail(pos, f"unknown serialize type {stype} (0 = JSON, 1 = ROCKETMQ)")
+                return self._fail_c(out_a, out_b, pos, f"unknown serialize type {stype} (0 = JSON, 1 = ROCKETMQ)")
             if hlen > length - 4:
-                return self._fail(pos, f"header length {hlen} exceeds frame length {length}")
+                return self._fail_c(out_a, out_b, pos, f"header length {hlen} exceeds frame length {length}")
             if hlen > self.max_header_size:
-                return self._fail(pos, f"header of {hlen} bytes exceeds the limit of {self.max_header_size} bytes")
+                return self._fail_c(out_a, out_b, pos, f"header of {hlen} bytes exceeds the limit of {self.max_header_size} bytes")
             if avail < 8 + hlen:
-                return (0, pos, 8 + hlen)
+                out_a[0] = pos
+                out_b[0] = 8 + hlen
+                return 0
             header_info_clear(&info)
             if stype == 0:
                 err = parse_json_header(p + pos + 8, hlen, &info)
             else:
                 err = parse_binary_header(p + pos + 8, hlen, &info)
             if err != E_OK:
-                return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[err]}")
+                return self._fail_c(out_a, out_b, pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[err]}")
             slot = code_slot(info.code)
             is_response = info.flag & 1
             limit_check = False
@@ -183,7 +200,7 @@ cdef class FrameScanner:
                 elif info.code == PULL or info.code == LITE_PULL:
                     ts, tl, tesc = info.t_start, info.t_len, info.t_esc
                 if ts >= 0 and tesc:
-                    return self._fail(pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
+                    return self._fail_c(out_a, out_b, pos, f"invalid {'JSON' if stype == 0 else 'ROCKETMQ'} header: {_ERRORS[E_TOPIC_ESCAPED]}")
                 policy = self._actions[slot] == 1
                 if self._actions[slot] == ACTION_RECORDS_C and not info.flag & 2:
                     # the scanner maps the store hosts of the answer (records.pxi); one request per
@@ -191,17 +208,17 @@ cdef class FrameScanner:
                     if self.inflight is None:
                         policy = True
                     elif self.inflight.want_of_c(self.direction, info.opaque) >= 0:
-                        return self._fail(pos, f"request {info.code} reuses opaque {info.opaque} while a request "
+                        return self._fail_c(out_a, out_b, pos, f"request {info.code} reuses opaque {info.opaque} while a request "
                                                "with it is unanswered (its answer could not be told apart and "
                                                "its broker addresses rewritten)")
                     elif self.inflight.count >= self.inflight.capacity:
-                        return self._fail(pos, f"more than {self.inflight.capacity} requests unanswered on one "
+                        return self._fail_c(out_a, out_b, pos, f"more than {self.inflight.capacity} requests unanswered on one "
                                                "connection (the answers' broker addresses could not be rewritten)")
                     else:
                         rec = True
                 elif self.inflight is not None and self.inflight.nwant > 0 and \
                         self.inflight.want_of_c(self.direction, info.opaque) == 2:
-                    return self._fail(pos, f"request {info.code} reuses opaque {info.opaque} while a request "
+                    return self._fail_c(out_a, out_b, pos, f"request {info.code} reuses opaque {info.opaque} while a request "
                                            "whose answer's broker addresses are rewritten is unanswered")
                 if not policy and ts >= 0 and self.policy_topics and info.code != PULL and info.code != LITE_PULL:
                     # every send of these topics leaves the fast path (gray releases: split topics),
@@ -218,7 +235,9 @@ cdef class FrameScanner:
                     # a limited send is decided whole (a rejected one is never relayed)
                     limit_check = self.limiter.applies(p + pos + 8 + ts, <int>tl)
             if (policy or batch or limit_check or (rec and is_response and info.code == 0)) and avail < total:
-                return (0, pos, total)
+                out_a[0] = pos
+                out_b[0] = total
+                return 0
             stats.frames += 1
             stats.bytes += total
             if is_response:
@@ -255,12 +274,18 @@ cdef class FrameScanner:
                 self.code = info.code
                 self.flag = info.flag
                 self.opaque = info.opaque
-                return (1, pos, pos + total)
+                out_a[0] = pos
+                out_b[0] = pos + total
+                return 1
             if avail < total:
                 self._skip = total - avail
-                return (0, end, 0)
+                out_a[0] = end
+                out_b[0] = 0
+                return 0
             pos += total
-        return (0, pos, 0)
+        out_a[0] = pos
+        out_b[0] = 0
+        return 0
 
     cdef void _time(self, int slot, int32_t code, int flag, int32_t opaque, int64_t now, bint policy,
                     Py_ssize_t total, int topic_idx, int want=0) except *:
@@ -297,7 +322,9 @@ cdef class FrameScanner:
                 e.messages += 1
         return <int>(e - self.stats._topics)
 
-    cdef tuple _fail(self, Py_ssize_t pos, str message):
+    cdef int _fail_c(self, Py_ssize_t* out_a, Py_ssize_t* out_b, Py_ssize_t pos, str message) except -1:
         self.error = message
         self.stats.protocol_errors += 1
-        return (2, pos, 0)
+        out_a[0] = pos
+        out_b[0] = 0
+        return 2
