@@ -70,6 +70,12 @@ cdef enum:
     PS_OVER_BUDGET = 9   # a frame held whole took the BufferBudget past its limit
     PS_QUEUED = 10       # (reactor only) a receive or send is queued in the reactor's ring
 
+# ``may_send`` of a step: 0 no (another writer holds the destination), 1 yes (the caller checked, or
+# holds the lock itself), MAY_ASK: the pump asks its ``locked`` right before a send (the reactor:
+# most steps of a turn send nothing, and the question is a Python call).
+cdef enum:
+    MAY_ASK = 2
+
 P_WAIT_READ = PS_WAIT_READ
 P_WAIT_WRITE = PS_WAIT_WRITE
 P_WAIT_LOCK = PS_WAIT_LOCK
@@ -346,7 +352,7 @@ cdef class Pump:
             raise RuntimeError("step() called while an operation of the pump is queued in the reactor")
         return self._step(may_send)
 
-    cdef int _step(self, bint may_send) except -1:
+    cdef int _step(self, int may_send) except -1:
         cdef int st
         if self.buf == NULL:
             self._take_buffer()
@@ -354,7 +360,7 @@ cdef class Pump:
         self._give_back()
         return st
 
-    cdef int _work(self, bint may_send) except -1:
+    cdef int _work(self, int may_send) except -1:
         cdef int st
         cdef ssize_t n
         cdef Py_ssize_t space, rest, end
@@ -374,6 +380,8 @@ cdef class Pump:
                 while self.start < self.fwd:
                     if not may_send:
                         return PS_WAIT_LOCK
+                    if may_send == MAY_ASK and self.locked is not None and self.locked():
+                        return PS_WAIT_LOCK  # another writer is mid-write on the destination
                     if (self.ring != NULL and self.fwd - self.start <= RING_BYTES_MAX
                             and rmq_uring_prep_send(self.ring, self.dst, self.buf + self.start,
                                                                  <unsigned>(self.fwd - self.start),
@@ -472,7 +480,7 @@ cdef class Pump:
             return PS_OVER_BUDGET
         return -1
 
-    cdef int _resume(self, int res, bint may_send) except -1:
+    cdef int _resume(self, int res, int may_send) except -1:
         """The reactor's ring completed the pump's queued operation with ``res`` (bytes, or
         -errno): take the result as ``_work`` would have taken the system call's, and go on."""
         cdef int st

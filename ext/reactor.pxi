@@ -57,6 +57,7 @@ cdef extern from "<unistd.h>" nogil:
 
 cdef extern from "<string.h>" nogil:
     char* c_strerror "strerror"(int errnum)
+    void* memset(void* s, int c, size_t n)
 
 cdef extern from "<errno.h>" nogil:
     enum: ECANCELED
@@ -80,7 +81,11 @@ cdef class Reactor:
     """
 
     cdef int epfd
-    cdef dict pumps              # source fd -> Pump
+    cdef dict pumps              # source fd -> Pump (owns them)
+    # The same map as a table indexed by fd (borrowed pointers, NULL where none): a poll's
+    # events are looked up without a dict lookup and an int object each.
+    cdef void** by_fd
+    cdef int by_fd_cap
     cdef readonly Py_ssize_t turns, steps, wakeups, repolls, polls_empty
     cdef rmq_uring ring
     cdef bint use_ring
@@ -122,6 +127,7 @@ cdef class Reactor:
         if self.epfd >= 0:
             c_close(self.epfd)
         rmq_uring_free(&self.ring)
+        free(self.by_fd)
 
     def _test_ops_may_wait(self):
         """A test aid: queue operations without MSG_DONTWAIT from now on, so that one can stay in
@@ -154,9 +160,12 @@ cdef class Reactor:
         ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET
         ev.data.u64 = 0
         ev.data.fd = pump.src
+        if pump.src >= self.by_fd_cap:
+            self._grow(pump.src)
         if epoll_ctl(self.epfd, EPOLL_CTL_ADD, pump.src, &ev) < 0:
             raise OSError(errno, c_strerror(errno).decode())
         self.pumps[pump.src] = pump
+        self.by_fd[pump.src] = <void*>pump
         pump.locked = locked
         pump.ready_in = True  # bytes may have arrived before the registration
         pump.waiter = None
@@ -171,11 +180,24 @@ cdef class Reactor:
         pump.attached = False
         if self.pumps.get(pump.src) is pump:
             del self.pumps[pump.src]
+            self.by_fd[pump.src] = NULL
             epoll_ctl(self.epfd, EPOLL_CTL_DEL, pump.src, &ev)  # fails harmlessly once closed
         waiter = pump.waiter
         pump.waiter = None
         pump.locked = None
         return waiter
+
+    cdef void _grow(self, int fd) except *:
+        cdef int cap = self.by_fd_cap * 2 if self.by_fd_cap else 1024
+        cdef void** table
+        while cap <= fd:
+            cap *= 2
+        table = <void**>realloc(self.by_fd, cap * sizeof(void*))
+        if table == NULL:
+            raise MemoryError()
+        memset(table + self.by_fd_cap, 0, (cap - self.by_fd_cap) * sizeof(void*))
+        self.by_fd = table
+        self.by_fd_cap = cap
 
     def park(self, Pump pump not None, object waiter not None):
         """The pump's own step said P_WAIT_READ: step it again while its source became readable
@@ -186,7 +208,7 @@ cdef class Reactor:
         while pump.ready_in:
             pump.ready_in = False
             self.steps += 1
-            st = pump._step(pump.locked is None or not pump.locked())
+            st = pump._step(MAY_ASK)
             if st != PS_WAIT_READ:
                 return st
         pump.waiter = waiter
@@ -212,14 +234,13 @@ cdef class Reactor:
                 return
 
     cdef void _handle(self, epoll_event* evs, int n) except *:
-        cdef int i, st
+        cdef int i, st, fd
         cdef Pump pump
-        cdef object found
         for i in range(n):
-            found = self.pumps.get(evs[i].data.fd)
-            if found is None:
+            fd = evs[i].data.fd
+            if fd < 0 or fd >= self.by_fd_cap or self.by_fd[fd] == NULL:
                 continue  # detached by a greenlet woken earlier in this turn
-            pump = <Pump>found
+            pump = <Pump>self.by_fd[fd]
             if evs[i].events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR):
                 # The peer closed (or the socket failed).  Edge-triggered: if the close came in
                 # with the last bytes, no later edge will report it, so the pump reads until
@@ -232,7 +253,7 @@ cdef class Reactor:
             if self.use_ring and n >= self.ring_min:
                 pump.ring = &self.ring
             try:
-                st = pump._step(self._may_send(pump))
+                st = pump._step(MAY_ASK)
             except BaseException:
                 st = PS_YIELD  # the greenlet steps again itself and meets the error there
             if st == PS_QUEUED:
@@ -245,13 +266,6 @@ cdef class Reactor:
             self._run_ring()
         if self.wake:
             self._wake_all()
-
-    cdef bint _may_send(self, Pump pump) noexcept:
-        """Whether ``pump`` may send now: no one else holds its destination's write lock."""
-        try:
-            return pump.locked is None or not pump.locked()
-        except BaseException:
-            return False  # it waits for the lock in its greenlet, which meets the error there
 
     cdef void _settle(self, Pump pump, int st) except *:
         """A pump stepped in this turn is done (``st``): parked again, or its greenlet is woken
@@ -332,7 +346,7 @@ cdef class Reactor:
                 self._step_plain(pump)
                 return
         try:
-            st = pump._resume(res, self._may_send(pump))
+            st = pump._resume(res, MAY_ASK)
         except BaseException:
             st = PS_YIELD
         if st == PS_QUEUED:
@@ -345,7 +359,7 @@ cdef class Reactor:
         cdef int st
         pump._unqueue()
         try:
-            st = pump._step(self._may_send(pump))
+            st = pump._step(MAY_ASK)
         except BaseException:
             st = PS_YIELD
         self._settle(pump, st)
