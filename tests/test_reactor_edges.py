@@ -16,6 +16,8 @@ pure-Python pump) under gevent with the same orderings at the connection level.
 from __future__ import annotations
 
 import errno
+import os
+import resource
 import select
 import socket
 import ssl
@@ -464,6 +466,44 @@ def test_attach_after_arrival(before):
         reactor.detach(pump)
         for s in (src_peer, src, dst, dst_peer):
             s.close()
+
+
+@needs_reactor
+def test_a_source_numbered_past_the_first_table_and_a_number_reused():
+    """The reactor finds a source's pump by its descriptor number in a table it grows on attach:
+    a source numbered 3000 is stepped, and after a detach the same number serves the next pump."""
+    high = 3000
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= high:
+        pytest.skip(f"the open-files limit ({hard}) is below {high + 1}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, high + 1), hard))
+    reactor = Reactor()
+    try:
+        for round_ in (1, 2):
+            src_peer, src = nonblocking_pair()
+            dst, dst_peer = nonblocking_pair()
+            os.dup2(src.fileno(), high)
+            try:
+                scanner = codec.FrameScannerC(codec.ScanStatsC(), actions=actions())
+                pump = codec.Pump(scanner, high, dst.fileno(), BUF)
+                reactor.attach(pump, lambda: False)
+                assert pump.step(True) == P_WAIT_READ
+                wake = Wake()
+                assert reactor.park(pump, wake) == -1  # parked: only the turn can step it now
+                src_peer.sendall(forward_frame(round_))
+                assert select.select([reactor.fileno()], [], [], 10)[0]
+                reactor.turn()  # finds the pump by number 3000, which forwards and parks again
+                sink = bytearray()
+                drain(dst_peer, sink)
+                assert bytes(sink) == forward_frame(round_) and wake.got == []
+                assert reactor.detach(pump) is wake
+                assert len(reactor) == 0
+            finally:
+                os.close(high)
+                for sock in (src_peer, src, dst, dst_peer):
+                    sock.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @needs_reactor
