@@ -62,6 +62,7 @@ cdef extern from "<string.h>" nogil:
 cdef extern from "<errno.h>" nogil:
     enum: ECANCELED
     enum: EIO
+    enum: EBADF
 
 DEF REACTOR_EVENTS = 256
 DEF URING_ENTRIES = 256   # size of the submission ring (at most one queued operation per pump)
@@ -160,6 +161,8 @@ cdef class Reactor:
         ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET
         ev.data.u64 = 0
         ev.data.fd = pump.src
+        if pump.src < 0:
+            raise OSError(EBADF, "the pump's source is closed")
         if pump.src >= self.by_fd_cap:
             self._grow(pump.src)
         if epoll_ctl(self.epfd, EPOLL_CTL_ADD, pump.src, &ev) < 0:
