@@ -190,7 +190,7 @@ cdef class Reactor:
         pump.locked = None
         return waiter
 
-    cdef void _grow(self, int fd) except *:
+    cdef int _grow(self, int fd) except -1:
         cdef int cap = self.by_fd_cap * 2 if self.by_fd_cap else 1024
         cdef void** table
         while cap <= fd:
@@ -201,6 +201,7 @@ cdef class Reactor:
         memset(table + self.by_fd_cap, 0, (cap - self.by_fd_cap) * sizeof(void*))
         self.by_fd = table
         self.by_fd_cap = cap
+        return 0
 
     def park(self, Pump pump not None, object waiter not None):
         """The pump's own step said P_WAIT_READ: step it again while its source became readable
@@ -236,7 +237,7 @@ cdef class Reactor:
                 self.polls_empty += 1
                 return
 
-    cdef void _handle(self, epoll_event* evs, int n) except *:
+    cdef int _handle(self, epoll_event* evs, int n) except -1:
         cdef int i, st, fd
         cdef Pump pump
         for i in range(n):
@@ -269,20 +270,22 @@ cdef class Reactor:
             self._run_ring()
         if self.wake:
             self._wake_all()
+        return 0
 
-    cdef void _settle(self, Pump pump, int st) except *:
+    cdef int _settle(self, Pump pump, int st) except -1:
         """A pump stepped in this turn is done (``st``): parked again, or its greenlet is woken
         once the turn's operations are all done."""
         pump.ring = NULL
         if st == PS_WAIT_READ:
-            return
+            return 0
         waiter = pump.waiter
         pump.waiter = None
         self.wakeups += 1
         self.wake.append(waiter)
         self.wake.append(st)
+        return 0
 
-    cdef void _wake_all(self) except *:
+    cdef int _wake_all(self) except -1:
         """Wake the greenlets of the pumps that need Python, each once, in order; one that raises
         does not keep the others waiting (the first error goes on to the hub afterwards)."""
         cdef list wake = self.wake
@@ -297,8 +300,9 @@ cdef class Reactor:
                     error = exc
         if error is not None:
             raise error
+        return 0
 
-    cdef void _run_ring(self) except *:
+    cdef int _run_ring(self) except -1:
         """Issue the queued operations with one io_uring_enter, resume their pumps, and again
         while resumed pumps queue more."""
         cdef list batch
@@ -338,8 +342,9 @@ cdef class Reactor:
                 # rules out.  Its buffer is the kernel's until it completes: cancel it, wait for
                 # its completion, and give the ring up.
                 left = self._cancel_pending(batch, left)
+        return 0
 
-    cdef void _complete(self, Pump pump, int res) except *:
+    cdef int _complete(self, Pump pump, int res) except -1:
         """The completion of ``pump``'s operation: resume it with the result."""
         cdef int st
         pump.in_ring = False
@@ -347,7 +352,7 @@ cdef class Reactor:
             pump.ring = NULL
             if res == -ECANCELED:  # cancelled (see _cancel_pending): it did not happen
                 self._step_plain(pump)
-                return
+                return 0
         try:
             st = pump._resume(res, MAY_ASK)
         except BaseException:
@@ -356,8 +361,9 @@ cdef class Reactor:
             self.queued.append(pump)
         else:
             self._settle(pump, st)
+        return 0
 
-    cdef void _step_plain(self, Pump pump) except *:
+    cdef int _step_plain(self, Pump pump) except -1:
         """Step a pump whose queued operation is not issued through the ring after all."""
         cdef int st
         pump._unqueue()
@@ -366,6 +372,7 @@ cdef class Reactor:
         except BaseException:
             st = PS_YIELD
         self._settle(pump, st)
+        return 0
 
     cdef int _cancel_pending(self, list batch, int left) except -1:
         """``left`` operations of ``batch`` have not completed: drop what resumed pumps queued
@@ -399,6 +406,7 @@ cdef class Reactor:
             self._step_plain(pump)
         return left
 
-    cdef void _give_up(self, str why) except *:
+    cdef int _give_up(self, str why) except -1:
         self.use_ring = False
         self.uring_off = why
+        return 0
