@@ -63,14 +63,17 @@ cdef extern from "<errno.h>" nogil:
     enum: ECANCELED
     enum: EIO
     enum: EBADF
+    enum: EMFILE
 
 DEF REACTOR_EVENTS = 256
 DEF URING_ENTRIES = 256   # size of the submission ring (at most one queued operation per pump)
 # Pumps queued before the reactor issues their operations: each holds a receive buffer until its
 # operation is done, and the process keeps only POOL_MAX free ones for reuse.
 DEF URING_BATCH = 32
+DEF FD_TABLE_MAX = 1 << 26  # descriptor numbers the fd table covers (512 MiB of pointers at most)
 
 
+@cython.no_gc_clear  # its fd table borrows the pumps its dict owns: the dict must stay until __dealloc__
 cdef class Reactor:
     """One epoll set for the sources of the compiled pumps of a process (see the section comment).
 
@@ -191,16 +194,20 @@ cdef class Reactor:
         return waiter
 
     cdef int _grow(self, int fd) except -1:
-        cdef int cap = self.by_fd_cap * 2 if self.by_fd_cap else 1024
+        cdef size_t cap = <size_t>self.by_fd_cap * 2 if self.by_fd_cap else 1024
         cdef void** table
-        while cap <= fd:
+        if fd >= FD_TABLE_MAX:
+            raise OSError(EMFILE, f"descriptor {fd} is past the reactor's table ({FD_TABLE_MAX} entries)")
+        while cap <= <size_t>fd:
             cap *= 2
+        if cap > FD_TABLE_MAX:
+            cap = FD_TABLE_MAX
         table = <void**>realloc(self.by_fd, cap * sizeof(void*))
         if table == NULL:
             raise MemoryError()
-        memset(table + self.by_fd_cap, 0, (cap - self.by_fd_cap) * sizeof(void*))
+        memset(table + self.by_fd_cap, 0, (cap - <size_t>self.by_fd_cap) * sizeof(void*))
         self.by_fd = table
-        self.by_fd_cap = cap
+        self.by_fd_cap = <int>cap
         return 0
 
     def park(self, Pump pump not None, object waiter not None):
