@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import struct
 import time
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import gevent
@@ -513,6 +515,39 @@ def _relay_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("io_uring is not available here")
 
 
+@contextlib.contextmanager
+def _broker_holding_the_first_send(relayed: Any) -> Iterator[tuple[socket.socket, list[socket.socket], list[Any]]]:
+    """A relayed connection to a broker that reads one frame and then holds its connection open,
+    silent.  Yields (the client's socket, the broker's side of the connection, what each
+    ``upstream_lost`` returned) once the broker has the client's first send (opaque 41)."""
+    port, _broker, stats, events, upstreams, sessions = relayed
+    conns: list[socket.socket] = []
+    got_first = gevent.event.Event()
+    done = gevent.event.Event()
+
+    def hold(sock: socket.socket, _addr: Any) -> None:
+        conns.append(sock)
+        if _read_frame(sock, bytearray()) is not None:
+            got_first.set()
+        done.wait(30)
+
+    broker = StreamServer(("127.0.0.1", 0), hold)
+    broker.start()
+    upstreams[:] = [HostPort("127.0.0.1", broker.server_port)]
+    lost: list[Any] = []
+    events.upstream_lost = lambda session: lost.append(answer_in_flight(session, "rmqfast: broker gone; send again"))
+    s = relay_connect(port)
+    try:
+        s.sendall(send_frame(41))
+        with gevent.Timeout(10):
+            got_first.wait()
+        yield s, conns, lost
+    finally:
+        done.set()
+        s.close()
+        broker.stop(timeout=1)
+
+
 @pytest.mark.parametrize("mode", ["reactor-io_uring", "reactor-syscalls", "watchers"])
 def test_a_send_failing_on_a_live_broker_connection_ends_the_session_answering_what_is_in_flight(
         proxy: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
@@ -524,25 +559,8 @@ def test_a_send_failing_on_a_live_broker_connection_ends_the_session_answering_w
 
     _relay_mode(mode, monkeypatch)
     monkeypatch.setattr(relay, "UPSTREAM_END_WAIT", 0.3)
-    port, _broker, stats, events, upstreams, sessions = proxy
-    got_first = gevent.event.Event()
-    done = gevent.event.Event()
-
-    def silent(sock: socket.socket, _addr: Any) -> None:
-        if _read_frame(sock, bytearray()) is not None:
-            got_first.set()
-        done.wait(30)
-
-    broker = StreamServer(("127.0.0.1", 0), silent)
-    broker.start()
-    upstreams[:] = [HostPort("127.0.0.1", broker.server_port)]
-    lost: list[tuple[int, int, int]] = []
-    events.upstream_lost = lambda session: lost.append(answer_in_flight(session, "rmqfast: broker gone; send again"))
-    s = relay_connect(port)
-    try:
-        s.sendall(send_frame(41))
-        with gevent.Timeout(10):
-            got_first.wait()
+    sessions = proxy[5]
+    with _broker_holding_the_first_send(proxy) as (s, _conns, lost):
         (session,) = sessions
         session.upstream.shutdown(socket.SHUT_WR)  # the relay's next send to it fails (EPIPE)
         s.sendall(send_frame(42))
@@ -551,10 +569,6 @@ def test_a_send_failing_on_a_live_broker_connection_ends_the_session_answering_w
         assert all(a.code == C.SYSTEM_ERROR and "send again" in (a.remark or "") for a in answers), answers
         assert lost == [(2, 2, 0)]  # once
         wait_until(lambda: not sessions)
-    finally:
-        done.set()
-        s.close()
-        broker.stop(timeout=1)
 
 
 @pytest.mark.parametrize("mode", ["reactor-io_uring", "reactor-syscalls", "watchers"])
@@ -566,27 +580,8 @@ def test_a_send_failing_on_a_reset_broker_connection_still_answers_what_is_in_fl
     second one if the relay had read it), not dropped with the connection: a client whose close
     notice loses a race waits out its whole send timeout."""
     _relay_mode(mode, monkeypatch)
-    port, _broker, stats, events, upstreams, sessions = proxy
-    conns: list[socket.socket] = []
-    got_first = gevent.event.Event()
-    done = gevent.event.Event()
-
-    def swallow(sock: socket.socket, _addr: Any) -> None:
-        conns.append(sock)
-        if _read_frame(sock, bytearray()) is not None:
-            got_first.set()
-        done.wait(30)
-
-    dying = StreamServer(("127.0.0.1", 0), swallow)
-    dying.start()
-    upstreams[:] = [HostPort("127.0.0.1", dying.server_port)]
-    lost: list[tuple[int, int, int]] = []
-    events.upstream_lost = lambda session: lost.append(answer_in_flight(session, "rmqfast: broker gone; send again"))
-    s = relay_connect(port)
-    try:
-        s.sendall(send_frame(41))
-        with gevent.Timeout(10):
-            got_first.wait()
+    sessions = proxy[5]
+    with _broker_holding_the_first_send(proxy) as (s, conns, lost):
         # No switch from here until both are in the kernel: the client's next send first, then
         # the reset (SO_LINGER 0), so one poll of the relay finds both.
         s.sendall(send_frame(42))
@@ -600,10 +595,6 @@ def test_a_send_failing_on_a_reset_broker_connection_still_answers_what_is_in_fl
         assert all(a.code == C.SYSTEM_ERROR and "send again" in (a.remark or "") for a in answers), answers
         assert lost == [(len(answers), len(answers), 0)]
         wait_until(lambda: not sessions)
-    finally:
-        done.set()
-        s.close()
-        dying.stop(timeout=1)
 
 
 def test_draining_session_close_rule() -> None:
