@@ -115,8 +115,16 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
         ep_port = int(endpoint.rpartition(":")[2])
         pids = p.worker_pids()
         assert len(pids) == 2
+        # The consumer's connections may die with the worker too.  Its recovery runs on the Java
+        # client's own timers: a pull stranded by the close race described below is failed by
+        # its 30 s timeout (then retried 3 s later), the broker forgets the consumer with its
+        # connection until the next 30 s heartbeat, and a rebalance every 20 s drops and takes
+        # back queues meanwhile: the deadline leaves room for all of them.  The drivers' logs go
+        # to the proxy's work directory, which a failing test keeps.
+        drivers = p.workdir / "drivers"
         consumer = start_driver(
-            "consume-push", p.namesrv_addr, "5", topic=topic, expect=count, timeout_ms=60000, settle_ms=500
+            "consume-push", p.namesrv_addr, "5", topic=topic, expect=count, timeout_ms=150000, settle_ms=500,
+            log_dir=drivers,
         )
         producer = None
         try:
@@ -133,6 +141,7 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
                 mode="sync",
                 retries=5,
                 send_timeout_ms=SEND_TIMEOUT_MS,
+                log_dir=drivers,
             )
 
             # the worker that holds the producer's broker connection: match the producer's
@@ -169,7 +178,7 @@ def test_worker_killed_under_load(cluster: RocketMQCluster) -> None:
             samples.append(_requests_total(p))
             # (a send lost to the client's race below is never consumed: the consumer then stops at
             # its timeout, one short)
-            consumed = finish(consumer, 90) if not sent["failed"] else checked(consumer.result(90, check=False))
+            consumed = finish(consumer, 180) if not sent["failed"] else checked(consumer.result(180, check=False))
             wait_until(lambda: p.get("/readyz")[0] == 200, BOUND, "readyz after the restart")
             samples.append(_requests_total(p))
             for a, b in zip(samples, samples[1:], strict=False):
