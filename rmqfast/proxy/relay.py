@@ -701,12 +701,7 @@ class Session(SessionCore):
             self._ended_by(exc, side)
         finally:
             out = self._out_of(dst)
-            if from_client and out is not None and self._upstream_send_failed(out):
-                self._await_upstream_end(out, waited_by_run=True)
-            else:
-                if not from_client and not self.closed:
-                    self._upstream_lost()
-                self.close()
+            self._direction_ended(out, from_client, waited_by_run=True)
             if out is not None:
                 self._forget_pump(out)  # its buffers (and budget share) go now, not when the session is collected
 
@@ -723,6 +718,17 @@ class Session(SessionCore):
         if out is self.to_client:
             self._heard = self.heard_at()
         out.pump = None
+
+    def _direction_ended(self, out: _Out | None, from_client: bool, waited_by_run: bool = False) -> None:
+        """The pump forwarding into ``out`` ended: the session ends with it (after answering what
+        is in flight when the upstream ended), unless the client's direction ended on a failed
+        send to the upstream (:meth:`_await_upstream_end`)."""
+        if from_client and out is not None and self._upstream_send_failed(out):
+            self._await_upstream_end(out, waited_by_run)
+            return
+        if not from_client and not self.closed:
+            self._upstream_lost()
+        self.close()
 
     def _upstream_send_failed(self, out: _Out) -> bool:
         """Whether the client's direction (forwarding into ``out``) ended because a send to the
@@ -951,12 +957,7 @@ class Session(SessionCore):
         """A parked pump (the one forwarding into ``out``) ended: what ``_pump`` does when its loop
         ends; ``on_end`` after the last."""
         try:
-            if out.from_client and self._upstream_send_failed(out):
-                self._await_upstream_end(out)
-            else:
-                if not out.from_client and not self.closed:
-                    self._upstream_lost()
-                self.close()
+            self._direction_ended(out, out.from_client)
             self._forget_pump(out)
         finally:
             self._live -= 1
