@@ -43,6 +43,31 @@ def test_the_pumps_of_one_poll_share_each_io_uring_enter(rig, reactor_mode: str)
 
 
 @needs_reactor
+def test_more_ready_sources_than_one_batch_go_out_in_full_batches(rig, reactor_mode: str) -> None:  # noqa: F811
+    """70 sources ready at one poll, more than a batch (32 queued pumps): the reactor issues each
+    full batch, resumes its pumps while the next fills, and every frame arrives whole, each
+    once, with no greenlet woken."""
+    rigs, reactor = _on_one_reactor(rig, 70, 0)
+    wakes = []
+    for r in rigs:
+        wakes.append(Wake())
+        assert reactor.park(r.pump, wakes[-1]) == -1
+    for i, r in enumerate(rigs):
+        r.send(forward_frame(i, 100 + i))
+    reactor.turn()
+    for i, r in enumerate(rigs):
+        sink = bytearray()
+        drain(r.dst_peer, sink)
+        assert bytes(sink) == forward_frame(i, 100 + i)
+    assert all(w.got == [] for w in wakes)
+    if reactor_mode == "io_uring":
+        # receives of 32, their sends, receives of 32, their sends, then the last 6 of each
+        assert (reactor.submits, reactor.ring_ops) == (6, 140)
+    else:
+        assert (reactor.submits, reactor.ring_ops) == (0, 0)
+
+
+@needs_reactor
 def test_a_ring_that_fails_is_given_up_and_nothing_is_lost(rig, reactor_mode: str) -> None:  # noqa: F811
     """io_uring_enter fails (here: the ring's descriptor now names /dev/null): the reactor gives
     the ring up for good, says why, and steps the queued pumps with plain system calls; the
