@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -69,6 +70,10 @@ def get_spark(master: str | None = None, app: str = "rmqfast-analyze", driver_me
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    # py4j says at INFO every time it drops a gateway connection; when the JVM is already gone
+    # at interpreter exit, its garbage-collection thread logs a traceback per Java object left
+    # (into whatever stream the root logger had, often closed by then).  Its warnings stay.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
     return spark
 
 
