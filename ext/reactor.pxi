@@ -93,12 +93,13 @@ cdef class Reactor:
     cdef readonly Py_ssize_t turns, steps, wakeups, repolls, polls_empty
     cdef rmq_uring ring
     cdef bint use_ring
-    # The pumps with an operation in the ring, in submission order: two arrays of borrowed
-    # pointers (the dict owns the pumps, and no Python that could detach one runs while it is
-    # queued), the one being filled and the one being issued.  A queue holds at most
-    # URING_BATCH pumps: ``_handle`` issues a full one, and the pumps of a batch being resumed
-    # queue at most one operation each.  (A Python list cost ~180 instructions per send and
-    # answer.)
+    # The pumps with an operation in the ring, in submission order: two arrays of pointers, the
+    # one being filled and the one being issued.  Each entry holds a reference (taken by
+    # ``_queue``, dropped once its operation is done), so that a pump stays alive whatever
+    # happens between queueing and completion (an error escaping a turn leaks it rather than
+    # leaving the kernel a freed buffer).  A queue holds at most URING_BATCH pumps: ``_handle``
+    # issues a full one, and the pumps of a batch being resumed queue at most one operation
+    # each.  (A Python list cost ~180 instructions per send and answer.)
     cdef void* qbuf[2 * URING_BATCH]
     cdef void** queued
     cdef int nqueued
@@ -321,21 +322,28 @@ cdef class Reactor:
     cdef inline int _queue(self, Pump pump) except -1:
         if self.nqueued >= URING_BATCH:  # cannot happen (see ``qbuf``): fail loudly, not past the array
             raise RuntimeError("reactor ring queue overflow")
+        Py_INCREF(pump)  # dropped by _run_ring (or _cancel_pending) once its operation is done
         self.queued[self.nqueued] = <void*>pump
         self.nqueued += 1
         return 0
+
+    cdef inline void _release(self, void** pumps, int n) noexcept:
+        """Drop the references ``_queue`` took for ``pumps[:n]``."""
+        cdef int i
+        for i in range(n):
+            Py_DECREF(<object>pumps[i])
 
     cdef int _run_ring(self) except -1:
         """Issue the queued operations with one io_uring_enter, resume their pumps, and again
         while resumed pumps queue more."""
         cdef void** batch
-        cdef int nb, i
+        cdef int nb, queued_n, i
         cdef int k, res, left
         cdef uint64_t data
         while self.nqueued:
             # Issue this queue; resumed pumps queue into the other array meanwhile.
             batch = self.queued
-            nb = self.nqueued
+            nb = queued_n = self.nqueued
             if batch == &self.qbuf[0]:
                 self.queued = &self.qbuf[URING_BATCH]
             else:
@@ -344,6 +352,7 @@ cdef class Reactor:
             if not self.use_ring:
                 for i in range(nb):
                     self._step_plain(<Pump>batch[i])
+                self._release(batch, queued_n)
                 continue
             k = rmq_uring_submit(&self.ring, 0)
             self.submits += 1
@@ -371,6 +380,7 @@ cdef class Reactor:
                 # rules out.  Its buffer is the kernel's until it completes: cancel it, wait for
                 # its completion, and give the ring up.
                 left = self._cancel_pending(batch, nb, left)
+            self._release(batch, queued_n)
         return 0
 
     cdef int _complete(self, Pump pump, int res) except -1:
@@ -437,6 +447,7 @@ cdef class Reactor:
             left = 0
         for i in range(nlater):
             self._step_plain(<Pump>later[i])
+        self._release(later, nlater)
         return left
 
     cdef int _give_up(self, str why) except -1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 
 import pytest
 
@@ -16,6 +17,11 @@ from tests.test_reactor_repoll import _on_one_reactor
 needs_reactor = pytest.mark.skipif(codec.Pump is None, reason="the reactor drives the compiled pump only")
 
 __all__ = ["reactor_mode", "rig"]  # the fixtures, imported for the tests below
+
+
+def _refcounts(rigs) -> list[int]:
+    """The pumps' reference counts: a queued pump holds one more until its operation is done."""
+    return [sys.getrefcount(r.pump) for r in rigs]
 
 
 @needs_reactor
@@ -46,7 +52,7 @@ def test_the_pumps_of_one_poll_share_each_io_uring_enter(rig, reactor_mode: str)
 def test_more_ready_sources_than_one_batch_go_out_in_full_batches(rig, reactor_mode: str) -> None:  # noqa: F811
     """70 sources ready at one poll, more than a batch (32 queued pumps): the reactor issues each
     full batch, resumes its pumps while the next fills, and every frame arrives whole, each
-    once, with no greenlet woken."""
+    once, with no greenlet woken; the references the queue took are all given back."""
     rigs, reactor = _on_one_reactor(rig, 70, 0)
     wakes = []
     for r in rigs:
@@ -54,7 +60,9 @@ def test_more_ready_sources_than_one_batch_go_out_in_full_batches(rig, reactor_m
         assert reactor.park(r.pump, wakes[-1]) == -1
     for i, r in enumerate(rigs):
         r.send(forward_frame(i, 100 + i))
+    refs = _refcounts(rigs)
     reactor.turn()
+    assert _refcounts(rigs) == refs
     for i, r in enumerate(rigs):
         sink = bytearray()
         drain(r.dst_peer, sink)
@@ -79,10 +87,12 @@ def test_a_ring_that_fails_is_given_up_and_nothing_is_lost(rig, reactor_mode: st
         assert reactor.park(r.pump, Wake()) == -1
     with open(os.devnull, "rb") as null:
         os.dup2(null.fileno(), reactor.uring_fd)
+    refs = _refcounts(rigs)
     for round_ in range(2):
         for i, r in enumerate(rigs):
             r.send(forward_frame(10 * round_ + i, 200))
         reactor.turn()
+        assert _refcounts(rigs) == refs
         for i, r in enumerate(rigs):
             sink = bytearray()
             drain(r.dst_peer, sink)
@@ -127,8 +137,10 @@ def test_an_operation_left_in_the_kernel_is_cancelled_and_the_ring_given_up(rig,
     first = frames[:4096]  # exactly one buffer: the pump receives again and finds nothing
     for r in rigs:
         r.send(first)
+    refs = _refcounts(rigs)
     reactor.turn()
     assert not reactor.uring and reactor.uring_off == "an operation did not complete inside io_uring_enter"
+    assert _refcounts(rigs) == refs
     for r in rigs:
         r.send(frames[4096:])
     reactor.turn()
