@@ -228,7 +228,7 @@ def summary(path: str, cfg: config_mod.Config) -> str:
 
     p, b = cfg.proxy, cfg.brokers
     ups = ", ".join(str(u) for u in cfg.namesrv.upstreams)
-    workers = f"{p.workers}" if p.workers else f"one per CPU ({cfg.worker_count} here)"
+    workers = f"{p.workers}" if p.workers else f"one per usable CPU ({cfg.worker_count} here)"
     if b.port_range is not None:
         brokers = (f"ports {b.port_range[0]}-{b.port_range[1]} on {cfg.broker_listen_host} for the brokers "
                    f"the routes name, advertised as {cfg.advertise_host}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -205,7 +204,13 @@ class Config:
 
     @property
     def worker_count(self) -> int:
-        return self.proxy.workers or os.cpu_count() or 1
+        """``proxy.workers``, or (0) one per CPU this process may use: its affinity mask, capped
+        by its cgroup's CPU quota (a container's CPU limit; ``rmqfast.server.cpus``)."""
+        if self.proxy.workers:
+            return self.proxy.workers
+        from rmqfast.server.cpus import usable_cpus
+
+        return usable_cpus()
 
     @property
     def advertise_host(self) -> str:
