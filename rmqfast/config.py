@@ -205,12 +205,13 @@ class Config:
     @property
     def worker_count(self) -> int:
         """``proxy.workers``, or (0) one per CPU this process may use: its affinity mask, capped
-        by its cgroup's CPU quota (a container's CPU limit; ``rmqfast.server.cpus``)."""
+        by its cgroup's CPU quota (a container's CPU limit), worked out once per process
+        (``rmqfast.server.cpus``: the count stays what the workers were started with)."""
         if self.proxy.workers:
             return self.proxy.workers
-        from rmqfast.server.cpus import usable_cpus
+        from rmqfast.server.cpus import usable_cpus_at_start
 
-        return usable_cpus()
+        return usable_cpus_at_start()
 
     @property
     def advertise_host(self) -> str:

@@ -6,14 +6,26 @@ the CPU time (a Kubernetes CPU limit of 2 on a 64-core node is 2 CPUs' worth of 
 per node CPU there means dozens of workers sharing two CPUs' time, each with its own buffers and
 spill. So the count is the affinity mask's size, capped by the cgroup's quota rounded up (cgroup
 v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, the smallest along the path from
-the process's cgroup to the root), as Java and Go read it.
+the process's cgroup to the root of the cgroup file system it sees), as Java and Go read it.
+
+Worked out once per process (:func:`usable_cpus_at_start`): the worker count does not follow a
+limit changed while the proxy runs (a pod resized in place, ``taskset -p``); a restart does.  A
+quota set above the root of a container's cgroup namespace is not visible from inside it (the
+JDK and Go see no more); a layout this module does not know counts as no quota.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
+
+
+@functools.cache
+def usable_cpus_at_start() -> int:
+    """:func:`usable_cpus`, worked out on the first call and the same for the process's life."""
+    return usable_cpus()
 
 
 def usable_cpus(proc_cgroup: str | Path = "/proc/self/cgroup", cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
@@ -31,22 +43,26 @@ def usable_cpus(proc_cgroup: str | Path = "/proc/self/cgroup", cgroup_root: str 
 def cgroup_cpu_quota(proc_cgroup: str | Path = "/proc/self/cgroup",
                      cgroup_root: str | Path = "/sys/fs/cgroup") -> float | None:
     """The CPU time the process's cgroup allows, in CPUs (1.5: one and a half CPUs' worth), or
-    None when no quota is set or none can be read (no cgroup file system, an unknown layout)."""
+    None when no quota is set or none can be read (no cgroup file system, an unknown layout, an
+    unreadable or undecodable file: this runs when the supervisor starts, and never raises)."""
     try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
+        return _quota(Path(proc_cgroup), Path(cgroup_root))
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
         return None
-    root = Path(cgroup_root)
+
+
+def _quota(proc_cgroup: Path, root: Path) -> float | None:
     limits: list[float] = []
-    for line in lines:
+    for line in proc_cgroup.read_text().splitlines():
         hier, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if not path.startswith("/"):
+        # ".." parts: a cgroup outside the namespace's root, whose files are not visible here
+        if not path.startswith("/") or ".." in path.split("/"):
             continue
         if hier == "0" and controllers == "":  # cgroup v2 (the unified hierarchy)
             limits += _along(root, path, _v2_limit)
-        elif "cpu" in controllers.split(","):  # cgroup v1: mounted as cpu, or cpu,cpuacct
-            for mount in (controllers, "cpu,cpuacct", "cpu"):
+        elif "cpu" in controllers.split(","):  # cgroup v1: mounted as cpu, cpu,cpuacct or cpuacct,cpu
+            for mount in (controllers, "cpu,cpuacct", "cpuacct,cpu", "cpu"):
                 if (root / mount).is_dir():
                     limits += _along(root / mount, path, _v1_limit)
                     break
