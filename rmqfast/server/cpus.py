@@ -11,7 +11,9 @@ the process's cgroup to the root of the cgroup file system it sees), as Java and
 Worked out once per process (:func:`usable_cpus_at_start`): the worker count does not follow a
 limit changed while the proxy runs (a pod resized in place, ``taskset -p``); a restart does.  A
 quota set above the root of a container's cgroup namespace is not visible from inside it (the
-JDK and Go see no more); a layout this module does not know counts as no quota.
+JDK and Go see no more); a layout this module does not know counts as no quota (v1 hierarchies
+are looked for under /sys/fs/cgroup by their controllers' names, not through
+/proc/self/mountinfo).
 """
 
 from __future__ import annotations
