@@ -82,7 +82,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="ports for brokers the routes reveal (default 30900-30999; '' disables)",
     )
     p.add_argument("--advertise-host", metavar="HOST", help="host written into rewritten routes")
-    p.add_argument("--workers", type=int, metavar="N", help="worker processes (default: CPU count)")
+    p.add_argument("--workers", type=int, metavar="N", help="worker processes (default: one per usable CPU)")
     p.add_argument("--admin-listen", metavar="H:P", help="admin HTTP endpoint: /metrics /healthz /readyz")
     p.add_argument("--state-dir", metavar="DIR", help="where the broker endpoint table is kept")
     p.add_argument("--log-format", choices=("json", "human"), help="log format (default json)")

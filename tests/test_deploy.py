@@ -236,7 +236,7 @@ def test_configmap_toml_passes_rmqfast_validation() -> None:
         cfg = effective_config(w)  # raises ConfigError naming the key if the TOML is invalid
         assert cfg.proxy.workers == 2, (
             f"{w.where()}: proxy.workers = {cfg.proxy.workers}; set it explicitly (the resources are sized for "
-            "2 workers, and os.cpu_count() in a pod is the node's CPU count)"
+            "2 workers; 0 would follow the pod's CPU limit instead)"
         )
         assert cfg.admin.listen is not None and cfg.admin.listen.is_wildcard, (
             f"{w.where()}: admin.listen {cfg.admin.listen} must bind 0.0.0.0 so the kubelet can probe it"

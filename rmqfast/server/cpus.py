@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -71,12 +72,12 @@ def _quota(proc_cgroup: Path, root: Path) -> float | None:
     return min(limits) if limits else None
 
 
-def _along(mount: Path, path: str, read: object) -> list[float]:
+def _along(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
     """The limits set on ``path`` and on each of its parents up to the mount's root."""
     found: list[float] = []
     parts = [p for p in path.split("/") if p]
     for depth in range(len(parts), -1, -1):
-        limit = read(mount.joinpath(*parts[:depth]))  # type: ignore[operator]
+        limit = read(mount.joinpath(*parts[:depth]))
         if limit is not None:
             found.append(limit)
     return found
