@@ -19,6 +19,7 @@ import pytest
 from rmqfast import codec
 from rmqfast.bench import cli as bench_cli
 from rmqfast.bench.cbuild import Tools, build_tools
+from rmqfast.bench.floor import FloorTarget
 from rmqfast.bench.loadgen import run_loadgen
 from rmqfast.bench.nullbroker import NullBroker
 from rmqfast.bench.procfs import memory_kib
@@ -78,6 +79,43 @@ def test_loadgen_direct_and_through_rmqfast(tools: Tools) -> None:
     stats = broker.final_stats
     assert stats["protocol_errors"] == 0
     assert stats["responses"] >= direct["responses"] + via["responses"] + opened["responses"]
+
+
+def test_relay_floor_relays_every_byte(tools: Tools) -> None:
+    """The floor relay answers every request through itself, pull answers of 256 KiB included
+    (more than its 64 KiB buffer), and stops on SIGTERM."""
+    with NullBroker(tools, pull_msgs=16, pull_body=16384) as broker:
+        floor = FloorTarget(tools, broker.port)
+        floor.start()
+        try:
+            res = run_loadgen(tools, floor.port, SMOKE, warmup=0.2, duration=1.0, cpu_groups={"target": floor.pids()})
+            _assert_clean(res)
+            assert res["bytes_in"] > res["pulls"] * 16 * 16384
+            assert res["cpu"]["target"]["user_s"] + res["cpu"]["target"]["sys_s"] > 0
+            proc = floor.proc
+        finally:
+            floor.stop()
+        assert proc is not None and proc.returncode == 0  # left its loop on SIGTERM, not killed
+    assert broker.final_stats["protocol_errors"] == 0
+
+
+def test_relay_floor_many_large_answers_in_order(tools: Tools) -> None:
+    """100 pulls sent before any answer is read: 25 MiB of answers (more than the loopback
+    socket buffers hold), every one whole and in order."""
+    pull = RemotingCommand(code=C.PULL_MESSAGE, opaque=0, ext_fields={"topic": "T", "queueId": "0"})
+    with NullBroker(tools, pull_msgs=16, pull_body=16384) as broker:
+        floor = FloorTarget(tools, broker.port)
+        floor.start()
+        try:
+            with socket.create_connection(("127.0.0.1", floor.port), timeout=30) as s:
+                for i in range(100):
+                    pull.opaque = 100 + i
+                    s.sendall(encode(pull))
+                answers = [decode_frame(f) for f in _read_frames(s, 100)]
+        finally:
+            floor.stop()
+    assert [a.opaque for a in answers] == list(range(100, 200))
+    assert all(a.code == C.SUCCESS and struct.unpack(">i", a.body[:4])[0] * 16 == len(a.body) for a in answers)
 
 
 def test_bench_main_writes_results(tools: Tools, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

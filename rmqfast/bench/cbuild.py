@@ -1,4 +1,5 @@
-"""Compiling the bench's C tools (``bench/loadgen.c``, ``bench/nullbroker.c``) on first use."""
+"""Compiling the bench's C tools (``bench/loadgen.c``, ``bench/nullbroker.c``, ``bench/relayfloor.c``)
+on first use."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from rmqfast.bench.common import BENCH_SRC, DEFAULT_BUILD_DIR, BenchError
 
 CFLAGS = ["-O2", "-g", "-std=gnu11", "-Wall", "-Wextra"]
-TOOL_LIBS = {"loadgen": ["-lm"], "nullbroker": ["-pthread"]}
+TOOL_LIBS = {"loadgen": ["-lm"], "nullbroker": ["-pthread"], "relayfloor": []}
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Tools:
     loadgen: Path
     nullbroker: Path
     cc_version: str
+    relayfloor: Path | None = None  # None: built by an older call site that did not ask
 
 
 def _cc() -> str:
@@ -32,7 +34,7 @@ def _cc() -> str:
 
 
 def build_tools(build_dir: Path | None = None) -> Tools:
-    """Compile ``bench/loadgen.c`` and ``bench/nullbroker.c`` unless already built."""
+    """Compile the bench's C tools (``TOOL_LIBS``) unless already built."""
     if not (BENCH_SRC / "loadgen.c").is_file():
         raise BenchError(f"{BENCH_SRC / 'loadgen.c'} not found; the bench needs a source checkout of rmqfast")
     build_dir = build_dir or DEFAULT_BUILD_DIR
@@ -59,4 +61,4 @@ def build_tools(build_dir: Path | None = None) -> Tools:
                 if stale != out:
                     stale.unlink(missing_ok=True)
         built[name] = out
-    return Tools(built["loadgen"], built["nullbroker"], cc_version)
+    return Tools(built["loadgen"], built["nullbroker"], cc_version, built["relayfloor"])

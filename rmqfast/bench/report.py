@@ -78,10 +78,11 @@ def _noisy(*cs: Cell | None) -> bool:
 
 
 def _open_loop_checks(cells: dict[tuple[str, str], Cell]) -> list[Check]:
-    """Added p99 over direct in the open-loop scenarios (the goal on ``rmqfast``; ``rmqfast-1w`` info)."""
+    """Added p99 over direct in the open-loop scenarios (the goal on ``rmqfast``; the others, for
+    scale, info: ``relay-floor`` is what any user-space relay adds on this machine)."""
     out = []
     for sc, goal_ms in (("open-60k", 0.5), ("open-120k", None)):
-        for tg in ("rmqfast", "rmqfast-1w"):
+        for tg in ("rmqfast", "rmqfast-1w", "haproxy", "haproxy-1t", "relay-floor"):
             d, p = cells.get((sc, "direct")), cells.get((sc, tg))
             if tg != "rmqfast" and p is None:
                 continue
@@ -124,7 +125,7 @@ def checks(cells: dict[tuple[str, str], Cell], rss: dict[str, list[dict[str, int
     out.extend(_open_loop_checks(cells))
     # the proxy's own CPU per answered request: steadier than throughput on a shared machine
     for sc in ("send-16x32", "send-64x1", "open-60k", "open-120k", "pull-16x4"):
-        for tg in ("rmqfast", "rmqfast-1w", "rmqfast-syscalls", "haproxy", "haproxy-1t"):
+        for tg in ("rmqfast", "rmqfast-1w", "rmqfast-syscalls", "haproxy", "haproxy-1t", "relay-floor"):
             ce = cell(sc, tg)
             if ce is not None:
                 out.append(Check(f"{sc} {tg} CPU per request", ce.cpu_us_per_req, "info", None, "us", noisy(ce)))
@@ -135,7 +136,8 @@ def checks(cells: dict[tuple[str, str], Cell], rss: dict[str, list[dict[str, int
     for sc in ("send-16x32", "send-64x1", "pull-16x4"):
         for a, b in (("rmqfast", "haproxy"), ("rmqfast", "haproxy-1t"), ("rmqfast", "direct"),
                      ("rmqfast-pure", "rmqfast"), ("rmqfast", "rmqfast-syscalls"), ("haproxy", "direct"),
-                     ("haproxy-1t", "haproxy")):
+                     ("haproxy-1t", "haproxy"), ("rmqfast", "relay-floor"), ("rmqfast-1w", "relay-floor"),
+                     ("haproxy-1t", "relay-floor")):
             ca, cb = cell(sc, a), cell(sc, b)
             if ca is not None and cb is not None:
                 out.append(vs(sc, ca, cb, f"{a} / {b}", None))

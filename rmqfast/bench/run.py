@@ -13,6 +13,7 @@ from typing import Any
 
 from rmqfast.bench.cbuild import build_tools
 from rmqfast.bench.common import BenchError, now_iso, results_file
+from rmqfast.bench.floor import FloorTarget
 from rmqfast.bench.haproxy import HAProxyTarget, ensure_haproxy
 from rmqfast.bench.loadgen import run_loadgen
 from rmqfast.bench.machine import machine_info
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             out.write(json.dumps({**common, "ts": now_iso(), **rec}) + "\n")
             out.flush()
 
-        targets = _targets(args, broker, haproxy_exe)
+        targets = _targets(args, tools, broker, haproxy_exe)
         with started(targets):
             runs, failed = _rounds(args, tools, broker, targets, scenarios, emit)
             for t in targets:
@@ -103,11 +104,13 @@ def _machine(tools: Any, haproxy_exe: Any) -> dict[str, Any]:
     return machine
 
 
-def _targets(args: argparse.Namespace, broker: NullBroker, haproxy_exe: Any) -> list[Target]:
+def _targets(args: argparse.Namespace, tools: Any, broker: NullBroker, haproxy_exe: Any) -> list[Target]:
     targets: list[Target] = []
     for name in args.target_list:
         if name == "direct":
             targets.append(DirectTarget(broker))
+        elif name == "relay-floor":
+            targets.append(FloorTarget(tools, broker.port))
         elif name.startswith("haproxy"):
             assert haproxy_exe is not None
             targets.append(HAProxyTarget(haproxy_exe, broker.port, 1 if name == "haproxy-1t" else 2, name))

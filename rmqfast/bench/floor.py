@@ -1,0 +1,55 @@
+"""The ``relay-floor`` target: ``bench/relayfloor.c``, the cheapest TCP relay (one thread, epoll,
+one read and one write per readable socket, no parsing) in front of the null broker.
+
+It measures what any user-space L4 relay costs on the machine at hand: the wake-ups and copies
+of one more hop, with nothing else.  A latency goal this relay misses on a machine is out of
+reach there for HAProxy and rmqfast alike; what rmqfast adds over it is its own cost.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+from rmqfast.bench.cbuild import Tools
+from rmqfast.bench.common import BenchError
+from rmqfast.bench.processes import stop_process
+
+
+class FloorTarget:
+    """``relayfloor --upstream PORT --port 0`` (the OS picks its port; it prints it)."""
+
+    def __init__(self, tools: Tools, upstream_port: int, name: str = "relay-floor") -> None:
+        if tools.relayfloor is None:
+            raise BenchError("relay-floor: bench/relayfloor.c was not built")
+        self.name = name
+        self.cmd = [str(tools.relayfloor), "--upstream", str(upstream_port), "--port", "0"]
+        self.proc: subprocess.Popen[str] | None = None
+        self._port = 0
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # "listening 127.0.0.1:PORT"
+        if not line.startswith("listening "):
+            self.stop()
+            raise BenchError(f"{self.name} did not start: {line!r} (exit {self.proc.poll()})")
+        self._port = int(line.rsplit(":", 1)[1])
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc else []
+
+    def info(self) -> dict[str, Any]:
+        return {"threads": 1}
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        stop_process(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
