@@ -36,10 +36,27 @@ def test_one_worker_rmqfast_is_reported_beside_the_goal_target_as_info() -> None
     assert found["send-64x1 rmqfast / best HAProxy"].value == 60_000 / 61_000  # the goal stays on rmqfast
     one = found["send-64x1 rmqfast-1w / best HAProxy"]
     assert (one.value, one.goal, one.met) == (63_000 / 61_000, "info", None)
+    best = found["send-64x1 best rmqfast / best HAProxy"]
+    assert (best.value, best.goal, best.met) == (63_000 / 61_000, "info", None)
     assert found["send-64x1 rmqfast-1w CPU per request"].value == 14.0
     lat = found["open-60k rmqfast-1w added p99 over direct"]
     assert (lat.value, lat.goal, lat.disturbed) == (0.0, "info", True)
     assert found["open-60k rmqfast added p99 over direct"].value is None  # not measured: goal line kept
+
+
+def test_the_floor_relay_is_reported_for_scale() -> None:
+    cells = {(c.scenario, c.target): c for c in [
+        cell("send-64x1", "rmqfast", 62_000, 10.4), cell("send-64x1", "relay-floor", 60_000, 10.1),
+        cell("open-60k", "direct", 60_000, 0.0), cell("open-60k", "relay-floor", 60_000, 10.2),
+        cell("open-60k", "haproxy-1t", 60_000, 11.1),
+    ]}
+    cells[("open-60k", "direct")].p99_us = 300.0
+    found = {c.name: c for c in checks(cells, {})}
+    assert found["send-64x1 rmqfast / relay-floor"].value == 62_000 / 60_000
+    floor = found["open-60k relay-floor added p99 over direct"]
+    assert (floor.value, floor.goal, floor.met) == (0.2, "info", None)
+    assert found["open-60k haproxy-1t added p99 over direct"].value == 0.2
+    assert found["open-60k relay-floor CPU per request"].value == 10.2
 
 
 def test_rmqfast_with_plain_system_calls_is_compared_with_rmqfast_as_info() -> None:

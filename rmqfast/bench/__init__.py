@@ -14,10 +14,12 @@ What runs
 * Targets: ``direct`` (loadgen -> nullbroker), ``haproxy`` (``mode tcp``, nbthread 2; full
   mode also ``haproxy-1t``, nbthread 1), ``rmqfast`` (``rmqfast serve``, 2 workers, one static
   broker endpoint, compiled scanner; full mode also ``rmqfast-1w``, 1 worker; on request
-  ``rmqfast-syscalls``, ``RMQFAST_URING=0``) and ``rmqfast-pure`` (same with
-  ``RMQFAST_NO_EXTENSIONS=1``).
+  ``rmqfast-syscalls``, ``RMQFAST_URING=0``), ``rmqfast-pure`` (same with
+  ``RMQFAST_NO_EXTENSIONS=1``) and, in full mode, ``relay-floor`` (``bench/relayfloor.c``: the
+  cheapest relay, one thread, epoll, a read and a write per readable socket, no parsing; what
+  one more user-space hop costs on this machine, with nothing else).
 
-The two C tools are compiled with ``gcc -O2`` into ``build/bench/`` on first use (the binary
+The three C tools are compiled with ``gcc -O2`` into ``build/bench/`` on first use (the binary
 name carries a hash of the sources and flags, so an edit rebuilds).  HAProxy is Debian's
 package, installed with apt-get when missing (``--no-install`` to skip that target instead).
 
@@ -40,12 +42,14 @@ Modules (each imports only those above it in this list, never this package's ``_
 * :mod:`~rmqfast.bench.common`: paths, the results schema, :class:`BenchError`.
 * :mod:`~rmqfast.bench.procfs`: CPU and memory of processes and of the machine, from /proc.
 * :mod:`~rmqfast.bench.processes`: ports and stopping the processes the bench starts.
-* :mod:`~rmqfast.bench.cbuild`: compiling ``bench/loadgen.c`` and ``bench/nullbroker.c``.
+* :mod:`~rmqfast.bench.cbuild`: compiling ``bench/loadgen.c``, ``bench/nullbroker.c`` and
+  ``bench/relayfloor.c``.
 * :mod:`~rmqfast.bench.nullbroker`: the null broker process.
 * :mod:`~rmqfast.bench.scenarios`: scenarios and the short/full modes.
 * :mod:`~rmqfast.bench.loadgen`: one load generator run, with CPU accounting.
 * :mod:`~rmqfast.bench.haproxy`: HAProxy (install, config, process).
 * :mod:`~rmqfast.bench.targets`: the target protocol, ``direct`` and the rmqfast proxies.
+* :mod:`~rmqfast.bench.floor`: the ``relay-floor`` target.
 * :mod:`~rmqfast.bench.machine`: what the results say about the machine.
 * :mod:`~rmqfast.bench.report`: medians, the issue's targets, the table.
 * :mod:`~rmqfast.bench.run`: the null-broker bench (rounds x scenarios x targets).

@@ -55,13 +55,14 @@ class Mode:
 
 
 SHORT = Mode(1, 0.5, 2.0, ("send-16x32", "send-64x1", "open-60k"), ("direct", "haproxy", "rmqfast", "rmqfast-pure"))
-FULL = Mode(3, 2.0, 8.0, tuple(SCENARIOS), ("direct", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-1w", "rmqfast-pure"))
+FULL = Mode(3, 2.0, 8.0, tuple(SCENARIOS),
+            ("direct", "relay-floor", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-1w", "rmqfast-pure"))
 #: ``rmqfast-1w``: rmqfast with one worker, beside ``rmqfast`` (``--workers``, default 2), as
 #: ``haproxy-1t`` is beside ``haproxy``: on a machine whose cores the load generator and the
 #: null broker share, one proxy process can beat two.
 #: ``rmqfast-syscalls`` (asked for with ``--targets``): ``rmqfast`` with ``RMQFAST_URING=0``, its
 #: reactor making one recv/send per pump instead of batching them through io_uring.
-#: ``relay-floor`` (asked for with ``--targets``): ``bench/relayfloor.c``, the cheapest relay (see
+#: ``relay-floor`` (full mode, or asked for with ``--targets``): ``bench/relayfloor.c``, the cheapest relay (see
 #: ``rmqfast.bench.floor``): what one more user-space hop costs on this machine, with nothing else.
 ALL_TARGETS = ("direct", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-1w", "rmqfast-syscalls", "rmqfast-pure",
                "relay-floor")
