@@ -15,9 +15,9 @@ What runs
   mode also ``haproxy-1t``, nbthread 1), ``rmqfast`` (``rmqfast serve``, 2 workers, one static
   broker endpoint, compiled scanner; full mode also ``rmqfast-1w``, 1 worker; on request
   ``rmqfast-syscalls``, ``RMQFAST_URING=0``), ``rmqfast-pure`` (same with
-  ``RMQFAST_NO_EXTENSIONS=1``) and, in full mode, ``relay-floor`` (``bench/relayfloor.c``: the
-  cheapest relay, one thread, epoll, a read and a write per readable socket, no parsing; what
-  one more user-space hop costs on this machine, with nothing else).
+  ``RMQFAST_NO_EXTENSIONS=1``) and, in full mode, ``relay-floor`` (``bench/relayfloor.c``: a
+  bare relay, one thread, epoll, a plain read and write per readable socket, no parsing; what
+  one more user-space hop costs on this machine, with nothing else done).
 
 The three C tools are compiled with ``gcc -O2`` into ``build/bench/`` on first use (the binary
 name carries a hash of the sources and flags, so an edit rebuilds).  HAProxy is Debian's

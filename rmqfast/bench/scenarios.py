@@ -62,7 +62,7 @@ FULL = Mode(3, 2.0, 8.0, tuple(SCENARIOS),
 #: null broker share, one proxy process can beat two.
 #: ``rmqfast-syscalls`` (asked for with ``--targets``): ``rmqfast`` with ``RMQFAST_URING=0``, its
 #: reactor making one recv/send per pump instead of batching them through io_uring.
-#: ``relay-floor`` (full mode, or asked for with ``--targets``): ``bench/relayfloor.c``, the cheapest relay (see
+#: ``relay-floor`` (full mode, or asked for with ``--targets``): ``bench/relayfloor.c``, a bare relay (see
 #: ``rmqfast.bench.floor``): what one more user-space hop costs on this machine, with nothing else.
 ALL_TARGETS = ("direct", "haproxy", "haproxy-1t", "rmqfast", "rmqfast-1w", "rmqfast-syscalls", "rmqfast-pure",
                "relay-floor")
