@@ -19,6 +19,7 @@ import pytest
 from rmqfast import codec
 from rmqfast.bench import cli as bench_cli
 from rmqfast.bench.cbuild import Tools, build_tools
+from rmqfast.bench.common import BenchError
 from rmqfast.bench.floor import FloorTarget
 from rmqfast.bench.loadgen import run_loadgen
 from rmqfast.bench.nullbroker import NullBroker
@@ -97,6 +98,13 @@ def test_relay_floor_relays_every_byte(tools: Tools) -> None:
             floor.stop()
         assert proc is not None and proc.returncode == 0  # left its loop on SIGTERM, not killed
     assert broker.final_stats["protocol_errors"] == 0
+
+
+def test_relay_floor_that_cannot_start_says_so(tools: Tools) -> None:
+    floor = FloorTarget(tools, 0)  # no upstream port: relayfloor refuses its arguments
+    with pytest.raises(BenchError, match=r"relay-floor did not start: '' \(exit 2\)"):
+        floor.start()
+    assert floor.proc is None
 
 
 def test_relay_floor_many_large_answers_in_order(tools: Tools) -> None:

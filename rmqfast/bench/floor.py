@@ -10,6 +10,7 @@ lower bound on CPU: batching system calls, as rmqfast does with io_uring, costs 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from typing import Any
 
@@ -39,6 +40,9 @@ class FloorTarget:
         line = self.proc.stdout.readline()  # "listening 127.0.0.1:PORT"
         if not line.startswith("listening "):
             code = self.proc.poll()
+            if not line:  # its stdout closed: it is exiting, its status comes in a moment
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self.proc.wait(timeout=10)
             self.stop()
             raise BenchError(f"{self.name} did not start: {line!r} (exit {code})")
         self._port = int(line.rsplit(":", 1)[1])
