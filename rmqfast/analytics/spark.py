@@ -74,7 +74,24 @@ def get_spark(master: str | None = None, app: str = "rmqfast-analyze", driver_me
     # at interpreter exit, its garbage-collection thread logs a traceback per Java object left
     # (into whatever stream the root logger had, often closed by then).  Its warnings stay.
     logging.getLogger("py4j").setLevel(logging.WARNING)
+    # One of those goes through the root logger itself (``logging.info`` in java_gateway.py's
+    # send_command retry), which the level above does not reach: a filter on the root logger.
+    root = logging.getLogger()
+    if not any(isinstance(f, Py4jRootInfo) for f in root.filters):
+        root.addFilter(Py4jRootInfo())
     return spark
+
+
+class Py4jRootInfo(logging.Filter):
+    """Drops the records below WARNING that py4j's own modules log on the root logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not _in_py4j(record.pathname)
+
+
+def _in_py4j(path: str) -> bool:
+    parts = path.replace("\\", "/").split("/")
+    return len(parts) >= 2 and parts[-2] == "py4j"
 
 
 def struct_type(columns: tuple[Column, ...] | list[Column]) -> Any:
