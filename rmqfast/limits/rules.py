@@ -181,7 +181,26 @@ def assign_slots(rules: list[LimitRule], previous: list[LimitRule]) -> None:
 def _num(key: str, value: Any, lo: float = 0.0, hi: float = 1e12) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
         raise ConfigError(f"{key}: {value!r} is not allowed; expected a number from {lo:g} to {hi:g}")
-    return float(value)
+    return float(value) + 0.0  # (-0.0 reads as 0)
+
+
+# The limiter keeps time in int64 nanoseconds (a bucket's next free time, a message's cost): a
+# rate so small, or a burst so large against its rate, that those overflow would make it admit
+# everything.  Far beyond any real limit, so refused with the reason.
+MIN_RATE = 0.001  # messages per second (one per 1,000 s)
+MIN_BYTES_RATE = 1.0  # bytes per second
+MAX_BURST_SECONDS = 1e6  # burst / rate: how long the burst would last at the rate (11.6 days)
+
+
+def _check_pair(key: str, rate_key: str, burst_key: str, rate: float, burst: float, lowest: float) -> None:
+    """A (rate, burst) pair the limiter can hold; ``rate`` 0 is no limit (and any burst is unused)."""
+    if not rate:
+        return
+    if rate < lowest:
+        raise ConfigError(f"{key}.{rate_key}: {rate:g} is not allowed; expected 0 (no limit) or at least {lowest:g}")
+    if burst / rate > MAX_BURST_SECONDS:
+        raise ConfigError(f"{key}.{burst_key}: {burst:g} is not allowed with {rate_key} {rate:g}; "
+                          f"{burst_key} / {rate_key} must be at most {MAX_BURST_SECONDS:g} seconds")
 
 
 def parse_rule(key: str, raw: Any) -> LimitRule:
@@ -197,8 +216,10 @@ def parse_rule(key: str, raw: Any) -> LimitRule:
         raise ConfigError(f"{key}.topic: {topic!r} is not allowed; expected a topic name, a prefix ending in '*' "
                           "or '*' (letters, digits, - _ % |; at most 255)")
     tag = raw.get("tag")
-    if tag is not None and (not isinstance(tag, str) or not tag or len(tag.encode()) > 255 or "|" in tag):
-        raise ConfigError(f"{key}.tag: {tag!r} is not allowed; expected one tag (no '||'), at most 255 bytes")
+    if tag is not None and (not isinstance(tag, str) or not tag or not _utf8(tag) or len(tag.encode()) > 255
+                            or "|" in tag):
+        raise ConfigError(f"{key}.tag: {tag!r} is not allowed; expected one tag (no '||'), at most 255 bytes of "
+                          "Unicode text")
     mode = raw.get("mode", "limit")
     if mode not in MODES:
         raise ConfigError(f"{key}.mode: {mode!r} is not allowed; expected one of {', '.join(MODES)}")
@@ -211,7 +232,18 @@ def parse_rule(key: str, raw: Any) -> LimitRule:
     if mode in ("limit", "shape") and not rule.rate and not rule.bytes_rate:
         raise ConfigError(f"{key}: mode {mode!r} needs rate and/or bytes_rate above 0 "
                           "(or mode = 'reject' / 'open')")
+    _check_pair(key, "rate", "burst", rule.rate, rule.effective_burst(), MIN_RATE)
+    _check_pair(key, "bytes_rate", "bytes_burst", rule.bytes_rate, rule.effective_bytes_burst(), MIN_BYTES_RATE)
     return rule
+
+
+def _utf8(text: str) -> bool:
+    """Encodable as UTF-8 (a JSON body can carry a lone surrogate such as \\ud800)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_limits(raw: Any) -> LimitsSection:
@@ -223,6 +255,11 @@ def parse_limits(raw: Any) -> LimitsSection:
     if unknown:
         raise ConfigError(f"limits: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(known))}")
     sec = LimitsSection(**{k: _num(f"limits.{k}", raw[k]) for k in known - {"rule"} if k in raw})
+    g = sec.global_rule()
+    if g is not None:
+        _check_pair("limits", "global_rate", "global_burst", g.rate, g.effective_burst(), MIN_RATE)
+        _check_pair("limits", "global_bytes_rate", "global_bytes_burst", g.bytes_rate, g.effective_bytes_burst(),
+                    MIN_BYTES_RATE)
     rules = raw.get("rule", [])
     if not isinstance(rules, list):
         raise ConfigError(f"limits.rule: {rules!r} is not allowed; expected an array of tables ([[limits.rule]])")
