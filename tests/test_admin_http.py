@@ -357,6 +357,41 @@ def test_probe_refuses_a_request_frame_and_a_wrong_opaque() -> None:
     assert "opaque" in one(lambda _: encode(RemotingCommand(code=0, opaque=0, flag=1)))
 
 
+def _raw(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection and read the whole answer."""
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
+            s.sendall(data)
+        except OSError:
+            pass  # the server may answer and close while we still send
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    return answer
+
+
+def test_overlong_request_line_and_garbage_get_an_answer_with_a_status(serve) -> None:
+    srv, _ = serve()
+    answer = _raw(srv.port, b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.0 414 "), answer[:200]
+    answer = _raw(srv.port, b"GARBAGE\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.0 400 ") and b"Bad request syntax" in answer, answer[:200]
+    assert request(srv.port, "GET", "/healthz")[0] == 200
+
+
+def test_a_burst_of_connections_waits_in_the_listen_queue(serve) -> None:
+    srv, _ = serve()
+    assert srv.httpd.request_queue_size >= 128
+    # 200 clients at once, more than MAX_CONNECTIONS: each gets an answer (200, or 503 at once)
+    # within the request's 10 s; with socketserver's backlog of 5 many were still unanswered
+    with ThreadPoolExecutor(200) as pool:
+        codes = list(pool.map(lambda _: request(srv.port, "GET", "/healthz")[0], range(200)))
+    assert set(codes) <= {200, 503} and 200 in codes, codes
+
+
 def test_request_head_is_bounded(serve) -> None:
     srv, _ = serve()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
@@ -377,3 +412,51 @@ def test_request_head_is_bounded(serve) -> None:
     assert request(srv.port, "GET", "/healthz")[0] == 200
     # a normal head with a few headers still works
     assert request(srv.port, "GET", "/healthz", headers={"X-A": "b" * 4000, "X-B": "c" * 4000})[0] == 200
+
+
+def _cancel_backend(tmp_path: Any, delay_topics: list[str]) -> Backend:
+    backend = Backend()
+    cfg = config_mod.Config()
+    cfg.proxy.state_dir = str(tmp_path)
+    cfg.proxy.workers = 2
+    cfg.delay.topics = delay_topics
+    backend.cfg = cfg  # type: ignore[attr-defined]  # what admin_cancel reads
+    return backend
+
+
+def test_cancel_without_delay_is_refused_at_once_and_writes_nothing(serve, tmp_path) -> None:
+    srv, _ = serve()
+    srv.httpd.backend = _cancel_backend(tmp_path, [])
+    t0 = time.monotonic()
+    code, body = request(srv.port, "POST", "/delay/cancel?msg_id=abc", b"")
+    assert code == 409 and "[delay] is not enabled" in body["error"], body
+    assert time.monotonic() - t0 < 5  # no 10 s wait for workers that never read requests
+    assert not list(tmp_path.rglob("*"))  # no request file left behind
+    code, body = request(srv.port, "POST", "/delay/cancel?msg_id=" + "a" * 2000, b"")
+    assert code == 400 and "at most 1024 bytes" in body["error"]
+
+
+def test_cancels_waiting_at_once_are_bounded(serve, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cancel waits for every worker's answer; no more than MAX_CANCELS_AT_ONCE wait at once,
+    so they cannot hold every admin connection (the others get a 503 at once)."""
+    from rmqfast.delay import cancel as cancel_mod
+
+    monkeypatch.setattr(cancel_mod, "CANCEL_WAIT", 30.0)
+    srv, _ = serve()
+    srv.httpd.backend = _cancel_backend(tmp_path, ["Delayed"])  # no worker runs: nobody answers
+    n = cancel_mod.MAX_CANCELS_AT_ONCE
+    with ThreadPoolExecutor(n) as pool:
+        waiting = [pool.submit(request, srv.port, "POST", f"/delay/cancel?msg_id=m{i}", b"") for i in range(n)]
+        requests_dir = tmp_path / "delay" / "cancel"
+        deadline = time.monotonic() + 30
+        while len(list(requests_dir.glob("*.req"))) < n:  # all of them are waiting now
+            assert time.monotonic() < deadline, "the cancels did not start waiting"
+            time.sleep(0.02)
+        code, body = request(srv.port, "POST", "/delay/cancel?msg_id=one-more", b"")
+        assert code == 503 and "already waiting" in body["error"], body
+        assert request(srv.port, "GET", "/healthz")[0] == 200
+        for f in requests_dir.glob("*.req"):  # answer them as the workers would: they end now
+            rid = f.name[:-4]
+            for w in range(2):
+                (requests_dir / f"{rid}.w{w}.json").write_text(json.dumps({"worker": w, "cancelled": []}))
+        assert [fut.result()[0] for fut in waiting] == [200] * n

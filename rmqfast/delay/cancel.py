@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -107,9 +108,28 @@ def admin_cancel(handler: Any, query: str) -> tuple[int, dict[str, Any]]:
     msg_id, key = q.get("msg_id", [""])[0], q.get("key", [""])[0]
     if bool(msg_id) == bool(key):
         return 400, {"error": "POST /delay/cancel needs exactly one of ?msg_id=ID or ?key=KEY"}
+    if len(msg_id.encode()) > MAX_ID_BYTES or len(key.encode()) > MAX_ID_BYTES:
+        return 400, {"error": f"POST /delay/cancel: msg_id and key are at most {MAX_ID_BYTES} bytes"}
     cfg = getattr(handler.backend, "cfg", None)
     if cfg is None:
         return 503, {"error": "the proxy's configuration is not available to the admin endpoint"}
-    res = request_cancel(cfg.proxy.state_dir, msg_id=msg_id or None, key=key or None, workers=cfg.worker_count,
-                         timeout=10.0)
+    if not cfg.delay.enabled:  # no worker reads requests: nothing held, nothing to wait for
+        return 409, {"error": "POST /delay/cancel: [delay] is not enabled in this proxy's configuration "
+                              "(no delay.topics), so no message is held"}
+    if not _CANCELS.acquire(blocking=False):  # each waits up to CANCEL_WAIT: they must not hold every admin slot
+        return 503, {"error": f"{MAX_CANCELS_AT_ONCE} cancels are already waiting for the workers; retry shortly"}
+    try:
+        res = request_cancel(cfg.proxy.state_dir, msg_id=msg_id or None, key=key or None,
+                             workers=cfg.worker_count, timeout=CANCEL_WAIT)
+    finally:
+        _CANCELS.release()
     return (200 if res["complete"] else 504), res
+
+
+#: A message id is 32 hex digits and keys are short; a request file is written per cancel.
+MAX_ID_BYTES = 1024
+#: How long a cancel waits for every worker's answer.
+CANCEL_WAIT = 10.0
+#: Cancels waiting for the workers at once (each holds an admin connection up to CANCEL_WAIT).
+MAX_CANCELS_AT_ONCE = 4
+_CANCELS = threading.BoundedSemaphore(MAX_CANCELS_AT_ONCE)

@@ -91,11 +91,17 @@ class _HeadBudget:
     def __init__(self, raw: Any, budget: int) -> None:
         self.raw = raw
         self.left = budget
+        self.request_line = True  # the first line read
 
     def readline(self, size: int = -1) -> bytes:
         want = self.left + 1 if size < 0 else min(size, self.left + 1)
         line = self.raw.readline(want)
         self.left -= len(line)
+        if self.request_line:
+            # http.server answers 414 for a request line over 65536 bytes (MAX_HEAD): raising
+            # here would close the connection without an answer
+            self.request_line = False
+            return bytes(line)
         if self.left < 0:
             raise http.client.HTTPException(f"request line and headers over {MAX_HEAD} bytes")
         return bytes(line)
@@ -109,6 +115,9 @@ class _HeadBudget:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # connections the kernel queues before accept (socketserver's default, 5, left a burst of
+    # probes unanswered for seconds once it overflowed)
+    request_queue_size = 128
     backend: AdminBackend
 
     def __init__(self, addr: tuple[str, int], backend: AdminBackend) -> None:
@@ -153,6 +162,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = READ_TIMEOUT  # every socket read (request line, headers, body)
     protocol_version = "HTTP/1.0"  # one request per connection
+    # a malformed request line is answered with a status line too (http.server's HTTP/0.9
+    # default would send the error body alone)
+    default_request_version = "HTTP/1.0"
 
     def setup(self) -> None:
         super().setup()
