@@ -468,3 +468,56 @@ def test_the_supervisors_reload_and_admin_changes_keep_unchanged_buckets(tmp_pat
         assert lim.admit(b"c", None, 1, 0, T0) == -1 and lim.admit(b"a", None, 1, 0, T0) == 1
     finally:
         shutil.rmtree(sup.runtime, ignore_errors=True)
+
+
+def test_an_admin_change_queued_before_a_reload_is_applied_on_the_reloaded_limits(tmp_path):
+    """A PUT that arrives just before a SIGHUP: the reload's rules stay (the change is computed
+    from the limits in force when the main loop applies it, after the reload), and the PUT's
+    rule is in force too.  A bad change queued with it fails alone, for its own caller."""
+    import shutil
+    import threading
+
+    from rmqfast.config import Config
+    from rmqfast.server.supervisor import Supervisor
+
+    def cfg_with(rules_raw):
+        cfg = Config()
+        cfg.proxy.state_dir = str(tmp_path / "state")
+        cfg.limits = parse_limits({"rule": rules_raw})
+        return cfg
+
+    pending = {}
+    sup = Supervisor(cfg_with([{"topic": "a", "rate": 1}]), lambda: pending["cfg"])
+    try:
+        sup._write_config()
+        assert sup.change_limits(lambda cur: upsert(cur, LimitRule("http-old", rate=2)), timeout=0) is False
+        sup._apply_limits_update()
+        assert {r.topic for r in sup.cfg.limits.rules} == {"a", "http-old"}
+        results: dict[str, object] = {}
+
+        def put(name, change):
+            try:
+                results[name] = sup.change_limits(change, timeout=30)
+            except ConfigError as exc:
+                results[name] = exc
+
+        threads = [threading.Thread(target=put, args=("good", lambda cur: upsert(cur, LimitRule("http-new", rate=3)))),
+                   threading.Thread(target=put, args=("bad", lambda cur: remove(cur, "no-such-topic", None)))]
+        for t in threads:
+            t.start()
+        deadline = __import__("time").monotonic() + 30
+        while len(sup._limit_changes) < 2:  # both queued
+            assert __import__("time").monotonic() < deadline
+            threading.Event().wait(0.01)
+        # the SIGHUP comes now, with a file that has its own new rule; the main loop's step order
+        pending["cfg"] = cfg_with([{"topic": "a", "rate": 1}, {"topic": "from-file", "rate": 4}])
+        sup._reload()
+        sup._apply_limits_update()
+        for t in threads:
+            t.join(30)
+        assert results["good"] is True
+        assert isinstance(results["bad"], ConfigError) and "no limit rule" in str(results["bad"])
+        # the file's rules and the new PUT; the change made before the reload is gone with it
+        assert {r.topic for r in sup.cfg.limits.rules} == {"a", "from-file", "http-new"}
+    finally:
+        shutil.rmtree(sup.runtime, ignore_errors=True)

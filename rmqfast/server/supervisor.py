@@ -105,6 +105,16 @@ def absolute_paths(cfg: Config) -> Config:
     return cfg
 
 
+class _LimitChange:
+    """One admin limit change waiting for the main loop, and what became of it."""
+
+    def __init__(self, change: Callable[[LimitsSection], LimitsSection]) -> None:
+        self.change = change
+        self.done = threading.Event()
+        self.applied = False
+        self.error: BaseException | None = None
+
+
 class Supervisor:
     def __init__(self, cfg: Config, load_config: Callable[[], Config]) -> None:
         self.cfg = absolute_paths(cfg)
@@ -126,8 +136,7 @@ class Supervisor:
         # send-limit buckets shared by the workers; live rule changes from the admin endpoint
         self.limits_shm = create_shared(self.runtime)
         self._limits_lock = threading.Lock()
-        self._limits_update: tuple[LimitsSection, threading.Event] | None = None
-        self._change_lock = threading.Lock()  # admin limit changes: read-modify-apply one at a time
+        self._limit_changes: list[_LimitChange] = []  # admin changes the main loop applies next, in order
         from rmqfast.gray.watch import GrayWatch
 
         self.gray_watch = GrayWatch(lambda: self.cfg)  # [gray]: backlog metric, ends drains (rmqfast.gray.watch)
@@ -244,29 +253,43 @@ class Supervisor:
 
     def set_limits(self, new: LimitsSection, timeout: float = 5.0) -> bool:
         """Apply new limits in every worker (called from the admin thread); True once signalled."""
-        done = threading.Event()
-        with self._limits_lock:
-            self._limits_update = (new, done)
-        return done.wait(timeout)
+        return self.change_limits(lambda _cur: new, timeout)
 
     def change_limits(self, change: Callable[[LimitsSection], LimitsSection], timeout: float = 5.0) -> bool:
-        """``change(current limits)`` applied in every worker; concurrent changes never lose one another.
+        """``change(limits in force)`` applied in every worker; True once signalled, False when the
+        main loop did not get to it within ``timeout`` (it is applied when it does) or could not
+        write the workers' configuration.  Raises what ``change`` raised (a bad rule).
 
-        The change is computed from the limits in force, or from a change still waiting for the
-        main loop, under one lock, so two PUTs at once both end up in force.
+        The main loop computes it from the limits in force when it applies it, after a reload
+        that came first and after the changes queued before it: concurrent PUTs all end up in
+        force, and a reload's rules are never undone by a change computed before it.
         """
-        with self._change_lock:
-            with self._limits_lock:
-                base = self._limits_update[0] if self._limits_update is not None else self.cfg.limits
-            return self.set_limits(change(base), timeout)
+        item = _LimitChange(change)
+        with self._limits_lock:
+            self._limit_changes.append(item)
+        if not item.done.wait(timeout):
+            return False
+        if item.error is not None:
+            raise item.error
+        return item.applied
 
     def _apply_limits_update(self) -> None:
         with self._limits_lock:
-            update, self._limits_update = self._limits_update, None
-        if update is None:
+            items, self._limit_changes = self._limit_changes, []
+        if not items:
             return
-        new, done = update
-        old = self.cfg.limits
+        old = new = self.cfg.limits
+        good: list[_LimitChange] = []
+        for item in items:
+            try:
+                new = item.change(new)
+            except Exception as exc:  # a bad rule (ConfigError...): its request answers 400
+                item.error = exc
+                item.done.set()
+                continue
+            good.append(item)
+        if not good:
+            return
         try:
             self.cfg.limits = new
             self._write_config()
@@ -274,11 +297,15 @@ class Supervisor:
             self.cfg.limits = old
             log.error("limit change not applied: cannot write the workers' configuration",
                       extra=ctx(error=f"{type(exc).__name__}: {exc}"))
-            return  # the admin request answers 503 after its timeout
+            for item in good:
+                item.done.set()  # applied stays False: the request answers 503
+            return
         self._reset_changed_buckets(old, new)
         self._signal_workers(signal.SIGHUP)
-        log.info("limits changed over the admin endpoint", extra=ctx(rules=len(new.rules)))
-        done.set()
+        log.info("limits changed over the admin endpoint", extra=ctx(rules=len(new.rules), changes=len(good)))
+        for item in good:
+            item.applied = True
+            item.done.set()
 
     def _signal_workers(self, sig: int) -> None:
         for wp in list(self.state.workers.values()):
@@ -321,7 +348,7 @@ class Supervisor:
             self.deliver.reap()
         if self.reload_requested and not self.stopping:
             self._reload()
-        if self._limits_update is not None and not self.stopping:
+        if self._limit_changes and not self.stopping:
             self._apply_limits_update()
         if not self.all_ready_notified and self.state.workers and all(
             w.ready for w in self.state.workers.values()
