@@ -193,3 +193,29 @@ def test_bad_changes_are_refused_with_a_reason(proxy):
         urllib.request.urlopen(req, timeout=10)
     assert exc.value.code == 400
     assert "rule.rate: -5 is not allowed" in json.loads(exc.value.read())["error"]
+
+
+def test_a_shape_rule_added_live_shares_the_workers_spill(proxy):
+    """A shape rule PUT live makes each worker open its spill for the shaper; the reloads after
+    it must not open that RocksDB a second time ([delay] setup did, and failed on its lock)."""
+    def put(rule: dict) -> None:
+        before = reloads(proxy)
+        req = urllib.request.Request(f"{proxy.admin_url}/limits/rule", method="PUT", data=json.dumps(rule).encode())
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        wait_reloaded(proxy, before)
+
+    put({"topic": "Shaped", "mode": "shape", "rate": 50})
+    put({"topic": "Other", "rate": 1000})  # a reload with the shaper's spill open
+    put({"topic": "Other", "rate": 2000})
+    errors = [r for r in proxy.log_records()
+              if r.get("level") in ("ERROR", "error") or "unavailable" in r.get("msg", "")]
+    assert errors == [], [(r.get("msg"), r.get("error")) for r in errors[:3]]
+    codes, _, _ = hammer(proxy.static_port, "Shaped", conns=2, seconds=0.5)
+    assert codes[C.SUCCESS] > 0 and codes[C.SYSTEM_BUSY] == 0  # shaped, not refused
+    for topic in ("Shaped", "Other"):
+        before = reloads(proxy)
+        req = urllib.request.Request(f"{proxy.admin_url}/limits/rule?topic={topic}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        wait_reloaded(proxy, before)

@@ -113,6 +113,18 @@ class DelayMetrics:
                                   buckets=LATENESS_BUCKETS)
 
 
+_metrics: DelayMetrics | None = None
+
+
+def delay_metrics() -> DelayMetrics:
+    """The process's delay metrics, registered once: a worker may open its delay service again
+    on a reload (a second registration of the same series raises)."""
+    global _metrics
+    if _metrics is None:
+        _metrics = DelayMetrics()
+    return _metrics
+
+
 def held_answer(request: RemotingCommand, msg_id: str, queue_id: int) -> bytes:
     ext = {"msgId": msg_id, "queueId": str(max(queue_id, 0)), "queueOffset": str(HELD_QUEUE_OFFSET), **_RESPONSE_EXT}
     return encode(make_response(request, C.SUCCESS, HELD_REMARK, ext_fields=ext))
@@ -186,7 +198,7 @@ class DelayService:
         self.topic_patterns: list[bytes] = [t.encode() for t in cfg.topics]
         self.index = index
         self.state_dir = state_dir
-        self.m = DelayMetrics() if publish else None
+        self.m = delay_metrics() if publish else None
         self.store = DelayStore(db, max_pending_bytes=cfg.max_pending_bytes, path=path)
         self.filter = DelayFilter(self)
         self.releaser = Releaser(self, connect_timeout=connect_timeout, request_timeout=request_timeout,

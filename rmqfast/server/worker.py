@@ -311,15 +311,8 @@ class Worker:
         repl = getattr(self, "replication", None)
         if not self.cfg.delay.enabled and repl is None and not spill_dir(self.cfg.proxy.state_dir, self.index).exists():
             return
-        from rmqfast.spill.store import SpillStore, worker_dir  # here: ~0.6 MiB a worker without a spill skips
-
         try:
-            spill = repl.replicator.store if repl is not None else getattr(self, "own_spill", None)
-            if spill is None:
-                rp = self.cfg.replicate
-                spill = self.own_spill = SpillStore(
-                    worker_dir(self.cfg.proxy.state_dir, self.index), write_buffer_bytes=rp.write_buffer_bytes,
-                    block_cache_bytes=rp.block_cache_bytes, disk_cap_bytes=rp.disk_cap_bytes)
+            spill = repl.replicator.store if repl is not None else self._own_spill()
             from rmqfast.delay import open_delay
 
             self.delay = open_delay(self.cfg, self.index, spill)
@@ -331,6 +324,18 @@ class Worker:
             return
         if self.delay is not None and getattr(self, "_started", False):
             self.delay.start()
+
+    def _own_spill(self) -> Any:
+        """The worker's own spill (no replicator), opened once and shared by [delay] and the
+        shaper: one writer per RocksDB (a second open of it fails on its lock)."""
+        if getattr(self, "own_spill", None) is None:
+            from rmqfast.spill.store import SpillStore, worker_dir  # here: ~0.6 MiB a worker without a spill skips
+
+            rp = self.cfg.replicate
+            self.own_spill = SpillStore(
+                worker_dir(self.cfg.proxy.state_dir, self.index), write_buffer_bytes=rp.write_buffer_bytes,
+                block_cache_bytes=rp.block_cache_bytes, disk_cap_bytes=rp.disk_cap_bytes)
+        return self.own_spill
 
     def _setup_shaper(self) -> None:
         """Start peak shaving when a shape rule exists or the spill may hold a shaped backlog.
@@ -351,7 +356,7 @@ class Worker:
             return
         try:
             shaper = Shaper(self.cfg, self.index, self.limits, metrics=self.metrics,
-                            store=repl.replicator.store if repl is not None else getattr(self, "own_spill", None),
+                            store=repl.replicator.store if repl is not None else self._own_spill(),
                             committer=repl.replicator.committer if repl is not None else None)
         except Exception as exc:  # an unusable spill: shape rules answer SYSTEM_BUSY instead
             log.error("peak shaving unavailable: cannot open the spill; sends over a shape rule get SYSTEM_BUSY",
