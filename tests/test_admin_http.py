@@ -460,3 +460,29 @@ def test_cancels_waiting_at_once_are_bounded(serve, tmp_path, monkeypatch: pytes
             for w in range(2):
                 (requests_dir / f"{rid}.w{w}.json").write_text(json.dumps({"worker": w, "cancelled": []}))
         assert [fut.result()[0] for fut in waiting] == [200] * n
+
+
+def test_one_client_address_cannot_take_every_slot(serve) -> None:
+    """Idle connections from one address other than loopback hold at most MAX_PER_CLIENT slots:
+    the next from it gets a 503 at once, and a probe from elsewhere is still answered."""
+    srv, _ = serve()
+    httpd = srv.httpd
+    pairs = [socket.socketpair() for _ in range(admin_mod.MAX_PER_CLIENT + 1)]
+    try:
+        for ours, theirs in pairs:  # as if accepted from 10.1.2.3, each sending nothing yet
+            httpd.process_request(ours, ("10.1.2.3", 40000))
+        refused = pairs[-1][1]
+        refused.settimeout(10)
+        answer = b""
+        while chunk := refused.recv(4096):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.0 503 ") and b"from this address" in answer, answer
+        assert httpd.per_client == {"10.1.2.3": admin_mod.MAX_PER_CLIENT}
+        assert request(srv.port, "GET", "/healthz")[0] == 200  # loopback, not counted
+    finally:
+        for ours, theirs in pairs:
+            theirs.close()
+    deadline = time.monotonic() + 60
+    while httpd.per_client:  # every slot comes back as those connections end
+        assert time.monotonic() < deadline, httpd.per_client
+        time.sleep(0.02)

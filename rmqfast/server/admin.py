@@ -3,9 +3,10 @@
 It runs in the supervisor's process (threads), so nothing a client sends may take it down or
 make it grow: every request is bounded.
 
-* One request per connection (HTTP/1.0), at most ``MAX_CONNECTIONS`` at once (more get a 503
-  and are closed); each socket read waits at most ``READ_TIMEOUT`` and a whole connection lives
-  at most ``CONNECTION_DEADLINE`` (slowloris: a client dribbling bytes is cut off).
+* One request per connection (HTTP/1.0), at most ``MAX_CONNECTIONS`` at once and at most
+  ``MAX_PER_CLIENT`` from one client address other than loopback (more get a 503 and are
+  closed); each socket read waits at most ``READ_TIMEOUT`` and a whole connection lives at most
+  ``CONNECTION_DEADLINE`` (slowloris: a client dribbling bytes is cut off).
 * The request line and headers together are at most ``MAX_HEAD`` bytes (else 431).
 * Request bodies (PUT) need a ``Content-Length`` of at most ``MAX_BODY`` bytes (else 411/413,
   read before anything is allocated); JSON nested too deeply is a 400, not a crash.
@@ -47,6 +48,10 @@ MAX_HEAD = 64 * 1024  # request line and headers together
 READ_TIMEOUT = 5.0
 CONNECTION_DEADLINE = 15.0
 MAX_CONNECTIONS = 32
+# Connections one client address other than loopback may hold at once: slow or idle clients
+# from one place cannot take every slot from the probes and scrapes (kubelet, Prometheus) that
+# come from elsewhere.  Loopback clients are on the host already and are not counted.
+MAX_PER_CLIENT = 8
 GET_PATHS = ("/metrics", "/healthz", "/readyz", "/limits")
 
 
@@ -123,24 +128,26 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, addr: tuple[str, int], backend: AdminBackend) -> None:
         self.backend = backend
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.per_client: dict[str, int] = {}  # open connections by client address (not loopback)
+        self.per_client_lock = threading.Lock()
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         super().__init__(addr, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        client = self._counted_client(client_address)
+        if client is not None and not self._take_client(client):
+            self._refuse(request, b"too many admin connections open from this address; retry shortly")
+            return
         if not self.slots.acquire(blocking=False):
-            try:  # too many open admin connections: answer at once, hold nothing
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\n\r\n"
-                                b'{"error": "too many admin connections open; retry shortly"}\n')
-            except OSError:
-                pass
-            self.shutdown_request(request)
+            self._give_client(client)
+            self._refuse(request, b"too many admin connections open; retry shortly")
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
             self.slots.release()
+            self._give_client(client)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -148,6 +155,39 @@ class _Server(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+            self._give_client(self._counted_client(client_address))
+
+    def _refuse(self, request: Any, why: bytes) -> None:
+        try:  # answer at once, hold nothing
+            request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b'Connection: close\r\n\r\n{"error": "' + why + b'"}\n')
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    @staticmethod
+    def _counted_client(client_address: Any) -> str | None:
+        """The address MAX_PER_CLIENT counts (None: loopback or unknown, not counted)."""
+        host = str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
+        return None if not host or is_loopback(host) else host
+
+    def _take_client(self, client: str) -> bool:
+        with self.per_client_lock:
+            n = self.per_client.get(client, 0)
+            if n >= MAX_PER_CLIENT:
+                return False
+            self.per_client[client] = n + 1
+            return True
+
+    def _give_client(self, client: str | None) -> None:
+        if client is None:
+            return
+        with self.per_client_lock:
+            n = self.per_client.get(client, 0) - 1
+            if n > 0:
+                self.per_client[client] = n
+            else:
+                self.per_client.pop(client, None)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # a client that vanished or timed out is not the proxy's error: one debug line
