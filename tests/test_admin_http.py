@@ -469,7 +469,7 @@ def test_one_client_address_cannot_take_every_slot(serve) -> None:
     httpd = srv.httpd
     pairs = [socket.socketpair() for _ in range(admin_mod.MAX_PER_CLIENT + 1)]
     try:
-        for ours, theirs in pairs:  # as if accepted from 10.1.2.3, each sending nothing yet
+        for ours, _theirs in pairs:  # as if accepted from 10.1.2.3, each sending nothing yet
             httpd.process_request(ours, ("10.1.2.3", 40000))
         refused = pairs[-1][1]
         refused.settimeout(10)
@@ -480,7 +480,7 @@ def test_one_client_address_cannot_take_every_slot(serve) -> None:
         assert httpd.per_client == {"10.1.2.3": admin_mod.MAX_PER_CLIENT}
         assert request(srv.port, "GET", "/healthz")[0] == 200  # loopback, not counted
     finally:
-        for ours, theirs in pairs:
+        for _ours, theirs in pairs:
             theirs.close()
     deadline = time.monotonic() + 60
     while httpd.per_client:  # every slot comes back as those connections end
