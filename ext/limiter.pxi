@@ -65,8 +65,16 @@ cdef struct LimTopic:
     uint8_t name[256]
 
 
+# A send whose cost (ns) would reach this is refused outright: 146 years of the rule's rate, and
+# past it the int64 arithmetic below would overflow (a batch of millions of tiny records at a
+# very slow rate).  The pure twin refuses at the same double comparison.
+DEF MAX_COST_NS = 4611686018427387904.0  # 2 ** 62
+
+
 cdef inline bint gcra(int64_t* tat_p, int64_t now, double interval, double tolerance, int64_t n,
                       int64_t* charged) noexcept nogil:
+    if interval * n >= MAX_COST_NS:
+        return False
     cdef int64_t cost = <int64_t>(interval * n + 0.5)
     cdef int64_t tol = <int64_t>tolerance
     cdef int64_t tat = rmq_load64(tat_p)

@@ -239,6 +239,21 @@ def test_the_slowest_rate_and_longest_burst_allowed_still_limit(make):
     assert lim.admit(b"T", nbytes=1, now_ns=T0) == 0 and lim.admit(b"T", nbytes=1, now_ns=T0 + S) == -1
 
 
+def test_a_batch_too_costly_to_count_is_refused_and_charges_nothing(make):
+    """Millions of tiny records in one batch at the slowest rate would cost more nanoseconds
+    than an int64 holds: refused (at 2**62 ns) in both twins, the bucket left as it was."""
+    lim = make(*parse_limits({"rule": [{"topic": "T", "rate": 0.001}]}).limiter_rules())
+    assert lim.admit(b"T", msgs=10_000_000, now_ns=10**15) == 0
+    # the bucket is still full: just under 2**62 ns is admitted (a big batch passes on a full bucket)
+    assert lim.admit(b"T", msgs=4_611_686, now_ns=10**15) == -1
+    assert lim.admit(b"T", now_ns=10**15 + 10**18) == 0  # and paid for: no wrap-around admits the next
+    # a cost that fits an int64 but whose end time would not (it wrapped negative: the next send
+    # and every one after it were admitted)
+    lim = make(*parse_limits({"rule": [{"topic": "T", "rate": 0.001}]}).limiter_rules())
+    assert lim.admit(b"T", msgs=9_223_000, now_ns=10**15) == 0
+    assert lim.admit(b"T", now_ns=10**15) == -1 and lim.admit(b"T", now_ns=10**15) == 0
+
+
 def test_config_parsing_and_errors():
     sec = parse_limits({"global_rate": 1000, "rule": [{"topic": "orders", "rate": 5, "tag": "vip"},
                                                      {"topic": "logs-*", "mode": "reject"}]})

@@ -25,6 +25,7 @@ MAX_RULES = 1023
 SHM_BYTES = SHM_HEADER_BYTES + SLOT_BYTES * (MAX_RULES + 1)
 IMPLEMENTATION = "python"
 MODE_LIMIT, MODE_REJECT, MODE_OPEN = 0, 1, 2
+MAX_COST_NS = 4611686018427387904.0  # 2 ** 62: a send costing that much (ns) is refused
 _Q = struct.Struct("<q")  # native little-endian int64, as the C side sees it on x86-64 / arm64
 
 
@@ -104,6 +105,8 @@ class Limiter:
 
     def _gcra(self, off: int, now: int, interval: float, tolerance: float, n: int) -> int | None:
         """The cost charged, or None when the send does not conform."""
+        if interval * n >= MAX_COST_NS:  # 146 years of the rate; past it int64 overflows (the C twin's rule)
+            return None
         cost = int(interval * n + 0.5)
         tol = int(tolerance)
         if self._lock_fd is not None:
