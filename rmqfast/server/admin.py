@@ -167,9 +167,18 @@ class _Server(ThreadingHTTPServer):
 
     @staticmethod
     def _counted_client(client_address: Any) -> str | None:
-        """The address MAX_PER_CLIENT counts (None: loopback or unknown, not counted)."""
+        """The address MAX_PER_CLIENT counts (None: loopback or unknown, not counted); an IPv6
+        client counts by its /64, which one host can rotate through."""
         host = str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
-        return None if not host or is_loopback(host) else host
+        if not host or is_loopback(host):
+            return None
+        try:
+            addr = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return host
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is None:
+            return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+        return str(addr.ipv4_mapped) if isinstance(addr, ipaddress.IPv6Address) else host
 
     def _take_client(self, client: str) -> bool:
         with self.per_client_lock:
@@ -415,6 +424,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         # http.server's own errors (bad request line, 431 headers too long...): JSON like the rest
+        if code in (414, 431):
+            self._linger = True  # the rest of the head is unread: close gently (see _drain_unread)
         try:
             text = message or self.responses.get(code, ("error",))[0]
             self._json(code, {"error": f"{text}: {explain}" if explain else text})
