@@ -436,22 +436,28 @@ def test_a_file_without_the_header_is_refused(tmp_path):
             open_limiter(path, compiled=L is not LimiterPy)
 
 
+def _supervisor_cfg(tmp_path, rules_raw):
+    """A configuration for an in-process Supervisor: its state under ``tmp_path``, these rules."""
+    from rmqfast.config import Config
+
+    cfg = Config()
+    cfg.proxy.state_dir = str(tmp_path / "state")
+    cfg.limits = parse_limits({"rule": rules_raw})
+    return cfg
+
+
 def test_the_supervisors_reload_and_admin_changes_keep_unchanged_buckets(tmp_path):
     """The real supervisor paths (SIGHUP reload, admin change) with a worker's limiter reading
     config.json, as a worker does after the SIGHUP."""
     import shutil
 
     from rmqfast import config as config_mod
-    from rmqfast.config import Config
     from rmqfast.limits import open_limiter
     from rmqfast.limits.worker import WorkerLimits
     from rmqfast.server.supervisor import Supervisor
 
     def cfg_with(rules_raw):
-        cfg = Config()
-        cfg.proxy.state_dir = str(tmp_path / "state")
-        cfg.limits = parse_limits({"rule": rules_raw})
-        return cfg
+        return _supervisor_cfg(tmp_path, rules_raw)
 
     pending = {}
     sup = Supervisor(cfg_with(LIVE_RULES), lambda: pending["cfg"])
@@ -492,14 +498,10 @@ def test_an_admin_change_queued_before_a_reload_is_applied_on_the_reloaded_limit
     import shutil
     import threading
 
-    from rmqfast.config import Config
     from rmqfast.server.supervisor import Supervisor
 
     def cfg_with(rules_raw):
-        cfg = Config()
-        cfg.proxy.state_dir = str(tmp_path / "state")
-        cfg.limits = parse_limits({"rule": rules_raw})
-        return cfg
+        return _supervisor_cfg(tmp_path, rules_raw)
 
     pending = {}
     sup = Supervisor(cfg_with([{"topic": "a", "rate": 1}]), lambda: pending["cfg"])
