@@ -68,12 +68,13 @@ cdef struct LimTopic:
 # A send whose cost (ns) would reach this is refused outright: 146 years of the rule's rate, and
 # past it the int64 arithmetic below would overflow (a batch of millions of tiny records at a
 # very slow rate).  The pure twin refuses at the same double comparison.
-DEF MAX_COST_NS = 4611686018427387904.0  # 2 ** 62
+DEF MAX_COST_NS_C = 4611686018427387904.0  # 2 ** 62
+MAX_COST_NS = MAX_COST_NS_C  # (the twin-constant test compares it with the pure twin's)
 
 
 cdef inline bint gcra(int64_t* tat_p, int64_t now, double interval, double tolerance, int64_t n,
                       int64_t* charged) noexcept nogil:
-    if interval * n >= MAX_COST_NS:
+    if interval * n >= MAX_COST_NS_C:
         return False
     cdef int64_t cost = <int64_t>(interval * n + 0.5)
     cdef int64_t tol = <int64_t>tolerance
