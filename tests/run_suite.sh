@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test phases of `make test`, in two lanes that run at the same time:
-#   lane "unit": the unit tests with the compiled codec, then the same tests with the
-#                pure-Python twin (RMQFAST_NO_EXTENSIONS=1; minus the Spark tests, which do
-#                not touch the codec);
+#   lane "unit": the unit tests with the compiled codec, the benchmark suite (bench/) once
+#                with --benchmark-disable, then the same unit tests with the pure-Python
+#                twin (RMQFAST_NO_EXTENSIONS=1; minus the Spark tests, which do not touch
+#                the codec);
 #   lane "it":   the integration tests against a real RocketMQ and real clients.
 # Most of the integration lane's time is spent waiting on JVMs and network round trips, so on
 # two cores the lanes overlap well: the suite takes about as long as its longest lane instead of
@@ -15,10 +16,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 logdir="$(mktemp -d "${TMPDIR:-/tmp}/rmqfast-suite.XXXXXX")"
-durations=(--durations=15 --durations-min=5 "$@")  # extra arguments go to every pytest run
+durations=(--durations=15 --durations-min=5 "$@")  # extra arguments go to every pytest run of tests/
 
 lane_unit() {
     "$PYTHON" -m pytest -q -m "not integration" "${durations[@]}" || return 1
+    # the pytest-benchmark suite, each benchmark run once and not timed, so it cannot rot (~10 s;
+    # the extra arguments are not passed: a -k or -m meant for tests/ could select nothing here)
+    "$PYTHON" -m pytest -q bench/ --benchmark-disable --durations=5 --durations-min=5 || return 1
     RMQFAST_NO_EXTENSIONS=1 "$PYTHON" -m pytest -q -m "not integration and not spark" "${durations[@]}"
 }
 
