@@ -239,3 +239,15 @@ def test_real_records_from_proxy_run(tmp_path: Path, spark: Any) -> None:  # noq
     assert client["client"].startswith("127.0.0.1:")
     (lat,) = [r for r in t["latency_by_code"] if r["code"] == 101]
     assert 0 < lat["p50_us"] <= lat["p99_us"] < 1_000_000
+
+
+def test_spark3_semantics_kept_on_spark4(spark: Any) -> None:  # noqa: F811
+    """Spark 4 turned ANSI mode on by default, under which one overflowing value in a damaged
+    file aborts the whole job; the session keeps Spark 3's semantics (the value does not raise)."""
+    from pyspark.sql import functions as F
+
+    from rmqfast.analytics.jobs import _bucket_col
+
+    df = spark.createDataFrame([(float("inf"),), (7.0,)], "ts double")
+    rows = df.select(_bucket_col(F.col("ts"), 5).alias("b")).collect()  # raised ARITHMETIC_OVERFLOW
+    assert len(rows) == 2 and rows[1]["b"] == 5
