@@ -23,10 +23,13 @@ pq = pytest.importorskip("pyarrow.parquet")
 from rmqfast.analytics.synth import write_aggregates, write_samples  # noqa: E402
 from rmqfast.testing.sparkcluster import StandaloneCluster  # noqa: E402
 
-pytestmark = pytest.mark.spark
-
 N = 20_000
 ANALYZE_TIMEOUT = 600  # bounds a hang; a run took 60 s at a load average of 13 on 2 cores
+START_TIMEOUT = 180  # Master + Worker up: about 30 s at a load average of 11
+
+# the first test's time holds the fixture: the cluster's start and both reports (about 2.5 min at
+# a load average of 11); each step is bounded above, the whole by this
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(START_TIMEOUT + 2 * ANALYZE_TIMEOUT + 120)]
 
 
 def _analyze(records: Path, out: Path, master: str, env: dict[str, str]) -> dict[str, Any]:
@@ -60,7 +63,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     records = base / "records"
     write_samples(records, N, per_file=N // 2, span_s=600)
     write_aggregates(records, span_s=120, hosts=1, workers=2)
-    with StandaloneCluster(base / "cluster", cores=2, memory="1g") as cluster:
+    with StandaloneCluster(base / "cluster", cores=2, memory="1g", start_timeout=START_TIMEOUT) as cluster:
         cluster_summary = _analyze(records, base / "report-cluster", cluster.master_url, cluster.client_env())
         apps = cluster.applications()
         master_url = cluster.master_url
@@ -92,3 +95,15 @@ def test_cluster_tables_equal_local_tables(reports: dict[str, Any]) -> None:
     assert reports["cluster"]["problems"] == reports["local"]["problems"] == []
     assert sorted(reports["cluster"]["charts"]) == sorted(reports["local"]["charts"])
     assert (base / "report-cluster" / "report.html").stat().st_size > 10_000
+
+
+def test_a_daemon_that_exits_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmqfast.testing import sparkcluster
+    from rmqfast.testing.errors import ClusterError
+
+    monkeypatch.setattr(sparkcluster, "MASTER_CLASS", "org.apache.spark.deploy.master.NoSuchMaster")
+    cluster = StandaloneCluster(tmp_path, start_timeout=START_TIMEOUT)
+    with pytest.raises(ClusterError, match=r"the Spark master exited \(\d+\) before it was up") as exc:
+        cluster.start()
+    assert "NoSuchMaster" in str(exc.value)  # the log's tail says why
+    assert cluster.master_url == ""
