@@ -123,7 +123,8 @@ class Stats:
         self.empty_after_hit = 0  # hasMsg answered, the pop that followed found nothing
         self.notify_connections = 0  # opened for notifications
         self.notify_dropped = 0  # closed with their notification still parked (its receive had ended)
-        self.connections_refused = 0  # client connections closed at once: grpc.max_connections reached
+        self.connections_refused = 0  # client connections closed: grpc.max_connections(_per_client) reached
+        self.connections_closed: dict[str, int] = {}  # by the gate's bounds, by reason (rmqfast.grpcfront.gate)
 
 
 class MessagingService:
