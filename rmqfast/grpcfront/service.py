@@ -424,7 +424,11 @@ class MessagingService:
         else:
             broker, qid = r.writable[next(self._rr) % len(r.writable)]
         born = int(time.time() * 1000)
-        ext = send_header(topic, broker, qid, props, sys_flag, born, pgroup, msg.system_properties.delivery_attempt)
+        try:  # send_properties refused what the property string cannot carry: this is the backstop
+            ext = send_header(topic, broker, qid, props, sys_flag, born, pgroup,
+                              msg.system_properties.delivery_attempt)
+        except ValueError as exc:
+            raise BadRequest("BAD_REQUEST", f"the message cannot be written as RocketMQ properties: {exc}") from exc
         resp = await self.broker_call(r.brokers[broker], C.SEND_MESSAGE_V2, ext, bytes(msg.body))
         if resp.code != C.SUCCESS:
             raise Fail(_BROKER_CODES.get(resp.code, "INTERNAL_SERVER_ERROR"),
