@@ -230,3 +230,44 @@ def test_grpcio_server_closes_a_half_preface_at_the_deadline() -> None:
         assert took is not None and took < 10.0, took
 
     run(go())
+
+
+def test_the_free_heap_is_given_back_once_many_connections_closed(pb: Any) -> None:  # noqa: F811
+    """After a peak of connections closes, the sweep calls malloc_trim (issue 30, finding 7: glibc
+    kept the freed sessions' heap, so RSS stayed at its peak; bench/grpc_conn_memory.py measures it)."""
+    from rmqfast.grpcfront import heap
+
+    if heap._malloc_trim() is None:
+        pytest.skip("no glibc malloc_trim")
+
+    async def go() -> None:
+        server, _, port = await _server(pb, idle_timeout=20.0)  # sweeps every 2 s, closes none of these
+        loop = asyncio.get_running_loop()
+        n = heap.TRIM_MIN_DROP + 16
+        socks = [await loop.run_in_executor(None, _raw, port, PREFACE + frame(SETTINGS, 0, 0)) for _ in range(n)]
+        await _until(lambda: len(server.gate.established) == n, f"{n} established")
+        assert server.heap.trims == 0 and server.gate.peak == n
+        for s in socks:
+            s.close()
+        await _until(lambda: server.heap.trims == 1, "one trim after they closed")
+        assert not server.conns and server.gate.peak == 0 and server.gate.closed["idle"] == 0
+        await server.stop(1.0)
+
+    run(go())
+
+
+def test_a_trim_waits_for_a_quarter_of_the_peak_to_close() -> None:
+    from rmqfast.grpcfront import heap
+
+    class G:
+        peak = 1000
+
+    t = heap.Trimmer()
+    if t._fn is None:
+        pytest.skip("no glibc malloc_trim")
+    g = G()
+    assert not t.maybe_trim(751, g) and t.trims == 0  # 249 closed of 1000: under a quarter
+    assert t.maybe_trim(750, g) and t.trims == 1 and g.peak == 750  # the peak starts again from here
+    g.peak = 100
+    assert not t.maybe_trim(100 - heap.TRIM_MIN_DROP + 1, g)  # fewer than TRIM_MIN_DROP: not worth it
+    assert t.maybe_trim(100 - heap.TRIM_MIN_DROP, g) and t.trims == 2

@@ -109,6 +109,7 @@ class Gate:
         self.by_client: dict[str, int] = {}
         self.keys: dict[Conn, str] = {}
         self.closed = dict.fromkeys(REASONS, 0)
+        self.peak = 0  # the most connections open at once since rmqfast.grpcfront.heap last trimmed
         self._logged = dict.fromkeys(REASONS, -_LOG_EVERY)
 
     def __len__(self) -> int:
@@ -127,6 +128,7 @@ class Gate:
             self.release(oldest)
             oldest.shut("handshake_evicted")
         self.pending[conn] = self.clock()
+        self.peak = max(self.peak, len(self))
         self.keys[conn] = key
         if key:
             self.by_client[key] = n + 1

@@ -47,6 +47,7 @@ from rmqfast.grpcfront.h2wire import (
     parse_timeout,
     trailer,
 )
+from rmqfast.grpcfront.heap import Trimmer
 
 log = logging.getLogger("rmqfast.grpc")
 
@@ -176,15 +177,10 @@ class H2Protocol(asyncio.Protocol):
             return
         self.c = ffi.gc(c, lib.h2_free)
         self.server.conns.add(self)
-        self._idle = self.loop.call_later(gate.handshake_timeout, self._handshake_late)
+        self._idle = self.loop.call_later(gate.handshake_timeout, self.shut, "handshake_timeout")
         if self.server.stopping:
             lib.h2_goaway(self.c)
         self._flush()
-
-    def _handshake_late(self) -> None:
-        self._idle = None
-        self.server.gate.refused("handshake_timeout", self.peer, 1, self.server.gate.handshake_timeout)
-        self.shut("handshake_timeout")
 
     def _handshaken(self) -> None:
         """The client's preface and first SETTINGS arrived: the connection counts in max_connections."""
@@ -198,6 +194,8 @@ class H2Protocol(asyncio.Protocol):
     def shut(self, reason: str) -> None:
         """Closed by a bound of the gate (``reason``): GOAWAY, then closed; cut if the client does not
         take it within _CLOSE_GRACE s."""
+        if reason == "handshake_timeout" and self in self.server.gate.pending:  # connection_made's deadline
+            self.server.gate.refused(reason, self.peer, 1, self.server.gate.handshake_timeout)
         self.server.gate.release(self)
         transport = self.transport
         if self.closed or transport is None or transport.is_closing():
@@ -540,6 +538,7 @@ class H2Server:
         self._server: asyncio.AbstractServer | None = None
         self._gone = asyncio.Event()
         self._sweeper: asyncio.TimerHandle | None = None
+        self.heap = Trimmer()  # the C heap given back after a peak of connections (rmqfast.grpcfront.heap)
 
     @property
     def refused(self) -> int:
@@ -556,13 +555,15 @@ class H2Server:
 
     def _sweep(self) -> None:
         """Every tenth of ``idle_timeout`` (at most 5 s): established connections with no open stream
-        for ``idle_timeout`` get GOAWAY and are closed."""
+        for ``idle_timeout`` get GOAWAY and are closed; the free C heap is given back once many
+        connections closed since their peak."""
         gate = self.gate
         limit = self.loop.time() - gate.idle_timeout
         idle = [p for p in gate.established if not p.calls and p.idle_since <= limit]  # type: ignore[attr-defined]
         for p in idle:
             gate.refused("idle", p.peer, len(gate.established), gate.idle_timeout)  # type: ignore[attr-defined]
             p.shut("idle")
+        self.heap.maybe_trim(len(self.conns), gate)
         if not self.stopping:
             self._sweeper = self.loop.call_later(min(5.0, gate.idle_timeout / 10), self._sweep)
 
