@@ -23,7 +23,7 @@ from typing import Any
 SVC = "/apache.rocketmq.v2.MessagingService/"
 
 CHILD = r"""
-import asyncio, ctypes, gc, json, sys, tracemalloc
+import asyncio, ctypes, gc, json, sys, time, tracemalloc
 from rmqfast.grpcfront import protos
 from rmqfast.grpcfront.h2server import H2Server
 from rmqfast.grpcfront.service import MessagingService
@@ -83,7 +83,7 @@ async def main():
             break
         gc.collect()
         out = {"rss": rss(), "conns": len(server.conns), "gc_objects": len(gc.get_objects()),
-               "trims": server.heap.trims}
+               "trims": server.heap.trims, "last_trim_ms": server.heap.last_ms}
         mi = libc.mallinfo2()
         out["malloc_in_use"], out["malloc_free"] = mi.uordblks + mi.hblkhd, mi.fordblks
         out["pymalloc"] = pymalloc()
@@ -95,7 +95,9 @@ async def main():
             elif base is not None:
                 out["top"] = [str(s) for s in snap.compare_to(base, "lineno")[:8]]
         if cmd == "trim":
+            t0 = time.perf_counter()
             libc.malloc_trim(0)
+            out["trim_ms"] = (time.perf_counter() - t0) * 1000
             out["rss_after_trim"] = rss()
         print(json.dumps(out), flush=True)
     await server.stop(0.5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger("rmqfast.grpc")
@@ -38,6 +39,7 @@ class Trimmer:
 
     def __init__(self) -> None:
         self.trims = 0
+        self.last_ms = 0.0  # how long the last malloc_trim took (it walks the heap)
         self._fn: Any = _malloc_trim()
 
     def maybe_trim(self, n: int, gate: Any) -> bool:
@@ -45,7 +47,10 @@ class Trimmer:
         (which then starts again from ``n``)."""
         if self._fn is None or gate.peak - n < max(TRIM_MIN_DROP, gate.peak // 4):
             return False
-        gate.peak = n
+        closed, gate.peak = gate.peak - n, n
         self.trims += 1
+        t0 = time.perf_counter()
         self._fn(0)
+        self.last_ms = (time.perf_counter() - t0) * 1000
+        log.debug("gRPC front: malloc_trim after %d connections closed took %.1f ms", closed, self.last_ms)
         return True
