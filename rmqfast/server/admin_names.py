@@ -136,11 +136,12 @@ class OwnNames:
         return cls(port, frozenset(own), frozenset(any_port), frozenset(pinned))
 
     def accepts(self, host: str, port: int | None, local_ip: str) -> bool:
-        """Whether ``host:port`` (normal host; port None: none given) names this endpoint on a
+        """Whether ``host:port`` (normal host; port None: none given, 80) names this endpoint on a
         connection that arrived at ``local_ip``."""
-        if host in self.any_port or (port is not None and (host, port) in self.pinned):
+        port = 80 if port is None else port  # no port in Host: HTTP's
+        if host in self.any_port or (host, port) in self.pinned:
             return True
-        if (port if port is not None else 80) != self.port:
+        if port != self.port:
             return False
         return host in self.own or (bool(local_ip) and host == normal_host(local_ip.split("%", 1)[0]))
 
