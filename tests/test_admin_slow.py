@@ -7,13 +7,16 @@ Heads are now read by one event-driven thread (:mod:`rmqfast.server.admin_heads`
 
 from __future__ import annotations
 
+import errno
+import logging
 import socket
 import time
 from collections.abc import Iterator
 
 import pytest
-from test_admin_http import RULE, request, serve  # noqa: F401  (serve: the fixture)
+from test_admin_http import RULE, Backend, request, serve  # noqa: F401  (serve: the fixture)
 
+from rmqfast.config import HostPort
 from rmqfast.server import admin as admin_mod
 
 PROBE_TIMEOUT = 3.0  # the manifests' livenessProbe timeoutSeconds
@@ -119,3 +122,37 @@ def test_busy_handlers_do_not_stop_the_probe(serve, held, monkeypatch: pytest.Mo
     while request(srv.port, "GET", "/limits", timeout=30)[0] != 200:  # slots come back as clients go
         assert time.monotonic() < deadline, "the handler slots did not come back"
         time.sleep(0.05)
+
+
+class _ShortOfDescriptors:
+    """The endpoint's listening socket, whose first ``fail`` accepts fail with EMFILE."""
+
+    def __init__(self, sock: socket.socket, fail: int) -> None:
+        self.sock = sock
+        self.fail = fail
+        self.failed = 0
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.failed < self.fail:
+            self.failed += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.sock.accept()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)
+
+
+def test_accept_short_of_descriptors_backs_off_and_recovers(caplog: pytest.LogCaptureFixture) -> None:
+    srv = admin_mod.AdminServer(HostPort("127.0.0.1", 0), Backend())
+    short = _ShortOfDescriptors(srv.httpd.socket, fail=3)
+    srv.httpd.reader.listener = short  # type: ignore[assignment]
+    srv.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="rmqfast.admin"):
+            assert request(srv.port, "GET", "/healthz", timeout=30)[0] == 200  # served once accept works again
+        assert short.failed == 3
+        warnings = [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
+        assert len(warnings) == 1 and "Too many open files" in warnings[0].getMessage(), warnings  # one, no traceback
+        assert not warnings[0].exc_info
+    finally:
+        srv.shutdown()

@@ -162,6 +162,7 @@ class HeadReader:
                     self._turn()
                 except Exception:  # a bug must not silence the endpoint: log it and go on
                     self._warn("loop", "admin endpoint: unexpected error in the accept loop", exc_info=True)
+                    time.sleep(0.05)  # should it repeat: no busy loop
         finally:
             for conn in [*self.pending.values(), *self.answering.values(), *self._adopted]:
                 self._close(conn)
