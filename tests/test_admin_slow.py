@@ -18,6 +18,7 @@ from test_admin_http import RULE, Backend, request, serve  # noqa: F401  (serve:
 
 from rmqfast.config import HostPort
 from rmqfast.server import admin as admin_mod
+from rmqfast.server import admin_heads as admin_mod_heads
 
 PROBE_TIMEOUT = 3.0  # the manifests' livenessProbe timeoutSeconds
 
@@ -156,3 +157,21 @@ def test_accept_short_of_descriptors_backs_off_and_recovers(caplog: pytest.LogCa
         assert not warnings[0].exc_info
     finally:
         srv.shutdown()
+
+
+def test_answered_connections_lingering_are_bounded(serve, held, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """After an answer from the head reader the connection is read and dropped for up to 1 s; a
+    flood of requests whose clients never close holds at most MAX_ANSWERING of them."""
+    monkeypatch.setattr(admin_mod, "MAX_ANSWERING", 2)
+    monkeypatch.setattr(admin_mod_heads, "LINGER", 120.0)  # they would linger while the test looks
+    srv, _ = serve()
+    for _ in range(6):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        held.append(s)
+        s.sendall(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n\r\n".encode())
+        answer = b""
+        while chunk := s.recv(4096):  # the answer, then the server's half-close
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.0 200 "), answer
+        assert len(srv.httpd.reader.answering) <= 2
+    assert request(srv.port, "GET", "/healthz", timeout=PROBE_TIMEOUT)[0] == 200

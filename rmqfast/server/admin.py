@@ -60,9 +60,12 @@ READ_TIMEOUT = 5.0
 CONNECTION_DEADLINE = 15.0
 MAX_CONNECTIONS = 32  # handler threads (a connection takes one once its head is read)
 # connections waiting for their head at once, and their bytes: past either, the one waiting
-# longest is closed (rmqfast.server.admin_heads)
-MAX_PENDING = 512
+# longest is closed (rmqfast.server.admin_heads); answered ones lingering before their close.
+# The supervisor keeps its open-files limit (often 1024): the endpoint holds at most about
+# MAX_PENDING + MAX_ANSWERING + MAX_CONNECTIONS descriptors.
+MAX_PENDING = 256
 MAX_PENDING_BYTES = 8 << 20
+MAX_ANSWERING = 128
 # Connections one client address other than loopback may hold at once: slow or idle clients
 # from one place cannot take every slot from the probes and scrapes (kubelet, Prometheus) that
 # come from elsewhere.  Loopback clients are on the host already and are not counted.
@@ -193,7 +196,8 @@ class _Server(ThreadingHTTPServer):
         self.pods = pods
         self.names = OwnNames.build(addr[0], int(self.server_address[1]), allowed_hosts, pods)
         self.reader = HeadReader(self.socket, self, idle=READ_TIMEOUT, deadline=CONNECTION_DEADLINE,
-                                 max_head=MAX_HEAD, max_pending=MAX_PENDING, max_pending_bytes=MAX_PENDING_BYTES)
+                                 max_head=MAX_HEAD, max_pending=MAX_PENDING, max_pending_bytes=MAX_PENDING_BYTES,
+                                 max_answering=MAX_ANSWERING)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         self.reader.run()

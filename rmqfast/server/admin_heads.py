@@ -10,7 +10,7 @@ head costs a descriptor and its bytes so far, never a thread, and is bounded:
 * ``idle`` seconds without a byte, or ``deadline`` seconds since accept: closed;
 * at most ``max_pending`` connections and ``max_pending_bytes`` of head bytes wait at once: past
   either, the connection waiting longest is closed (a probe sends its head at once and is read
-  in the loop turn it arrives);
+  in the loop turn it arrives); at most ``max_answering`` answered connections linger;
 * a head over ``max_head`` bytes without its end goes on as it is (the handler answers 414/431).
 
 Answers sent from this thread are written without blocking; then the connection is half-closed
@@ -86,7 +86,8 @@ class HeadOwner(Protocol):
 
 class HeadReader:
     def __init__(self, listener: socket.socket, owner: HeadOwner, *, idle: float, deadline: float,
-                 max_head: int, max_pending: int = 512, max_pending_bytes: int = 8 << 20) -> None:
+                 max_head: int, max_pending: int = 256, max_pending_bytes: int = 8 << 20,
+                 max_answering: int = 128) -> None:
         self.listener = listener
         self.owner = owner
         self.idle = idle
@@ -94,9 +95,10 @@ class HeadReader:
         self.max_head = max_head
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
+        self.max_answering = max_answering
         self.sel = selectors.DefaultSelector()
         self.pending: OrderedDict[int, Conn] = OrderedDict()  # reading their head, oldest first
-        self.answering: dict[int, Conn] = {}  # writing an answer or lingering
+        self.answering: OrderedDict[int, Conn] = OrderedDict()  # writing an answer or lingering, oldest first
         self.pending_bytes = 0
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -295,7 +297,12 @@ class HeadReader:
             self._close(conn)
             return
         self.answering[conn.sock.fileno()] = conn
-        self._answer_io(conn, selectors.EVENT_WRITE)
+        while len(self.answering) > self.max_answering:  # a flood of requests: close the oldest now
+            _, oldest = self.answering.popitem(last=False)
+            self._forget(oldest)
+            self._close(oldest)
+        if not conn.closed:
+            self._answer_io(conn, selectors.EVENT_WRITE)
 
     def _answer_io(self, conn: Conn, events: int) -> None:
         try:
