@@ -266,7 +266,8 @@ class _Server(ThreadingHTTPServer):
             self._give_client(self._counted_client(client_address))
 
     def _refuse(self, request: Any, why: bytes) -> None:
-        try:  # answer at once, hold nothing
+        try:  # answer at once, hold nothing (and never wait long: this is the accept loop)
+            request.settimeout(1.0)
             request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b'Connection: close\r\n\r\n{"error": "' + why + b'"}\n')
         except OSError:

@@ -134,7 +134,7 @@ class HeadReader:
                 return
         self._wake()
         if thread is not threading.current_thread():
-            self._done.wait()
+            self._done.wait(5.0)  # a turn ends within a second; never hang a stopping supervisor
 
     def _release(self) -> None:
         self.sel.close()
