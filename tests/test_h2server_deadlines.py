@@ -7,6 +7,7 @@ connections cannot lock a real client out, and one client address holds at most
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 import time
@@ -271,3 +272,44 @@ def test_a_trim_waits_for_a_quarter_of_the_peak_to_close() -> None:
     g.peak = 100
     assert not t.maybe_trim(100 - heap.TRIM_MIN_DROP + 1, g)  # fewer than TRIM_MIN_DROP: not worth it
     assert t.maybe_trim(100 - heap.TRIM_MIN_DROP, g) and t.trims == 2
+
+
+def test_closes_are_counted_in_the_metrics_scraped_over_http() -> None:
+    """``rmqfast serve`` with the gRPC front: a half preface is closed at ``[grpc] handshake_timeout``
+    and counted in ``rmqfast_grpc_connections_closed_total{reason="handshake_timeout"}`` on /metrics."""
+    import urllib.request
+
+    from rmqfast.testing.proxy import ProxyProcess
+    from rmqfast.testing.standins import FakeNameServer
+
+    def extra(p: Any) -> str:  # the last port of the proxy's reserved broker range: no broker here uses it
+        return f'\n[grpc]\nenabled = true\nlisten = "127.0.0.1:{p.port_range[1]}"\nhandshake_timeout = 0.5\n'
+
+    def scrape(url: str) -> float:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith('rmqfast_grpc_connections_closed_total{reason="handshake_timeout"}'):
+                    return float(line.split()[-1])
+        return 0.0
+
+    ns = FakeNameServer()  # /readyz wants a name server that answers
+    with contextlib.ExitStack() as stack:
+        stack.callback(ns.close)
+        proxy = stack.enter_context(ProxyProcess([f"127.0.0.1:{ns.server_address[1]}"], workers=1,
+                                                 extra_config=extra))
+        port = proxy.port_range[1]
+        end = time.monotonic() + 60
+        while True:  # the worker starts its front after it is ready
+            try:
+                s = _raw(port, PREFACE[:10])
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < end, f"the gRPC front never listened:\n{proxy.log_tail()}"
+                time.sleep(0.05)
+        took = _wait_closed(s, 20.0)
+        s.close()
+        assert took is not None and took < 10.0, took
+        while (n := scrape(f"{proxy.admin_url}/metrics")) < 1:
+            assert time.monotonic() < end, f"not counted on /metrics:\n{proxy.log_tail()}"
+            time.sleep(0.1)
+        assert n == 1
