@@ -158,16 +158,6 @@ class Gate:
             else:
                 self.by_client.pop(key, None)
 
-    def overdue(self, now: float) -> list[Conn]:
-        """The pending connections whose handshake deadline has passed (oldest first)."""
-        limit = now - self.handshake_timeout
-        out = []
-        for conn, t in self.pending.items():
-            if t > limit:
-                break
-            out.append(conn)
-        return out
-
     def refused(self, reason: str, key: str, n: int, cap: float) -> None:
         """Count a connection closed by a bound; one log line per reason per ``_LOG_EVERY`` s."""
         self.closed[reason] += 1
