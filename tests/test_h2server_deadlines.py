@@ -313,3 +313,14 @@ def test_closes_are_counted_in_the_metrics_scraped_over_http() -> None:
             assert time.monotonic() < end, f"not counted on /metrics:\n{proxy.log_tail()}"
             time.sleep(0.1)
         assert n == 1
+
+
+def test_client_key_counts_ipv6_by_its_64() -> None:
+    from rmqfast.grpcfront.gate import client_key
+
+    assert client_key(("10.1.2.3", 5000)) == "10.1.2.3"
+    assert client_key(("::ffff:10.1.2.3", 5000, 0, 0)) == "10.1.2.3"
+    assert client_key(("2001:db8:1:2:aaaa::1", 5000, 0, 0)) == client_key(("2001:db8:1:2:bbbb::9", 1, 0, 0)) \
+        == "2001:db8:1:2::/64"
+    assert client_key(("2001:db8:1:3::1", 5000, 0, 0)) != client_key(("2001:db8:1:2::1", 5000, 0, 0))
+    assert client_key(None) == "" and client_key("/tmp/sock") == ""
