@@ -324,3 +324,29 @@ def test_client_key_counts_ipv6_by_its_64() -> None:
         == "2001:db8:1:2::/64"
     assert client_key(("2001:db8:1:3::1", 5000, 0, 0)) != client_key(("2001:db8:1:2::1", 5000, 0, 0))
     assert client_key(None) == "" and client_key("/tmp/sock") == ""
+
+
+def test_refusals_log_one_line_per_reason_every_10_s(caplog: pytest.LogCaptureFixture) -> None:
+    from rmqfast.grpcfront.gate import Gate
+
+    now = [100.0]
+    counted: list[str] = []
+    gate = Gate(2, 1, 10.0, 300.0, lambda: now[0], counted.append)
+
+    class C:
+        def shut(self, reason: str) -> None:
+            counted.append("shut:" + reason)
+
+    first = C()
+    assert gate.admit(first, "10.0.0.1")
+    with caplog.at_level("WARNING", logger="rmqfast.grpc"):
+        for _ in range(5):
+            assert not gate.admit(C(), "10.0.0.1")  # over the per-address cap of 1
+        now[0] += 10.0
+        assert not gate.admit(C(), "10.0.0.1")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "max_connections_per_client = 1" in lines[0], lines
+    assert gate.closed["per_client"] == 6 and counted == ["per_client"] * 6
+    assert gate.admit(C(), "10.0.0.2") and gate.admit(C(), "10.0.0.3")  # a third pending: the oldest goes
+    assert counted[-2:] == ["handshake_evicted", "shut:handshake_evicted"] and first not in gate.pending
+    assert gate.by_client == {"10.0.0.2": 1, "10.0.0.3": 1}
