@@ -14,25 +14,10 @@
 # the frame as it is for the policy path (the filter resolves the address, or logs and relays
 # the answer unchanged): the walk never guesses.
 
-DEF ADDR_SLOTS_C = 1024
-DEF ADDR_MAX_C = 512
-DEF ACTION_RECORDS_C = 2
-DEF MIN_RECORD_C = 91
-DEF SYSFLAG_POS_C = 36
-DEF STOREHOST_POS_C = 64
-
-ACTION_RECORDS = ACTION_RECORDS_C
-REC_OK = 0
-REC_MISS = 1
-REC_BAD = 2
-MAX_ADDRESSES = ADDR_MAX_C
-RECORD_MAGIC_V1 = 0xDAA320A7
-RECORD_MAGIC_V2 = 0xDAA320AB
-BORNHOST_V6 = 0x10
-STOREHOST_V6 = 0x20
-MIN_RECORD = MIN_RECORD_C        # TOTALSIZE .. STOREHOST (IPv4) and the fields up to the topic length
-SYSFLAG_POS = SYSFLAG_POS_C
-STOREHOST_POS = STOREHOST_POS_C  # with an IPv4 born host; 12 bytes later with an IPv6 one
+# The records constants (ACTION_RECORDS, REC_*, MAX_ADDRESSES, RECORD_MAGIC_*, MIN_RECORD, SYSFLAG_POS,
+# STOREHOST_POS...) are in tables.pxi, generated from rmqfast/codec/tables.py.
+cdef enum:
+    ADDR_SLOTS_C = 1024          # the open-addressing table of at most MAX_ADDRESSES_C addresses
 
 cdef enum:
     RS_OK = 0
@@ -93,7 +78,7 @@ cdef class AddressMap:
                 self.vals[j] = v
                 return True
             j = (j + 1) & (ADDR_SLOTS_C - 1)
-        if self.count >= ADDR_MAX_C:
+        if self.count >= MAX_ADDRESSES_C:
             return False
         self.used[j] = 1
         self.keys[j] = k

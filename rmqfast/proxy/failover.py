@@ -57,10 +57,11 @@ from gevent.lock import Semaphore
 
 from rmqfast.codec import codes as C
 from rmqfast.codec import slot_code
-from rmqfast.codec._scan_py import _count_batch, result_index
+from rmqfast.codec.batch import scanned_batch_count
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
+from rmqfast.codec.tables import result_index
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
 from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
@@ -199,7 +200,7 @@ def ordered_reason(info: SendInfo, cfg: FailoverSection) -> str | None:
 def _messages(cmd: RemotingCommand) -> int:
     """Messages of a send, counted as the relay's scanner counts them for the limiter (a batch: the
     records its totalSize words walk)."""
-    return _count_batch(bytes(cmd.body)) if is_batch(cmd.code, cmd.ext_fields) else 1
+    return scanned_batch_count(bytes(cmd.body)) if is_batch(cmd.code, cmd.ext_fields) else 1
 
 
 class _Upstream:

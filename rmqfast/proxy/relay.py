@@ -40,7 +40,7 @@ from greenlet import greenlet
 from rmqfast import codec
 from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner, Pump, code_slot
 from rmqfast.codec import codes as C
-from rmqfast.codec._scan_py import R_ONEWAY, result_index
+from rmqfast.codec.tables import R_ONEWAY, result_index
 from rmqfast.log import ctx
 from rmqfast.proxy.connect import connect_plain, connect_tcp, to_gevent
 from rmqfast.proxy.core import PumpState, SessionCore, Writer

@@ -34,9 +34,9 @@ from rmqfast import config as config_mod
 from rmqfast import log as log_mod
 from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, is_compiled, slot_code
 from rmqfast.codec import codes as C
-from rmqfast.codec._scan_py import result_index
 from rmqfast.codec.admincodes import preset_codes
 from rmqfast.codec.command import decode_frame
+from rmqfast.codec.tables import result_index
 from rmqfast.config import Config, HostPort
 from rmqfast.limits.filter import SendLimitFilter
 from rmqfast.log import ctx
