@@ -22,11 +22,13 @@ from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.testing.wire import read_frame
 
 # (scanner, stats, compiled pump?): the Python pump runs with both scanners, the C pump with its own.
-IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy, False), id="py-scan")]
-if codec.FrameScannerC is not None:
-    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, False), id="c-scan-py-pump"))
-if codec.Pump is not None:
-    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, True), id="c-pump"))
+
+
+@pytest.fixture
+def impl(relay_twin):
+    """(scanner class, stats class, compiled pump?) of each way a relay session runs (the
+    ``relay_twin`` fixture of tests/conftest.py)."""
+    return relay_twin.FrameScanner, relay_twin.ScanStats, relay_twin.pump
 
 
 
@@ -73,9 +75,9 @@ class Events:
         pass
 
 
-@pytest.fixture(params=IMPLS)
-def proxy(request, monkeypatch):
-    Scanner, Stats, c_pump = request.param
+@pytest.fixture
+def proxy(impl, monkeypatch):
+    Scanner, Stats, c_pump = impl
     monkeypatch.setattr(relay, "FrameScanner", Scanner)
     if not c_pump:
         monkeypatch.setattr(relay, "Pump", None)

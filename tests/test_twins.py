@@ -171,11 +171,16 @@ def test_copied_tables_are_equal():
 BIG = 2**70
 
 
-def _twins() -> list[Any]:
-    out = [pytest.param(_scan_py, LimiterPy, id="py")]
-    if C is not None:
-        out.append(pytest.param(C, C.Limiter, id="c"))
-    return out
+@pytest.fixture
+def m(twin: Any) -> Any:
+    """The module of each twin (the ``twin`` fixture of tests/conftest.py)."""
+    return twin.module
+
+
+@pytest.fixture
+def L(twin: Any) -> Any:  # noqa: N802 - a class
+    """The limiter class of each twin."""
+    return twin.Limiter
 
 
 def _lim(L: Any) -> Any:
@@ -279,7 +284,6 @@ def _outcome(fn: Any, m: Any, L: Any) -> type[BaseException] | None:
 
 
 @pytest.mark.parametrize("what,call,expected", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("m,L", _twins())
 def test_the_same_bad_argument_raises_the_same_exception_in_both_twins(m, L, what, call, expected):
     assert _outcome(call, m, L) is expected, what
 
