@@ -20,9 +20,9 @@ cdef enum:
     ADDR_SLOTS_C = 1024          # the open-addressing table of at most MAX_ADDRESSES_C addresses
 
 cdef enum:
-    RS_OK = 0
-    RS_MISS = 1
-    RS_BAD = 2
+    RS_OK = REC_OK_C
+    RS_MISS = REC_MISS_C
+    RS_BAD = REC_BAD_C
 
 
 cdef inline uint64_t rd_u64(const uint8_t* p) noexcept nogil:
@@ -105,7 +105,7 @@ cdef inline bint layout_fits(const uint8_t* p, Py_ssize_t pos, Py_ssize_t total,
     length reads nothing, a negative topic length throws (as in Java)."""
     cdef Py_ssize_t rec_end = pos + total, at
     cdef int64_t n
-    at = pos + 84 + (12 if sys_flag & 0x10 else 0) + (12 if sys_flag & 0x20 else 0)  # BODYLENGTH
+    at = pos + 84 + (12 if sys_flag & BORNHOST_V6_C else 0) + (12 if sys_flag & STOREHOST_V6_C else 0)  # BODYLENGTH
     if at + 4 > rec_end:
         return False
     n = rd_i32(p + at)
@@ -137,15 +137,15 @@ cdef int walk_records(uint8_t* p, Py_ssize_t start, Py_ssize_t end, AddressMap a
             return RS_BAD
         total = rd_i32(p + pos)
         magic = rd_i32(p + pos + 4)
-        if magic != -626843481 and magic != -626843477:  # 0xDAA320A7 (V1), 0xDAA320AB (V2) as int32
+        if magic != RECORD_MAGIC_V1_I32_C and magic != RECORD_MAGIC_V2_I32_C:  # read as int32
             return RS_BAD
         if total < MIN_RECORD_C or total > end - pos:
             return RS_BAD
         sys_flag = rd_i32(p + pos + SYSFLAG_POS_C)
         if not patch and not layout_fits(p, pos, total, sys_flag, magic == -626843477):
             return RS_BAD  # (the patching pass follows a checking one over the same bytes)
-        if not sys_flag & 0x20:
-            at = pos + (STOREHOST_POS_C if not sys_flag & 0x10 else STOREHOST_POS_C + 12)
+        if not sys_flag & STOREHOST_V6_C:
+            at = pos + (STOREHOST_POS_C if not sys_flag & BORNHOST_V6_C else STOREHOST_POS_C + 12)
             raw = rd_u64(p + at)
             if have_last and raw == last_raw:
                 new = last_new

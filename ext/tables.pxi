@@ -40,6 +40,8 @@ cdef enum:
     MODE_LIMIT_C = 0
     MODE_REJECT_C = 1
     MODE_OPEN_C = 2
+    RECORD_MAGIC_V1_I32_C = -626843481
+    RECORD_MAGIC_V2_I32_C = -626843477
 
 cdef extern from *:
     """

@@ -17,8 +17,8 @@ sizes, codes and tables are declared here once, in the style of uvloop's and asy
 This module imports only :mod:`rmqfast._args` (a leaf), so any module can import it.
 
 Measured when the 29 ``DEF`` statements gave way to the generated enums (callgrind instructions per
-relayed frame, ``bench/relay_instructions.py``, before and after): send 5,297 and 5,243, pull with
-its store hosts mapped 10,921 and 10,906, a send under a limit rule 5,816 and 5,715.
+relayed frame, ``bench/relay_instructions.py``, before and after): send 5,297 and 5,260, pull with
+its store hosts mapped 10,921 and 10,777, a send under a limit rule 5,816 and 5,768.
 """
 
 from __future__ import annotations

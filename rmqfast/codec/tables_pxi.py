@@ -3,7 +3,8 @@
 ``python -m rmqfast.codec.tables_pxi --write`` rewrites the file; ``tests/test_tables.py`` fails when
 the file in the tree differs from what this renders (edit ``tables.py``, then regenerate and rebuild).
 Integers that fit a C int become members of an anonymous ``cdef enum`` (``<NAME>_C``: compile-time
-constants, as the ``DEF`` statements they replaced), floats C macros, tuples of integers ``int64_t``
+constants, as the ``DEF`` statements they replaced), 32-bit words above it (the records' magic
+codes) their signed int32 reading (``<NAME>_I32_C``), floats C macros, tuples of integers ``int64_t``
 arrays (with ``<NAME>_LEN_C``); every constant is also bound under its own name for Python.
 """
 
@@ -17,6 +18,7 @@ from rmqfast.codec import tables
 
 PXI_PATH = Path(__file__).resolve().parents[2] / "ext" / "tables.pxi"
 _INT32 = range(-(2**31), 2**31)
+_UINT32_HIGH = range(2**31, 2**32)
 
 
 def public_constants() -> dict[str, object]:
@@ -28,6 +30,8 @@ def render_pxi() -> str:
     """The text of ``ext/tables.pxi`` for the constants of :mod:`rmqfast.codec.tables`."""
     consts = public_constants()
     enums = [(n, v) for n, v in consts.items() if type(v) is int and v in _INT32]
+    # a 32-bit word the wire carries (a magic code) as the signed int32 it is read into
+    enums += [(f"{n}_I32", v - 2**32) for n, v in consts.items() if type(v) is int and v in _UINT32_HIGH]
     floats = [(n, v) for n, v in consts.items() if type(v) is float]
     arrays = [(n, v) for n, v in consts.items()
               if type(v) is tuple and v and all(type(x) is int for x in v)]
