@@ -47,6 +47,8 @@ def test_every_shared_constant_is_rendered_for_both_sides():
             assert re.search(rf"^    {name}_C = {value}$", text, re.M), name
     assert "#define MAX_COST_NS_C 4.611686018427388e+18" in text and float("4.611686018427388e+18") == 2.0**62
     assert "cdef int64_t[17] LATENCY_BOUNDS_NS_C = [100000, " in text
+    # a magic code above INT_MAX: the signed int32 the records walk reads from the wire
+    assert "    RECORD_MAGIC_V1_I32_C = -626843481" in text and 0xDAA320A7 - 2**32 == -626843481
 
 
 def test_the_render_follows_the_tables(monkeypatch):
