@@ -297,3 +297,40 @@ def test_descriptor_exhaustion_backs_off_and_readyz_tells_it(namesrv) -> None:
     assert lines and len(lines) <= 1 + elapsed, f"{len(lines)} lines in {elapsed:.0f} s"
     assert any(r.get("msg") == "listener accepts again" for r in records)
     assert "Traceback" not in log_text
+
+
+def test_readyz_is_false_while_a_listener_cannot_bind_and_true_again(namesrv) -> None:
+    """A broker endpoint added by a reload whose port another program holds: /readyz says which
+    listener cannot bind while it lasts, and is true again once the worker bound it."""
+    wanted = {"endpoints": 1}
+
+    def static(p: ProxyProcess) -> str:
+        return "".join(f'\n[[brokers.static]]\nlisten = "127.0.0.1:{port}"\nupstream = "{namesrv.addr}"\n'
+                       for port in p.static_ports[: wanted["endpoints"]])
+
+    with ProxyProcess([namesrv.addr], workers=1, static_endpoints=2, extra_config=static) as proxy:
+        port = proxy.static_ports[1]
+        squatter = socket.socket()  # no SO_REUSEPORT: the worker's bind fails
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(1)
+        try:
+            wanted["endpoints"] = 2
+            proxy._write_config()
+            proxy.reload()
+            deadline = time.monotonic() + 30
+            code, body = 200, b""
+            while time.monotonic() < deadline and code == 200:
+                time.sleep(0.05)
+                code, body = proxy.get("/readyz")
+            assert code == 503, f"/readyz stayed 200 with a listener unbound:\n{proxy.log_tail()}"
+            reason = json.loads(body)["reason"]
+            assert "cannot bind" in reason and f"127.0.0.1:{port}" in reason, reason
+        finally:
+            squatter.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and code != 200:
+            time.sleep(0.05)
+            code, body = proxy.get("/readyz")
+        assert code == 200, body
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the worker listens there now
