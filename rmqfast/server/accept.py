@@ -12,7 +12,7 @@ queue, and the listener answers nobody (issue 30, finding 1).
   connection past a cap is closed at once; connections from other addresses keep being served.
   Anchors: HAProxy ``maxconn``, nginx ``limit_conn``, Envoy's downstream connection limits.
 * :class:`AcceptGuard`: EMFILE/ENFILE/ENOBUFS/ENOMEM on ``accept`` stop the listener for a short,
-  doubling back-off (5 ms to :data:`MAX_BACKOFF`), then it tries again (Go's ``net/http``): no
+  doubling back-off (5 ms to :data:`MAX_BACKOFF`, 0.25 s), then it tries again (Go's ``net/http``): no
   traceback loop, one log line per second at most, a counter; the listener is reported blocked
   (``/readyz`` false) until an accept succeeds again.
 * :class:`RateLimitedLog`: one JSON line per reason and second, with the count of what it folded.
@@ -43,7 +43,7 @@ TRANSIENT_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, err
 #: First and longest wait before a listener that hit a descriptor shortage tries again (seconds):
 #: the listener serves again within MAX_BACKOFF of descriptors coming free.
 MIN_BACKOFF = 0.005
-MAX_BACKOFF = 0.5
+MAX_BACKOFF = 0.25
 
 #: Descriptors a worker keeps for itself at least (listeners, probes, metrics files, logs, RocksDB).
 BASE_RESERVED_FDS = 256
@@ -214,5 +214,6 @@ class AcceptGuard:
         self.delay = MIN_BACKOFF
         if self.blocked:
             self.blocked = ""
-            log.warning("listener accepts again", extra=ctx(role=self.role, listen=self.listen))
+            self.rate_log(logging.WARNING, f"accept ok {self.listen}", "listener accepts again",
+                          role=self.role, listen=self.listen)
             self.on_state("")

@@ -155,7 +155,15 @@ class RelayServer(StreamServer):
         """Stop accepting for ``delay`` seconds (gevent's own back-off, without its traceback)."""
         self.stop_accepting()
         self._timer = self.loop.timer(delay)
-        self._timer.start(self._start_accepting_if_started)
+        self._timer.start(self._retry)
+
+    def _retry(self) -> None:
+        """The back-off is over: accept again, and try at once even with nothing pending (an
+        accept that finds the queue empty had a descriptor for it: the listener is not blocked
+        any more, and /readyz must not wait for the next client to say so)."""
+        self._start_accepting_if_started()
+        if self.started and self.guard is not None and self.guard.blocked:
+            self._do_read()
 
     def do_handle(self, sock: Any, address: Any) -> None:
         spawn = self._spawn  # type: ignore[attr-defined]
