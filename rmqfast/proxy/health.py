@@ -388,7 +388,7 @@ class BrokerHealth:
             if w.conn is not None:
                 w.conn.close()
                 w.conn = None
-            if _errno_of(exc) in _SHORTAGE:
+            if local_shortage(exc):
                 return None, f"local_shortage: {exc}", False
             if _timed_out(exc) and lag.ran_since(mark) < timeout:
                 return None, f"loop_lag: {exc}", False  # late by the wall clock only: the worker was held
@@ -446,6 +446,12 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def _errno_of(exc: BaseException) -> int | None:
     return next((e.errno for e in _chain(exc) if isinstance(e, OSError) and e.errno), None)
+
+
+def local_shortage(exc: BaseException) -> bool:
+    """Did ``exc`` (or what caused it) come from the proxy's own lack of descriptors or buffers
+    (EMFILE, ENFILE, ENOBUFS, ENOMEM)?  Such a failure says nothing about the broker."""
+    return _errno_of(exc) in _SHORTAGE
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -67,6 +67,7 @@ from rmqfast.server.accept import (
     ConnectionCaps,
     ListenMetrics,
     RateLimitedLog,
+    auto_max_connections,
     client_key,
     effective_caps,
     is_shortage,
@@ -81,6 +82,9 @@ log = logging.getLogger("rmqfast.worker")
 EXIT_FATAL = 3  # startup failed for a reason a restart will not fix (bind error, bad state)
 #: connections past a cap closed in one turn of a listener before it lets the loop run others
 MAX_REFUSALS_PER_TURN = 64
+#: seconds between two reports of the listeners' state to the supervisor (a listener that flaps
+#: between blocked and accepting must not flood the status pipe, whose writes block the worker)
+LISTENERS_REPORT_PERIOD = 0.1
 
 
 def spill_dir(state_dir: str | Path, index: int) -> Path:
@@ -244,6 +248,9 @@ class Worker:
         self.rate_log = RateLimitedLog()
         #: listen address -> why this worker cannot accept there now (reported to the supervisor: /readyz)
         self.blocked: dict[str, str] = {}
+        self._listeners_told: dict[str, str] = {}  # as last reported
+        self._listeners_sent = 0.0
+        self._listeners_report: Any = None  # the pending report's greenlet
         self.sessions: set[Session] = set()
         #: the sessions set up so far, by their in-flight table (``Session._setup`` adds, ``close``
         #: removes): the stalled-send sweep looks at the tables only (``with_requests``)
@@ -444,6 +451,12 @@ class Worker:
     # Listeners -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        allowed = auto_max_connections()
+        if self.cfg.proxy.max_connections > allowed:
+            log.warning("proxy.max_connections is above what the open-files limit allows: accepts may fail "
+                        "with EMFILE; raise the limit (LimitNOFILE, ulimit -n) or lower the setting",
+                        extra=ctx(worker=self.index, max_connections=self.cfg.proxy.max_connections,
+                                  allowed=allowed))
         if getattr(self, "replication", None) is not None:
             self.replication.start()  # before serving: knows which remotes have consumers online
         self._started = True
@@ -499,7 +512,16 @@ class Worker:
             self.blocked[listen] = why
         else:
             self.blocked.pop(listen, None)
-        self.status({"event": "listeners", "blocked": dict(self.blocked)})
+        if self._listeners_report is None:  # one report per period at most, the state as it is then
+            wait = self._listeners_sent + LISTENERS_REPORT_PERIOD - time.monotonic()
+            self._listeners_report = gevent.spawn_later(max(0.0, wait), self._report_listeners)
+
+    def _report_listeners(self) -> None:
+        self._listeners_report = None
+        self._listeners_sent = time.monotonic()
+        if self.blocked != self._listeners_told:
+            self._listeners_told = dict(self.blocked)
+            self.status({"event": "listeners", "blocked": dict(self.blocked)})
 
     def _bind_endpoint(self, ep: Endpoint) -> None:
         if ep.listen in self.listeners:
