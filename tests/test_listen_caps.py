@@ -339,3 +339,49 @@ def test_readyz_is_false_while_a_listener_cannot_bind_and_true_again(namesrv) ->
         assert code == 200, body
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # the worker listens there now
+
+
+def refused_at_once(source: str, port: int) -> bool:
+    """A connection from ``source`` that the proxy closes without a word (a cap), asked with a
+    request it would otherwise answer."""
+    try:
+        roundtrip(source, port, 5.0)
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except AssertionError as exc:
+        return "closed the connection" in str(exc)
+    return False
+
+
+def test_configured_caps_and_a_reload_that_changes_them(namesrv) -> None:
+    proxy = LimitedProxy([namesrv.addr], workers=1)
+    proxy.proxy_settings = "max_connections = 4\nmax_connections_per_client = 2\n"
+    proxy._write_config()
+    with proxy:
+        port = proxy.namesrv_port
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(src, 0))
+                for src in ("127.0.0.1", "127.0.0.1", "127.0.0.2")]
+        try:
+            for s in held:  # served: each answers
+                s.sendall(encode(RemotingCommand(code=C.GET_KV_CONFIG, opaque=next(_opaques),
+                                                 ext_fields={"namespace": "N", "key": "K"})))
+                assert read_frame(s) is not None
+            assert refused_at_once("127.0.0.1", port)  # its third: past the per-client cap
+            # another address is still served: the fourth open connection
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0)))
+            held[-1].sendall(encode(RemotingCommand(code=C.GET_KV_CONFIG, opaque=next(_opaques),
+                                                    ext_fields={"namespace": "N", "key": "K"})))
+            assert read_frame(held[-1]) is not None
+            assert refused_at_once("127.0.0.4", port)  # the worker's cap
+            proxy.proxy_settings = "max_connections = 10\nmax_connections_per_client = 3\n"
+            proxy._write_config()
+            proxy.reload()
+            deadline = time.monotonic() + 30
+            while refused_at_once("127.0.0.1", port):  # the reloaded caps let a third in
+                assert time.monotonic() < deadline, "the reload did not raise the caps"
+                time.sleep(0.1)
+            metrics = proxy.metrics()
+        finally:
+            close_all(held)
+    assert metrics[("rmqfast_connections_refused_total", (("cap", "client"), ("role", "namesrv")))] >= 1
+    assert metrics[("rmqfast_connections_refused_total", (("cap", "worker"), ("role", "namesrv")))] >= 1
