@@ -5,10 +5,13 @@ own) is probed by :class:`BrokerHealth` while the worker's event loop is held fo
 timeout, again and again, while the sweep reports relayed sends stalled (a starved worker reads
 nothing back either):
 
-* right after the probe connection's reader took the answer off the socket, before the prober
-  ran (a load burst: the mechanism of the finding; the old prober, timing in wall time with the
-  answer no longer in the socket, called the broker hung);
-* right after a probe went out (blocked, or busy in Python).
+* between the prober asking and its question being written (a load burst: the asking greenlet
+  runs a long turn later; the old prober, timing in wall time with no answer in the socket yet,
+  called the broker hung), or right after the probe connection's reader took the answer off the
+  socket;
+* right after a probe went out (blocked, or busy in Python);
+* end to end: a real worker stopped with SIGSTOP and continued while a client's request is in
+  flight.
 
 The broker must never be cut; one that does not answer is still seen dead, and a probe that
 failed for the proxy's own lack of descriptors is not counted against the broker.
@@ -20,7 +23,8 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import gevent
 import pytest
@@ -28,6 +32,7 @@ from fake_remoting import FakeNameServer
 from gevent import monkey
 
 from rmqfast.clouds.remoting import Connection
+from rmqfast.codec import codes as C
 from rmqfast.proxy.health import BrokerHealth, FailoverSection
 from rmqfast.proxy.looplag import LoopLag
 
@@ -73,34 +78,52 @@ def test_loop_lag_counts_a_held_loop_and_not_a_running_one() -> None:
 
 
 class _HeldAfterRead:
-    """A probe connection's socket after which the worker is held (a load burst): the answer was
-    read off the socket, the prober has not run yet."""
+    """A probe connection's socket after which the worker is held: the answer was read off the
+    socket, the prober has not run yet."""
 
-    def __init__(self, sock: object, health: BrokerHealth, addr: str, holds: list[int]) -> None:
+    def __init__(self, sock: object, hold: Callable[[], None]) -> None:
         self._sock = sock
-        self._health = health
-        self._addr = addr
-        self._holds = holds
+        self._hold = hold
 
     def recv(self, n: int) -> bytes:
         data = self._sock.recv(n)  # type: ignore[attr-defined]
-        if data and self._holds:
-            self._holds.pop()
-            self._health.stalled(self._addr, 2 * CFG.hang_timeout)  # relayed sends look stalled too
-            _block(2 * CFG.probe_timeout)
+        if data:
+            self._hold()
         return data
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._sock, name)
 
 
-def test_a_healthy_broker_is_never_cut_when_the_worker_is_held_after_reading_the_answer(broker) -> None:
+class _HeldBeforeSend(Connection):
+    """A probe connection whose question goes out late: the worker is held between the prober
+    asking and the request being written (a load burst: the asking greenlet runs a long turn later)."""
+
+    hold: Callable[[], None] = staticmethod(lambda: None)
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        self.hold()
+        return super().request(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["before_send", "after_read"])
+def test_a_healthy_broker_is_never_cut_when_the_worker_is_held_around_a_probe(broker, where: str) -> None:
     holds = [1] * HOLDS
     health: BrokerHealth
 
+    def hold() -> None:
+        if holds:
+            holds.pop()
+            health.stalled(broker.addr, 2 * CFG.hang_timeout)  # relayed sends look stalled too
+            _block(2 * CFG.probe_timeout)
+
     def connect(addr: str, timeout: float) -> Connection:
-        conn = Connection(addr, connect_timeout=timeout)
-        conn.sock = _HeldAfterRead(conn.sock, health, addr, holds)  # before its reader first runs
+        if where == "before_send":
+            conn: Connection = _HeldBeforeSend(addr, connect_timeout=timeout)
+            conn.hold = hold  # type: ignore[method-assign]
+        else:
+            conn = Connection(addr, connect_timeout=timeout)
+            conn.sock = _HeldAfterRead(conn.sock, hold)  # before its reader first runs
         return conn
 
     health = BrokerHealth(CFG, connect=connect)
@@ -189,3 +212,52 @@ def test_the_proxys_own_descriptor_shortage_is_not_the_brokers(broker) -> None:
         assert len(tries) >= 5 and changes == []
     finally:
         health.close()
+
+
+def test_a_stopped_and_continued_worker_never_cuts_a_healthy_broker(broker) -> None:
+    """End to end: a real worker in front of a healthy broker (the fake, answering everything),
+    stopped with SIGSTOP for several probe timeouts while a client's request is in flight, then
+    continued, again and again.  The broker is never seen dead, no connection is cut, and every
+    request is answered."""
+    import os
+    import signal
+
+    from rmqfast.codec.command import RemotingCommand, decode_frame, encode
+    from rmqfast.testing.proxy import ProxyProcess
+    from rmqfast.testing.wire import read_frame
+
+    def static(p: ProxyProcess) -> str:
+        return (f'\n[[brokers.static]]\nlisten = "127.0.0.1:{p.static_ports[0]}"\nupstream = "{broker.addr}"\n'
+                "\n[failover]\nprobe_interval = 0.1\nprobe_timeout = 0.3\nhang_timeout = 0.2\n")
+
+    with ProxyProcess([broker.addr], workers=1, static_endpoints=1, extra_config=static) as proxy:
+        worker = proxy.worker_pids()[0]
+        client = socket.create_connection(("127.0.0.1", proxy.static_ports[0]), timeout=30)
+        try:
+            for i in range(HOLDS):
+                asked = broker.requests
+                wait_for_blocking(lambda asked=asked: broker.requests > asked + 1)  # probing goes on
+                client.sendall(encode(RemotingCommand(code=C.GET_KV_CONFIG, opaque=100 + i,
+                                                      ext_fields={"namespace": "N", "key": "K"})))
+                os.kill(worker, signal.SIGSTOP)
+                try:
+                    _block(3 * 0.3)  # the fault: three probe timeouts with the worker stopped
+                finally:
+                    os.kill(worker, signal.SIGCONT)
+                answer = read_frame(client)
+                assert answer is not None and decode_frame(answer).opaque == 100 + i
+            metrics = proxy.metrics()
+            records = proxy.log_records()
+        finally:
+            client.close()
+    down = {k: v for k, v in metrics.items() if k[0] == "rmqfast_broker_down_total" and v}
+    assert not down, f"a healthy broker was seen dead: {down}"
+    cut = [r for r in records if r.get("msg") in ("broker seen dead", "connections to a dead broker cut")]
+    assert not cut, cut
+
+
+def wait_for_blocking(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        _block(0.005)
