@@ -15,7 +15,7 @@ from gevent import socket
 from gevent.server import StreamServer
 
 from rmqfast.config import HostPort
-from rmqfast.server.accept import SHORTAGE_ERRNOS, TRANSIENT_ERRNOS, AcceptGuard, ConnectionCaps
+from rmqfast.server.accept import SHORTAGE_ERRNOS, TRANSIENT_ERRNOS, AcceptGuard, ConnectionCaps, client_key
 
 #: connections past a cap closed in one turn of a listener before it lets the loop run others
 MAX_REFUSALS_PER_TURN = 64
@@ -107,6 +107,8 @@ class RelayServer(StreamServer):
             spawn(self._handle, sock, address)  # type: ignore[attr-defined]
         except BaseException:
             sock.close()
+            if self.caps is not None:  # admitted in do_read; no handler will release it
+                self.caps.release(client_key(address[0]))
             raise
 
     def do_close(self, sock: Any, *args: Any) -> None:
