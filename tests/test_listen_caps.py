@@ -125,15 +125,7 @@ def test_accept_guard_backs_off_up_to_its_bound_and_reports_blocked_once() -> No
 
 
 class LimitedProxy(ProxyProcess):
-    """``rmqfast serve`` whose open-files limit (soft and hard) is ``NOFILE`` from its start on;
-    ``proxy_settings``: TOML lines for its ``[proxy]`` table."""
-
-    proxy_settings = ""
-
-    def _write_config(self) -> None:
-        super()._write_config()
-        text = self.config_path.read_text()
-        self.config_path.write_text(text.replace("[proxy]\n", "[proxy]\n" + self.proxy_settings, 1))
+    """``rmqfast serve`` whose open-files limit (soft and hard) is ``NOFILE`` from its start on."""
 
     def argv(self) -> list[str]:
         serve = [sys.executable, "-P", "-m", "rmqfast", "serve", "--config", str(self.config_path)]
@@ -261,10 +253,8 @@ def test_descriptor_exhaustion_backs_off_and_readyz_tells_it(namesrv) -> None:
     (no traceback, at most one line a second, a counter), /readyz is false with the reason while
     it lasts, and within 1 s of the descriptors coming free the listener serves and /readyz is true."""
     started = time.monotonic()
-    proxy = LimitedProxy([namesrv.addr], workers=1)
-    proxy.proxy_settings = "max_connections = 5000\nmax_connections_per_client = 5000\n"
-    proxy._write_config()
-    with proxy:
+    caps = "max_connections = 5000\nmax_connections_per_client = 5000\n"
+    with LimitedProxy([namesrv.addr], workers=1, proxy_settings=caps) as proxy:
         idle = open_idle(proxy.namesrv_port, IDLE)
         try:
             deadline = time.monotonic() + 60
@@ -354,10 +344,8 @@ def refused_at_once(source: str, port: int) -> bool:
 
 
 def test_configured_caps_and_a_reload_that_changes_them(namesrv) -> None:
-    proxy = LimitedProxy([namesrv.addr], workers=1)
-    proxy.proxy_settings = "max_connections = 4\nmax_connections_per_client = 2\n"
-    proxy._write_config()
-    with proxy:
+    caps = "max_connections = 4\nmax_connections_per_client = 2\n"
+    with LimitedProxy([namesrv.addr], workers=1, proxy_settings=caps) as proxy:
         port = proxy.namesrv_port
         held = [socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(src, 0))
                 for src in ("127.0.0.1", "127.0.0.1", "127.0.0.2")]
