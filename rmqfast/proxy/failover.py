@@ -64,7 +64,7 @@ from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, 
 from rmqfast.codec.tables import result_index
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
-from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
+from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics, local_shortage
 from rmqfast.proxy.policy import Filter, Frame, Kind, Verdict, slots_of
 
 log = logging.getLogger("rmqfast.failover")
@@ -594,7 +594,8 @@ class FailoverService:
                 answer = self._request(addr, out)
             except Exception as exc:  # RemoteError: connect refused, closed, no answer in time
                 errors.append(f"{addr}: {exc}")
-                self.health.suspect(addr, f"a moved send failed: {exc}")
+                if not local_shortage(exc):  # out of descriptors ourselves: nothing to suspect the broker of
+                    self.health.suspect(addr, f"a moved send failed: {exc}")
                 continue
             if answer.code in TRY_NEXT_CODES:
                 last = answer
