@@ -83,7 +83,8 @@ async def main():
             break
         gc.collect()
         out = {"rss": rss(), "conns": len(server.conns), "gc_objects": len(gc.get_objects()),
-               "trims": server.heap.trims, "last_trim_ms": server.heap.last_ms}
+               "trims": server.heap.trims, "last_trim_ms": server.heap.last_ms,
+               "peak": server.gate.peak}
         mi = libc.mallinfo2()
         out["malloc_in_use"], out["malloc_free"] = mi.uordblks + mi.hblkhd, mi.fordblks
         out["pymalloc"] = pymalloc()
@@ -158,10 +159,11 @@ async def run(conns: int, wave: int, rounds: int, trace: bool) -> dict[str, Any]
         return peak
 
     async def drained(trims: int) -> dict[str, Any]:
-        """All connections gone, and the server's sweep (every 5 s) had its chance to trim."""
+        """All connections gone, and the server's sweep (every 5 s) trimmed after the last of them
+        closed (a trim sets the peak to the connections then open)."""
         for _ in range(300):
             snap = await ask("after")
-            if not snap["conns"] and snap["trims"] > trims:
+            if not snap["conns"] and snap["trims"] > trims and not snap["peak"]:
                 break
             await asyncio.sleep(0.05)
         return snap
