@@ -29,6 +29,7 @@ from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
 from rmqfast.proxy.health import FailoverSection, parse_failover
 from rmqfast.proxy.tls import TlsSection, parse_tls
+from rmqfast.server.admin_names import parse_allowed_hosts
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -67,6 +68,12 @@ class ProxySection:
     frame_timeout: float = 30.0
     # bytes per worker for frames held whole (policy, limited sends, batches) beyond the base buffers
     buffer_budget: int = 64 * 1024 * 1024
+    # client connections per worker on the Remoting listeners (0: from the open-files limit)
+    max_connections: int = 0
+    # ... per client address, IPv6 by /64 (0: half of the worker's cap)
+    max_connections_per_client: int = 0
+    # seconds a new Remoting connection may take to send its first frame (0: no deadline)
+    first_frame_timeout: float = 10.0
 
 
 @dataclass
@@ -101,6 +108,9 @@ class AdminSection:
     # Required (as "Authorization: Bearer <token>") to change limits over HTTP; without one,
     # changes are accepted only when the admin endpoint listens on a loopback address.
     token: str = ""
+    # Names (besides its listen address, localhost, 127.0.0.1, [::1] and $POD_IP) a request may
+    # give in Host or Origin: "name" with any port, "name:port" with that one (rmqfast.server.admin_names)
+    allowed_hosts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -435,11 +445,14 @@ _KNOWN = {
         "state_dir",
         "frame_timeout",
         "buffer_budget",
+        "max_connections",
+        "max_connections_per_client",
+        "first_frame_timeout",
     },
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
     "policy": {"allow_codes", "deny_codes", "preset", "message_addresses"},
-    "admin": {"listen", "token"},
+    "admin": {"listen", "token", "allowed_hosts"},
     "limits": {"global_rate", "global_burst", "global_bytes_rate", "global_bytes_burst", "rule"},
     "log": {"format", "level"},
     "records": {"enabled", "dir", "rotate_seconds", "rotate_bytes", "sample_rate", "format"},
@@ -612,6 +625,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
         if ad.get("listen"):
             cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
     _set(errs, ad, cfg.admin, "admin", "token", _str)
+    _set(errs, ad, cfg.admin, "admin", "allowed_hosts", parse_allowed_hosts)
     _parse_limits(cfg, raw, errs)
     lg = _section(errs, raw, "log")
     with errs.check():
@@ -675,6 +689,19 @@ def _parse_proxy(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
                 raise ConfigError(f"proxy.frame_timeout: {p.frame_timeout!r} is not allowed; use 0 (no deadline) "
                                   "or at least 1 second")
     _set(errs, px, p, "proxy", "buffer_budget", lambda key, v: _int(key, v, 1 << 20, 1 << 40, " (1 MiB)"))
+    for k in ("max_connections", "max_connections_per_client"):  # 0: automatic (rmqfast.server.accept)
+        _set(errs, px, p, "proxy", k, lambda key, v: _int(key, v, 0, 1 << 24, " (0: automatic)"))
+    with errs.check():
+        if "first_frame_timeout" in px:
+            p.first_frame_timeout = _float("proxy.first_frame_timeout", px["first_frame_timeout"], 0, 3600)
+            if 0 < p.first_frame_timeout < 1:
+                raise ConfigError(f"proxy.first_frame_timeout: {p.first_frame_timeout!r} is not allowed; use 0 "
+                                  "(no deadline) or at least 1 second")
+    if 0 < p.max_connections < p.max_connections_per_client:
+        errs.messages.append(
+            f"proxy.max_connections_per_client: {p.max_connections_per_client} is not allowed; it must not "
+            f"exceed proxy.max_connections ({p.max_connections})"
+        )
     if p.max_header_size > p.max_frame_size:
         errs.messages.append(
             f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "
@@ -876,7 +903,8 @@ def from_json(text: str) -> Config:
             static=[StaticBroker(hp(s["listen"]), hp(s["upstream"])) for s in d["brokers"]["static"]],  # type: ignore[arg-type]
         ),
         policy=PolicySection(**d["policy"]),
-        admin=AdminSection(listen=hp(d["admin"]["listen"]), token=d["admin"].get("token", "")),
+        admin=AdminSection(listen=hp(d["admin"]["listen"]), token=d["admin"].get("token", ""),
+                           allowed_hosts=list(d["admin"].get("allowed_hosts", []))),
         log=LogSection(**d["log"]),
     )
     if "limits" in d:
