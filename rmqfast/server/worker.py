@@ -263,7 +263,8 @@ class Worker:
         self.chains = {
             "namesrv": FilterChain(
                 [
-                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied,
+                                   preset=pol.preset),
                     RewriteRoutes(self.registry, self._rewritten,
                                   health=self.health if fo.enabled and fo.heal_routes else None,
                                   book=self.book if fo.enabled else None, on_heal=self._healed),
@@ -271,7 +272,8 @@ class Worker:
             ),
             "broker": FilterChain(
                 [
-                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied,
+                                   preset=pol.preset),
                     *acl,
                     *limit,
                     *gray,
