@@ -247,15 +247,19 @@ cdef inline void wr_hex16(uint8_t* s, uint64_t v) noexcept nogil:
         s[i] = <uint8_t>(48 + d if d < 10 else 55 + d)
 
 
-cdef Py_ssize_t find_bytes(const uint8_t* h, Py_ssize_t n, Py_ssize_t start, const char* needle,
-                           Py_ssize_t m) noexcept nogil:
-    cdef Py_ssize_t i
-    i = start
-    while i + m <= n:
-        if memcmp(h + i, needle, m) == 0:
-            return i
-        i += 1
-    return -1
+cdef extern from "<string.h>" nogil:
+    # glibc's memmem (declared: Python.h defines _GNU_SOURCE): a header is searched in one pass
+    void* c_memmem "memmem"(const void* haystack, size_t hlen, const void* needle, size_t nlen)
+
+
+cdef inline Py_ssize_t find_bytes(const uint8_t* h, Py_ssize_t n, Py_ssize_t start, const char* needle,
+                                  Py_ssize_t m) noexcept nogil:
+    """Where ``needle`` (``m`` bytes) first is in ``h[start:n]``, or -1."""
+    cdef const uint8_t* at
+    if start >= n:
+        return -1
+    at = <const uint8_t*>c_memmem(h + start, <size_t>(n - start), needle, <size_t>m)
+    return -1 if at == NULL else at - h
 
 
 cdef int msgid_span(const uint8_t* h, Py_ssize_t hlen, int stype, Py_ssize_t* vs, Py_ssize_t* ve) noexcept nogil:
