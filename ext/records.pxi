@@ -217,22 +217,31 @@ def walk_store_hosts(buf, Py_ssize_t start, Py_ssize_t end, AddressMap amap not 
 # gives the endpoint; the 16 digits are rewritten in upper case (as createMessageId writes them), at
 # the same length.  A header with the field twice, or an escaped value, goes to policy.
 
-cdef inline int hex_nibble(uint8_t c) noexcept nogil:
-    if 48 <= c <= 57:
-        return c - 48
-    if 65 <= c <= 70:
-        return c - 55
-    if 97 <= c <= 102:
-        return c - 87
-    return -1
+cdef int8_t HEX_VALUE[256]   # a hex digit's value, -1 for any other byte
+cdef const char* HEX_UPPER = b"0123456789ABCDEF"
+
+
+cdef void _init_hex() noexcept:
+    cdef int c
+    for c in range(256):
+        HEX_VALUE[c] = -1
+    for c in range(10):
+        HEX_VALUE[48 + c] = <int8_t>c
+    for c in range(6):
+        HEX_VALUE[65 + c] = <int8_t>(10 + c)
+        HEX_VALUE[97 + c] = <int8_t>(10 + c)
+
+
+_init_hex()
 
 
 cdef inline bint hex16(const uint8_t* s, uint64_t* out) noexcept nogil:
     """The 16 hex digits at ``s`` as 8 bytes (big-endian), False when one is not a hex digit."""
     cdef uint64_t v = 0
-    cdef int i, d
+    cdef int i
+    cdef int8_t d
     for i in range(16):
-        d = hex_nibble(s[i])
+        d = HEX_VALUE[s[i]]
         if d < 0:
             return False
         v = (v << 4) | <uint64_t>d
@@ -241,15 +250,15 @@ cdef inline bint hex16(const uint8_t* s, uint64_t* out) noexcept nogil:
 
 
 cdef inline void wr_hex16(uint8_t* s, uint64_t v) noexcept nogil:
-    cdef int i, d
+    cdef int i
     for i in range(16):
-        d = <int>((v >> (60 - 4 * i)) & 15)
-        s[i] = <uint8_t>(48 + d if d < 10 else 55 + d)
+        s[i] = <uint8_t>HEX_UPPER[(v >> (60 - 4 * i)) & 15]
 
 
 cdef extern from "<string.h>" nogil:
     # glibc's memmem (declared: Python.h defines _GNU_SOURCE): a header is searched in one pass
     void* c_memmem "memmem"(const void* haystack, size_t hlen, const void* needle, size_t nlen)
+    void* memchr(const void* s, int c, size_t n)
 
 
 cdef inline Py_ssize_t find_bytes(const uint8_t* h, Py_ssize_t n, Py_ssize_t start, const char* needle,
@@ -331,14 +340,23 @@ cdef int map_header_ids(uint8_t* h, Py_ssize_t hlen, int stype, AddressMap amap)
     """The offset ids of a send answer's header, checked, then patched: RS_OK (nothing to do counts
     as OK), RS_MISS (a store host the map does not know) or RS_BAD (see :func:`msgid_span`)."""
     cdef Py_ssize_t vs, ve
-    cdef bint changed
+    cdef bint changed = False
+    cdef uint64_t raw, new
     cdef int st = msgid_span(h, hlen, stype, &vs, &ve)
     if st != RS_OK or vs < 0:
         return st
-    st = walk_ids(h + vs, ve - vs, amap, False, &changed)
-    if st != RS_OK:
-        return st
-    walk_ids(h + vs, ve - vs, amap, True, &changed)
+    if ve - vs == 32 and memchr(h + vs + 16, 44, 16) == NULL:  # one id (every send but a batch's): one pass
+        if hex16(h + vs, &raw):  # (a ',' in the first 16 is not a hex digit either)
+            if not amap.lookup(raw, &new):
+                return RS_MISS
+            if new != raw:
+                wr_hex16(h + vs, new)
+                changed = True
+    else:
+        st = walk_ids(h + vs, ve - vs, amap, False, &changed)
+        if st != RS_OK:
+            return st
+        walk_ids(h + vs, ve - vs, amap, True, &changed)
     amap.walked += 1
     if changed:
         amap.rewritten += 1

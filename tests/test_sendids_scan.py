@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rmqfast import codec
@@ -139,6 +139,8 @@ def test_twins_agree_on_random_headers(data: bytes, stype: int) -> None:
 
 
 @settings(max_examples=100, deadline=None)
+@example(["0" * 31, ""], 0)  # 32 characters with a comma: two tokens, no id (the one-id fast path must see it)
+@example([mid(REAL)[:20], mid(REAL)[:11]], 1)
 @given(st.lists(st.sampled_from([mid(REAL), mid(REAL, lower=True), mid(EP), "X" * 32, "", "0" * 31]),
                 min_size=1, max_size=5), st.sampled_from([0, 1]))
 def test_twins_and_policy_path_agree_on_id_lists(ids: list[str], stype: int) -> None:
