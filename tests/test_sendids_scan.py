@@ -138,6 +138,19 @@ def test_twins_agree_on_random_headers(data: bytes, stype: int) -> None:
     assert all(r == results[0] for r in results)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(['"msgId":"', '"msgId"', "msgId", '"', ":", ",", "\\", "I", "0A0B0C0D",
+                                 hb(REAL).hex().upper(), "00000000000012AB", "x"]), max_size=12))
+def test_twins_agree_on_headers_made_of_the_key_s_pieces(pieces: list[str]) -> None:
+    """The JSON search (memchr for the 'I', then the 9 bytes) against the twin's bytes.find."""
+    data = "".join(pieces).encode()
+    results = []
+    for m in [_scan_py] + ([CM] if CM is not None else []):
+        b = bytearray(data)
+        results.append((m.map_send_ids(b, 0, len(b), 0, fill(m.AddressMap())), bytes(b)))
+    assert all(r == results[0] for r in results), (data, results)
+
+
 @settings(max_examples=100, deadline=None)
 @example(["0" * 31, ""], 0)  # 32 characters with a comma: two tokens, no id (the one-id fast path must see it)
 @example([mid(REAL)[:20], mid(REAL)[:11]], 1)
