@@ -193,7 +193,8 @@ def print_route_counts(counts: dict[str, float], report: dict[str, float]) -> bo
     for what, name, labels, _ in ROUTE_COUNTERS:
         rep = f"{report[what]:>7,.0f}" if what in report else f"{'-':>7}"
         print(f"  {what:<42}{counts[what]:>8,.0f}   {rep}   {name}{_labels(labels)}")
-    print(f"  {'other answers (errors)':<42}{other:>8,.0f}   {'-':>7}   route queries - rewritten - TOPIC_NOT_EXIST")
+    print(f"  {'other answers (not rewritten, not 17)':<42}{other:>8,.0f}   {'-':>7}   "
+          "route queries - rewritten - TOPIC_NOT_EXIST")
     agree = all(abs(report[w] - counts[w]) < 0.5 for w in report)
     if report and not agree:
         print("  THE REPORT DISAGREES with the scrape above (it reads the traffic records the workers flushed at stop)")
@@ -275,7 +276,7 @@ def run_demo(messages: int = 2000, workers: int = 2, keep_running: bool = False)
         _say("RocketMQ and rmqfast stopped")
     traffic_s = time.monotonic() - t_start
     t_spark = time.monotonic()
-    with st.stage("Spark (local mode) report from the proxy's traffic records"):
+    with st.stage("Spark (local mode) report from the proxy's traffic records", tick=False):  # it ticks itself
         summary = _spark_report(records_dir)  # after RocketMQ stopped: its JVMs no longer compete for the cores
     spark_s = time.monotonic() - t_spark
     with st.stage("figures"):

@@ -52,16 +52,17 @@ class Stages:
         return self.clock() - self.started
 
     @contextmanager
-    def stage(self, what: str, detail: Callable[[], str] | None = None) -> Iterator[None]:
+    def stage(self, what: str, detail: Callable[[], str] | None = None, tick: bool = True) -> Iterator[None]:
         """Run the ``with`` body as the next stage; ``detail`` adds to each status line (e.g. a
-        Spark job's tasks done), and a failing ``detail`` adds nothing."""
+        Spark job's tasks done), and a failing ``detail`` adds nothing.  ``tick=False``: no status
+        lines (the stage's work prints its own)."""
         self.count += 1
         of = f"/{self.total}" if self.total else ""
         self.say(f"stage {self.count}{of} {what} ...")
         t0 = self.clock()
         stop = threading.Event()
 
-        def tick() -> None:
+        def ticks() -> None:
             while not stop.wait(self.every):
                 extra = ""
                 if detail is not None:
@@ -71,15 +72,17 @@ class Stages:
                         extra = ""
                 self.say(f"  {what}: {self.clock() - t0:.0f} s so far ({self.name} {self.elapsed():.0f} s){extra}")
 
-        ticker = threading.Thread(target=tick, name=f"progress-{self.name}", daemon=True)
-        ticker.start()
+        ticker = threading.Thread(target=ticks, name=f"progress-{self.name}", daemon=True)
+        if tick:
+            ticker.start()
         ok = False
         try:
             yield
             ok = True
         finally:
             stop.set()
-            ticker.join()
+            if tick:
+                ticker.join()
             took = self.clock() - t0
             self.done.append((what, took, ok))
             self.say(f"  {what}: {'done' if ok else 'FAILED'} in {took:.1f} s ({self.name} {self.elapsed():.0f} s)")
@@ -99,7 +102,11 @@ def stage(progress: Stages | None, what: str, detail: Callable[[], str] | None =
 def spark_status(spark: Any) -> str:
     """Jobs and tasks of a running SparkSession, from its status tracker (no UI needed)."""
     tracker = spark.sparkContext.statusTracker()
+    active = tracker.getActiveJobsIds()
+    finished = len(tracker.getJobIdsForGroup()) - len(active)
+    if not active:
+        return f"Spark: {finished} job(s) done, none running (the driver is planning or reading results)"
     stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
     done = sum(s.numCompletedTasks for s in stages if s is not None)
     total = sum(s.numTasks for s in stages if s is not None)
-    return f"Spark: {len(tracker.getActiveJobsIds())} job(s) running, tasks {done}/{total} of the active stages"
+    return f"Spark: {finished} job(s) done, {len(active)} running (tasks {done}/{total} of its active stages)"

@@ -78,7 +78,7 @@ def _rows(out: str) -> dict[str, list[str]]:
     rows = {}
     for ln in out.splitlines():
         for name in ("route queries", "rewritten (brokers -> rmqfast endpoints)",
-                     "answered TOPIC_NOT_EXIST (17), unchanged", "other answers (errors)"):
+                     "answered TOPIC_NOT_EXIST (17), unchanged", "other answers (not rewritten, not 17)"):
             if ln.strip().startswith(name):
                 rows[name] = ln.strip()[len(name):].split()
     return rows
@@ -94,7 +94,7 @@ def test_route_counts_add_up_name_their_counters_and_match_the_report(
         "90", "-", 'rmqfast_route_rewrites_total{code="105"}']
     assert rows["answered TOPIC_NOT_EXIST (17), unchanged"][:3] == [
         "37", "37", 'rmqfast_responses_total{role="namesrv",code="17"}']
-    assert rows["other answers (errors)"][:2] == ["0", "-"]  # 90 + 37 + 0 == 127
+    assert rows["other answers (not rewritten, not 17)"][:2] == ["0", "-"]  # 90 + 37 + 0 == 127
     assert "one scrape after the traffic stopped" in out
     assert "TOPIC_NOT_EXIST" in out and "normal, not errors" in out and "DISAGREES" not in out
 

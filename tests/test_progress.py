@@ -63,9 +63,35 @@ def test_a_failing_detail_never_breaks_the_work() -> None:
     assert "no Spark yet" not in out.getvalue()
 
 
+def test_a_stage_without_ticks_prints_start_and_end_only() -> None:
+    out = io.StringIO()
+    st = Stages("demo", every=0.001, out=out)
+    with st.stage("report", tick=False):
+        pass
+    assert [ln for ln in out.getvalue().splitlines() if "so far" in ln] == []
+    assert "[demo]   report: done in " in out.getvalue()
+
+
 def test_no_progress_is_no_output(capsys: pytest.CaptureFixture[str]) -> None:
     with stage(None, "quiet"):
         pass
     assert capsys.readouterr().out == ""
     with pytest.raises(ValueError, match="every"):
         Stages("x", every=0)
+
+
+def test_spark_status_from_the_status_tracker() -> None:
+    from types import SimpleNamespace
+
+    from rmqfast.progress import spark_status
+
+    def session(active: list[int], all_jobs: list[int], stages: dict[int, tuple[int, int]]) -> object:
+        tracker = SimpleNamespace(
+            getActiveJobsIds=lambda: active, getJobIdsForGroup=lambda: all_jobs,
+            getActiveStageIds=lambda: list(stages),
+            getStageInfo=lambda s: SimpleNamespace(numCompletedTasks=stages[s][0], numTasks=stages[s][1]))
+        return SimpleNamespace(sparkContext=SimpleNamespace(statusTracker=lambda: tracker))
+
+    assert spark_status(session([3], [1, 2, 3], {7: (3, 4), 8: (0, 2)})) == \
+        "Spark: 2 job(s) done, 1 running (tasks 3/6 of its active stages)"
+    assert spark_status(session([], [1, 2], {})).startswith("Spark: 2 job(s) done, none running")
