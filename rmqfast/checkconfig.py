@@ -97,6 +97,9 @@ def summary(path: str | None, cfg: config_mod.Config) -> str:
     else:
         changes = "need the admin.token" if cfg.admin.token else "from loopback only (no admin.token)"
         admin = f"http://{cfg.admin.listen}/ (/metrics /healthz /readyz /limits; limit changes {changes})"
+        hosts = cfg.admin.allowed_hosts
+        if hosts:
+            admin += f"; Host/Origin also allowed: {', '.join(hosts)}"
     rules = cfg.limits.all_rules()
     limits = f"{len(rules)} rule(s)" if rules else "none"
     records = (f"on, every {cfg.records.rotate_seconds:g} s into {cfg.records.dir} ({cfg.records.format})"

@@ -45,6 +45,9 @@ enabled = true
 [[limits.rule]]
 topic = "T"
 rate = 5
+[admin]
+listen = "127.0.0.1:19400"
+allowed_hosts = ["proxy.example"]
 [acl]
 unsigned = "deny"
 [acl.topics]
@@ -101,6 +104,7 @@ def test_every_enabled_section_has_its_line(tmp_path: Path, capsys: pytest.Captu
     assert rows["cross-cloud"].startswith("fast, to remote-b")
     assert rows["broker failover"].startswith("probes every")
     assert rows["send limits"] == "1 rule(s)"
+    assert rows["admin endpoint"].startswith("http://127.0.0.1:19400/") and "proxy.example" in rows["admin endpoint"]
     assert rows["topic allowlist"].startswith("1 AccessKey(s) listed; unsigned requests: deny")
     assert rows["TLS"] and rows["addresses"].startswith("route answers point at rmqfast")
 
