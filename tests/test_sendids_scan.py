@@ -282,3 +282,30 @@ def test_header_field_span_agrees_with_the_scanner_walk() -> None:
         frame = sent(3, mid(REAL), stype=stype)
         span = header_field_span(frame, "msgId")
         assert span is not None and frame[span[0] : span[1]].decode() == mid(REAL)
+
+
+def test_map_offset_ids_for_answers_that_skip_the_scanner() -> None:
+    """What the failover service uses for moved sends' answers: only with send answers mapped."""
+    value = mid(REAL) + "," + mid(REAL, 9)
+    f = RewriteMessageAddresses(FakeRegistry(), "all")  # type: ignore[arg-type]
+    assert f.map_offset_ids(value) == mid(EP) + "," + mid(EP, 9)
+    assert f.map_offset_ids("UNIQ") is None
+    assert RewriteMessageAddresses(FakeRegistry(), "records").map_offset_ids(value) is None  # type: ignore[arg-type]
+    assert RewriteMessageAddresses(FakeRegistry(), "off").map_offset_ids(value) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("in_process_metrics")
+def test_the_worker_wires_the_default(tmp_path: Any) -> None:
+    """A worker with default settings: send codes tracked in C for their answers (ACTION_RECORDS), the
+    scanners' map from the message-address filter, moved sends' answers mapped by the same filter."""
+    from rmqfast import config as config_mod
+    from rmqfast.server.worker import Worker
+
+    cfg = config_mod.from_dict({"namesrv": {"listen": "127.0.0.1:1", "upstreams": ["127.0.0.1:2"]},
+                                "proxy": {"state_dir": str(tmp_path)}})
+    w = Worker(cfg, 0, lambda status: None)
+    chain = w.chains["broker"]
+    for code in (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.PULL_MESSAGE):
+        assert chain.request_actions[_scan_py.code_slot(code)] == _scan_py.ACTION_RECORDS, code
+    assert chain.address_map(CM is not None) is not None
+    assert w.failover.offset_ids == w.message_addresses.map_offset_ids

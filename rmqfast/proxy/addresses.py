@@ -175,6 +175,14 @@ class RewriteMessageAddresses(Filter):
         self._remember(raw, new)
         return new
 
+    def map_offset_ids(self, value: str) -> str | None:
+        """``value`` (a send answer's msgId: comma-separated ids) with each offset id's broker
+        mapped to its endpoint, or None when nothing changes or send answers are not mapped (for
+        answers that never pass the scanner: sends moved by failover)."""
+        if self.ip is None or not self.codes & SEND_CODES:
+            return None
+        return patch_offset_ids(value, self.mapping)
+
     # Filter --------------------------------------------------------------------------------------
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:

@@ -244,6 +244,7 @@ class Worker:
         self.failover.replicate = self.replication.filter if self.cfg.replication_enabled else None
         # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
+        self.failover.offset_ids = self.message_addresses.map_offset_ids  # moved sends' answers
         # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
         acl: list[Filter] = [AclTopics(self.cfg.acl, self._denied)] if self.cfg.acl.enabled else []
         # [limits]: sends the scanner's limiter refused get SYSTEM_BUSY or are shaped, before the
