@@ -240,10 +240,6 @@ cdef inline void wr_hex16(uint8_t* s, uint64_t v) noexcept nogil:
         s[i] = <uint8_t>HEX_UPPER[(v >> (60 - 4 * i)) & 15]
 
 
-cdef extern from "<string.h>" nogil:
-    void* memchr(const void* s, int c, size_t n)
-
-
 cdef inline Py_ssize_t find_msgid_key(const uint8_t* h, Py_ssize_t n, Py_ssize_t start) noexcept nogil:
     """Where the 9 bytes ``"msgId":"`` first are in ``h[start:n]``, or -1: found by its 'I' (rare in
     a header) with memchr, then compared; cheaper than memmem, which builds a table per call."""

@@ -40,6 +40,7 @@ from rmqfast.codec.tables import (  # noqa: F401 - re-exported
 
 _HEAD = struct.Struct(">iI")
 _I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
 
 
 def _key(raw: object) -> bytes:
