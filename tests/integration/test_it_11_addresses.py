@@ -151,7 +151,14 @@ def test_default_query_msg_by_id_goes_through_the_proxy(proxy: ProxyProcess, clu
         before = metric(wait_published(proxy), "rmqfast_requests_total", role="broker",
                         code=str(C.VIEW_MESSAGE_BY_ID))
         s = sent[1]
-        out = cluster.mqadmin("queryMsgById", "-n", proxy.namesrv_addr, "-t", topic, "-i", s["offset_msg_id"])
+        # Twice in one loaded run mqadmin printed nothing to stdout and exited 0 (not seen in 4 quieter
+        # runs, its stderr not kept then); the likely cause, not established, is its view of the message
+        # timing out in a cold JVM (it then looks the id up as a UNIQ_KEY, finds nothing, and prints that
+        # to stderr).  At most 3 tries; each goes through the proxy like the first.
+        for _ in range(3):
+            out = cluster.mqadmin("queryMsgById", "-n", proxy.namesrv_addr, "-t", topic, "-i", s["offset_msg_id"])
+            if "OffsetID:" in out:
+                break
     assert watch.pids, "no client connection was seen at all"
     assert not watch.touched(real_ports(cluster)), f"reached the real broker: {watch.touched(real_ports(cluster))}"
     # sampling connections can miss a short-lived JVM's on a loaded machine; the proxy's count cannot
