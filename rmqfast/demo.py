@@ -133,6 +133,10 @@ def print_metrics(metrics: dict, summary: dict[str, Any] | None = None) -> bool:
     ):
         print(f"  {what:<42}{_metric_sum(metrics, name, **labels):>14,.0f}")
     ok = print_route_counts(route_counts(metrics), report_route_counts(summary))
+    results = route_results(metrics)
+    if results:
+        print("  The same queries by result (the result label of rmqfast_requests_total): "
+              + ", ".join(f"{r} {n:,.0f}" for r, n in sorted(results.items())))
     print()
     print("Per topic:")
     for (n, lbls), v in sorted(metrics.items()):
@@ -156,6 +160,17 @@ ROUTE_COUNTERS = (
 def route_counts(metrics: dict) -> dict[str, float]:
     """The route figures of one scrape, by their ROUTE_COUNTERS name."""
     return {what: _metric_sum(metrics, name, **labels) for what, name, labels, _ in ROUTE_COUNTERS}
+
+
+def route_results(metrics: dict) -> dict[str, float]:
+    """Route queries by the result label of rmqfast_requests_total (what the other answers were)."""
+    out: dict[str, float] = {}
+    for (n, lbls), v in metrics.items():
+        d = dict(lbls)
+        if n == "rmqfast_requests_total" and d.get("role") == "namesrv" and \
+                d.get("code") == str(codes.GET_ROUTEINFO_BY_TOPIC) and v:
+            out[d.get("result", "?")] = out.get(d.get("result", "?"), 0.0) + v
+    return out
 
 
 def report_route_counts(summary: dict[str, Any] | None) -> dict[str, float]:

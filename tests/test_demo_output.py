@@ -96,6 +96,7 @@ def test_route_counts_add_up_name_their_counters_and_match_the_report(
         "37", "37", 'rmqfast_responses_total{role="namesrv",code="17"}']
     assert rows["other answers (not rewritten, not 17)"][:2] == ["0", "-"]  # 90 + 37 + 0 == 127
     assert "one scrape after the traffic stopped" in out
+    assert "by result (the result label of rmqfast_requests_total): success 127" in out
     assert "TOPIC_NOT_EXIST" in out and "normal, not errors" in out and "DISAGREES" not in out
 
 
