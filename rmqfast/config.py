@@ -96,10 +96,10 @@ class PolicySection:
     deny_codes: list[int] = field(default_factory=list)
     # "read-only-admin": also let through the read-only admin codes (rmqfast.codec.admincodes)
     preset: str = ""
-    # broker addresses inside messages (rmqfast.proxy.addresses): "records" (store hosts in pull,
-    # pop, query and view answers), "all" (also the offset msgId of send answers: sends then leave
-    # the compiled path), "off"
-    message_addresses: str = "records"
+    # broker addresses inside messages (rmqfast.proxy.addresses): "all" (store hosts in pull, pop,
+    # query and view answers and the offset msgId of send answers, both mapped in C), "records"
+    # (not the send answers: queryMsgById then reaches the real broker), "off"
+    message_addresses: str = "all"
 
 
 @dataclass
@@ -341,13 +341,22 @@ def parse_hostport(key: str, value: Any) -> HostPort:
     if not 1 <= p <= 65535:
         raise ConfigError(f"{key}: {_t(value)} is not allowed; the port must be from 1 to 65535")
     if not host:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing (use 0.0.0.0 for all)")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing ({_missing_host_hint(key, p)})")
     if not valid_host(host):
         raise ConfigError(
             f"{key}: {_t(value)} is not allowed; {_t(host)} is neither an IP address nor a host name "
             "(IPv6 addresses are written [addr]:port)"
         )
     return HostPort(host, p)
+
+
+def _missing_host_hint(key: str, port: int) -> str:
+    """What to write instead of a bare ":port", for the kind of field ``key`` is."""
+    if key.rpartition(".")[2].startswith("listen"):
+        return f"where to listen: \"0.0.0.0:{port}\" for every address, \"127.0.0.1:{port}\" for this machine only"
+    server = ("a real RocketMQ name server" if key.startswith("namesrv.upstreams")
+              else "the real broker" if key.endswith(".upstream") else "the server rmqfast connects to")
+    return f"write the address of {server}, e.g. \"10.0.0.1:{port}\"; 0.0.0.0 is for listen addresses only"
 
 
 def parse_hostport_list(key: str, value: Any) -> list[HostPort]:
