@@ -54,6 +54,7 @@ from rmqfast.codec import codes as C
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, divert, error_response, reply, slots_of
+from rmqfast.settings.base import ConfigErrors
 
 log = logging.getLogger("rmqfast.acl")
 
@@ -157,8 +158,6 @@ def parse_acl(raw: Any) -> AclSection:
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
-        from rmqfast.config import ConfigErrors
-
         raise ConfigErrors(errors)
     return sec
 
