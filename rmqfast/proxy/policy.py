@@ -204,10 +204,9 @@ def slots_of(codes: Iterable[int]) -> set[int]:
 
 
 #: The request codes a send limiter decides (the scanner checks no others).
-LIMITED_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+LIMITED_CODES = C.SEND_CODES
 #: Reply messages: a send header, stored by the broker in its topic and queue; the scanner hands
 #: those of ``policy_topics`` and those over a send limit to policy too.
-REPLY_SEND_CODES = (C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
 
 
 class FilterChain:
@@ -218,7 +217,7 @@ class FilterChain:
         table = bytearray(CODE_SLOTS)
         by_slot: list[list[Filter]] = [[] for _ in range(CODE_SLOTS)]
         limited = slots_of(LIMITED_CODES)
-        replies = slots_of(REPLY_SEND_CODES)
+        replies = slots_of(C.REPLY_SEND_CODES)
         #: the scanner's ``delay_topics`` (:meth:`Filter.scanner_topics` of the first filter with some)
         self.delay_topics: list[bytes] | None = None
         #: the scanner's ``policy_topics`` (:meth:`Filter.send_topics` of the filters with some)
@@ -290,6 +289,15 @@ class FilterChain:
                 f.on_close(session)
             except Exception:  # a filter's bookkeeping must never break the close
                 log.exception("filter on_close failed", extra={"filter": f.name})
+
+
+#: Ext fields of a send response that a Java client reads besides the header's own.
+SEND_RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
+
+
+def busy_answer(request: RemotingCommand, remark: str) -> bytes:
+    """SYSTEM_BUSY answering a send, with the ext fields of a send response (limits, shaping, failover)."""
+    return encode(make_response(request, C.SYSTEM_BUSY, remark, ext_fields=dict(SEND_RESPONSE_EXT)))
 
 
 def error_response(frame: Frame, code: int, remark: str) -> bytes:

@@ -49,13 +49,12 @@ from rmqfast.proxy.policy import (
     rewrite,
     slots_of,
 )
-from rmqfast.replicate.replicator import Replicator, SpillFull
-from rmqfast.spill.commit import CommitFailed
+from rmqfast.replicate.replicator import Replicator
+from rmqfast.spill.commit import CommitFailed, SpillFull
 from rmqfast.spill.record import ORIGIN_PROPERTY, CopyRecord
 
 log = logging.getLogger("rmqfast.replicate")
 
-SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 _SYSTEM_PREFIXES = ("%RETRY%", "%DLQ%", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC", "TBW102", "RMQ_")
 _ORIGIN_MARK = ORIGIN_PROPERTY + "\x01"
 
@@ -74,7 +73,7 @@ class ReplicateFilter(Filter):
         self.rules: dict[str, TopicRule] = {t.name: t for t in cfg.replicate.topics}
         self.default = cfg.replicate.default
         self.remotes = [r.name for r in cfg.clouds.remotes]
-        self._slots = slots_of(SEND_CODES)
+        self._slots = slots_of(C.SEND_CODES)
         self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def request_slots(self) -> set[int]:
@@ -100,7 +99,7 @@ class ReplicateFilter(Filter):
     # Requests ---------------------------------------------------------------------------------
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
-        if frame.code not in SEND_CODES:
+        if frame.code not in C.SEND_CODES:
             return None
         if self.default == "never":
             topic = _quick_topic(frame)
