@@ -55,7 +55,6 @@ from rmqfast.spill.record import CopyRecord
 
 log = logging.getLogger("rmqfast.delay")
 
-SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 MESSAGE_ILLEGAL = 13
 HELD_QUEUE_OFFSET = -1
 #: A release the broker answers TOPIC_NOT_EXIST this many times in a row (back-off between
@@ -171,7 +170,7 @@ class DelayFilter(Filter):
         return self.service.topic_patterns
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
-        if frame.code not in SEND_CODES:
+        if frame.code not in C.SEND_CODES:
             return None
         from rmqfast.replicate.filter import _quick_topic
 

@@ -61,10 +61,6 @@ log = logging.getLogger("rmqfast.addresses")
 RECORD_CODES = frozenset({
     C.PULL_MESSAGE, C.LITE_PULL_MESSAGE, C.POP_MESSAGE, C.PEEK_MESSAGE, C.QUERY_MESSAGE, C.VIEW_MESSAGE_BY_ID,
 })
-#: Answers carrying the offset message id in their ``msgId`` header field.
-SEND_CODES = frozenset({
-    C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2,
-})
 MODES = ("records", "all", "off")
 _RECORD_SLOTS = slots_of(RECORD_CODES)
 
@@ -97,7 +93,8 @@ class RewriteMessageAddresses(Filter):
             raise ValueError(f"policy.message_addresses must be one of {', '.join(MODES)}; got {mode!r}")
         self.registry = registry
         self.mode = mode
-        self.codes = frozenset() if mode == "off" else RECORD_CODES | (SEND_CODES if mode == "all" else frozenset())
+        sends = C.ANY_SEND_CODES if mode == "all" else frozenset()  # their answers carry msgId
+        self.codes = frozenset() if mode == "off" else RECORD_CODES | sends
         self._slots = slots_of(self.codes)
         self._map: dict[bytes, bytes] = {}  # real ip4+port -> endpoint ip4+port (itself: leave it)
         self._amaps: dict[bool, Any] = {}  # compiled? -> the AddressMap the scanners of that twin read
@@ -194,7 +191,7 @@ class RewriteMessageAddresses(Filter):
         if code is None or frame.code != C.SUCCESS:
             return None
         data = frame.data
-        if code in SEND_CODES:
+        if code in C.ANY_SEND_CODES:
             span = header_field_span(data, "msgId")
             if span is None:
                 return None
