@@ -42,13 +42,13 @@ import gevent
 from gevent.event import Event
 
 from rmqfast.clouds.remoting import ConnectionPool
+from rmqfast.clouds.send import send_until_stored
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import TAGS, UNIQ_KEY, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.config import Config
-from rmqfast.deliver.sender import send_until_stored
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import SEND_RESPONSE_EXT, Frame, Verdict, busy_answer, divert, reply
 from rmqfast.spill.commit import CommitFailed, GroupCommitter
