@@ -190,7 +190,7 @@ def _parse_secrets(raw: dict[str, Any], sec: AclSection, errors: list[str]) -> N
             sec.signature_max_age = float(v)
 
 
-class _Patterns:
+class TopicPatterns:
     __slots__ = ("all", "exact", "prefixes")
 
     def __init__(self, patterns: list[str]) -> None:
@@ -258,7 +258,7 @@ class AclTopics(Filter):
     def __init__(self, section: AclSection, on_deny: Callable[[Session, int], None] | None = None) -> None:
         self.section = section
         self.on_deny = on_deny
-        self.keys = {ak: _Patterns(p) for ak, p in section.topics.items()}
+        self.keys = {ak: TopicPatterns(p) for ak, p in section.topics.items()}
         self.allow_unsigned = section.unsigned == "allow"
         self.allow_other = section.other_keys == "allow"
         self._slots = slots_of(TOPIC_FIELDS) if section.enabled else set()
