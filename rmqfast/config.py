@@ -39,6 +39,7 @@ from rmqfast.settings.base import table as _table
 from rmqfast.settings.base import toml_value as _t
 from rmqfast.settings.base import toml_value as toml_value  # re-exported
 from rmqfast.settings.base import valid_host
+from rmqfast.settings.cpus import usable_cpus_at_start
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -219,11 +220,9 @@ class Config:
     def worker_count(self) -> int:
         """``proxy.workers``, or (0) one per CPU this process may use: its affinity mask, capped
         by its cgroup's CPU quota (a container's CPU limit), worked out once per process
-        (``rmqfast.server.cpus``: the count stays what the workers were started with)."""
+        (``rmqfast.settings.cpus``: the count stays what the workers were started with)."""
         if self.proxy.workers:
             return self.proxy.workers
-        from rmqfast.server.cpus import usable_cpus_at_start
-
         return usable_cpus_at_start()
 
     @property
