@@ -40,21 +40,11 @@ from rmqfast.settings.base import toml_value as _t
 from rmqfast.settings.base import toml_value as toml_value  # re-exported
 from rmqfast.settings.base import valid_host
 from rmqfast.settings.cpus import usable_cpus_at_start
+from rmqfast.settings.hostport import HostPort as HostPort  # re-exported: rmqfast.config.HostPort
+from rmqfast.settings.hostport import parse_hostport as parse_hostport  # re-exported
+from rmqfast.settings.hostport import parse_hostport_list as parse_hostport_list  # re-exported
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
-
-
-@dataclass(frozen=True)
-class HostPort:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    @property
-    def is_wildcard(self) -> bool:
-        return self.host in ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True)
@@ -251,53 +241,6 @@ class Config:
 
 # --------------------------------------------------------------------------------------
 # Parsing helpers: each takes the dotted key for its error messages.
-
-def parse_hostport(key: str, value: Any) -> HostPort:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a string \"host:port\"")
-    text = value.strip()
-    if ";" in text:
-        raise ConfigError(
-            f"{key}: {_t(value)} is not allowed; one \"host:port\" here (RocketMQ's \"a:9876;b:9876\" list "
-            "form is accepted where several name servers are, e.g. namesrv.upstreams)"
-        )
-    if text.startswith("["):  # [v6]:port
-        host, sep, port = text[1:].partition("]:")
-    else:
-        host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected \"host:port\", e.g. \"127.0.0.1:9876\"")
-    p = int(port)
-    if not 1 <= p <= 65535:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; the port must be from 1 to 65535")
-    if not host:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing (use 0.0.0.0 for all)")
-    if not valid_host(host):
-        raise ConfigError(
-            f"{key}: {_t(value)} is not allowed; {_t(host)} is neither an IP address nor a host name "
-            "(IPv6 addresses are written [addr]:port)"
-        )
-    return HostPort(host, p)
-
-
-def parse_hostport_list(key: str, value: Any) -> list[HostPort]:
-    """A list of "host:port" (or one string); RocketMQ's "a:9876;b:9876" form is split into several."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list):
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a list of \"host:port\"")
-    errs = _Errors()
-    out: list[HostPort] = []
-    for i, item in enumerate(items):
-        where = f"{key}[{i}]" if not isinstance(value, str) else key
-        parts = [p.strip() for p in item.split(";")] if isinstance(item, str) else [item]
-        for part in parts:
-            if part == "" and len(parts) > 1:
-                continue  # "a:9876;b:9876;" as RocketMQ tolerates it
-            with errs.check():
-                out.append(parse_hostport(where, part))
-    errs.raise_if_any()
-    return out
-
 
 def parse_port_range(key: str, value: Any) -> tuple[int, int] | None:
     if value in ("", None, False):
