@@ -54,7 +54,7 @@ test-integration: install
 # ruff, then the import layers of rmqfast (the contract in pyproject.toml [tool.importlinter]:
 # a module never imports from a layer above its own; docs/architecture.md).
 lint:
-	$(PYTHON) -m ruff check rmqfast tests bench spark
+	$(PYTHON) -m ruff check rmqfast tests bench spark tools
 	$(VENV)/bin/lint-imports --no-cache
 
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, a missing anchor or a page

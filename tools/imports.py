@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     modules, found = collect(args.root)
     runtime = [i for i in found if not i.local and not i.type_checking]
     layers = read_layers(args.pyproject or args.root / "pyproject.toml")
-    unlayered = sorted(m for m in modules if layer_of(m, layers) is None and modules[m].suffix == ".py" and m != ROOT_PACKAGE)
+    unlayered = sorted(m for m in modules
+                       if layer_of(m, layers) is None and modules[m].suffix == ".py" and m != ROOT_PACKAGE)
     runtime_cycles, all_cycles = cycles(modules, runtime), cycles(modules, found)
     up, private = upward(found, layers), private_across(found)
     local = [i for i in found if i.local]
