@@ -96,10 +96,10 @@ class PolicySection:
     deny_codes: list[int] = field(default_factory=list)
     # "read-only-admin": also let through the read-only admin codes (rmqfast.codec.admincodes)
     preset: str = ""
-    # broker addresses inside messages (rmqfast.proxy.addresses): "records" (store hosts in pull,
-    # pop, query and view answers), "all" (also the offset msgId of send answers: sends then leave
-    # the compiled path), "off"
-    message_addresses: str = "records"
+    # broker addresses inside messages (rmqfast.proxy.addresses): "all" (store hosts in pull, pop,
+    # query and view answers and the offset msgId of send answers, both mapped in C), "records"
+    # (not the send answers: queryMsgById then reaches the real broker), "off"
+    message_addresses: str = "all"
 
 
 @dataclass

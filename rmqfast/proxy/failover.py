@@ -516,6 +516,10 @@ class FailoverService:
         #: [clouds] / [replicate] (set by the worker, and on reload): its rmqfast.replicate.ReplicateFilter; a
         #: moved send is copied to the remote clouds its topic and tag select, released when a broker stores it
         self.replicate: Any = None
+        #: policy.message_addresses = "all" (set by the worker, and on reload): the answer of a moved send
+        #: never passes the relay's scanner, so the offset ids in its msgId are mapped to proxy endpoints
+        #: here (rmqfast.proxy.addresses.RewriteMessageAddresses.map_offset_ids; None: left as they are)
+        self.offset_ids: Callable[[str], str | None] | None = None
 
     # One send -----------------------------------------------------------------------------------
 
@@ -603,6 +607,11 @@ class FailoverService:
             self.moved += 1
             if self.metrics is not None:
                 self.metrics.failovers.labels(dead_addr, addr).inc()
+            fields = answer.ext_fields or {}
+            if self.offset_ids is not None and fields.get("msgId"):
+                mapped = self.offset_ids(fields["msgId"])
+                if mapped is not None:
+                    answer = replace(answer, ext_fields={**fields, "msgId": mapped})
             return replace(answer, opaque=cmd.opaque), addr
         if last is not None:
             return replace(last, opaque=cmd.opaque), "refused:other_broker_error"

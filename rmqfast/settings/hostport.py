@@ -47,13 +47,22 @@ def parse_hostport(key: str, value: Any) -> HostPort:
     if not 1 <= p <= 65535:
         raise ConfigError(f"{key}: {_t(value)} is not allowed; the port must be from 1 to 65535")
     if not host:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing (use 0.0.0.0 for all)")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing ({_missing_host_hint(key, p)})")
     if not valid_host(host):
         raise ConfigError(
             f"{key}: {_t(value)} is not allowed; {_t(host)} is neither an IP address nor a host name "
             "(IPv6 addresses are written [addr]:port)"
         )
     return HostPort(host, p)
+
+
+def _missing_host_hint(key: str, port: int) -> str:
+    """What to write instead of a bare ":port", for the kind of field ``key`` is."""
+    if key.rpartition(".")[2].startswith("listen"):
+        return f"where to listen: \"0.0.0.0:{port}\" for every address, \"127.0.0.1:{port}\" for this machine only"
+    server = ("a real RocketMQ name server" if key.startswith("namesrv.upstreams")
+              else "the real broker" if key.endswith(".upstream") else "the server rmqfast connects to")
+    return f"write the address of {server}, e.g. \"10.0.0.1:{port}\"; 0.0.0.0 is for listen addresses only"
 
 
 def parse_hostport_list(key: str, value: Any) -> list[HostPort]:
