@@ -52,8 +52,11 @@ test-unit: install
 test-integration: install
 	$(PYTHON) -m pytest -q -m integration
 
+# ruff, then the import layers of rmqfast (the contract in pyproject.toml [tool.importlinter]:
+# a module never imports from a layer above its own; docs/architecture.md).
 lint:
-	$(PYTHON) -m ruff check rmqfast tests bench spark
+	$(PYTHON) -m ruff check rmqfast tests bench spark tools
+	$(VENV)/bin/lint-imports --no-cache
 
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, a missing anchor or a page
 # left out of the nav. Built into site/ (ignored by git); `$(VENV)/bin/mkdocs serve` to read it.
