@@ -20,7 +20,7 @@ from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_re
 from rmqfast.codec.properties import format_properties, parse_properties
 from rmqfast.deliver import protocol as P
 from rmqfast.errors import ConfigError
-from rmqfast.proxy.policy import Frame
+from rmqfast.filters.api import Frame
 from rmqfast.replicate.filter import ReplicateFilter
 from rmqfast.replicate.replicator import Replicator
 from rmqfast.spill.record import CopyRecord

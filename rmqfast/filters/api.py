@@ -12,24 +12,24 @@ Python object per frame.  A filter looks at a :class:`Frame` and returns a :clas
 * ``divert(reason)``: the filter took the frame (stored, queued...); relay nothing;
 * ``close(reason)``: close the connection.
 
-Denial (:class:`DenyAdminCodes`), route rewrites, send limits and shaping
-(:class:`rmqfast.limits.filter.SendLimitFilter`), cross-cloud copies, delayed messages and
-message addresses are filters; the session (:mod:`rmqfast.proxy.core`) carries out verdicts.
+This module is the filter API only (a leaf: it imports the codec and the log); the filters
+themselves are the other modules of :mod:`rmqfast.filters`, and :mod:`rmqfast.filters.registry`
+declares the order of each chain once.  The session (:mod:`rmqfast.proxy.core`) carries out
+verdicts.
 """
 
 from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from rmqfast.codec import ACTION_POLICY, ACTION_RECORDS, CODE_SLOTS, OTHER_SLOT, code_slot
+from rmqfast.codec import ACTION_POLICY, ACTION_RECORDS, CODE_SLOTS, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
-from rmqfast.log import ctx
 
 log = logging.getLogger("rmqfast.policy")
 
@@ -297,58 +297,3 @@ def busy_answer(request: RemotingCommand, remark: str) -> bytes:
 def error_response(frame: Frame, code: int, remark: str) -> bytes:
     """A response frame answering ``frame`` locally with ``code`` and ``remark``."""
     return encode(make_response(frame.command(), code, remark))
-
-
-def deny_hint(preset: str) -> str:
-    """The part of a refused admin request's remark that says what would let it through."""
-    if preset:
-        return (f'policy.preset = "{preset}" lets through only the read-only admin codes and this is '
-                "not one of them; allow it with policy.allow_codes")
-    return ('admin codes are denied by default; the read-only ones pass with policy.preset = '
-            '"read-only-admin", any other with policy.allow_codes')
-
-
-class DenyAdminCodes(Filter):
-    """Refuse every request code that is not data-plane (or allowlisted) with NO_PERMISSION.
-
-    The broker and name-server config-update codes (25, 318) were a remote-code-execution
-    CVE; a proxy that ordinary applications reach must not relay admin traffic by default.
-    """
-
-    name = "deny-admin"
-
-    def __init__(
-        self,
-        data_plane: Iterable[int],
-        allow: Iterable[int] = (),
-        deny: Iterable[int] = (),
-        on_deny: Callable[[Session, int], None] | None = None,
-        preset: str = "",
-    ) -> None:
-        self.on_deny = on_deny
-        self.denied = frozenset(deny)
-        self.allowed = (frozenset(data_plane) | frozenset(allow)) - self.denied
-        #: what the refusal's remark tells the operator to change
-        self.hint = deny_hint(preset)
-        allowed_slots = slots_of(self.allowed) - {OTHER_SLOT}
-        # A slot is handed to Python unless every code mapping to it is allowed; the shared
-        # "other" slot stands for infinitely many codes, so it is always checked.
-        self._slots = set(range(CODE_SLOTS)) - allowed_slots
-
-    def request_slots(self) -> set[int]:
-        return self._slots
-
-    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
-        if frame.code in self.allowed:
-            return None
-        hint = "it is listed in policy.deny_codes" if frame.code in self.denied else self.hint
-        remark = f"rmqfast: request code {frame.code} is not allowed through this proxy ({hint})"
-        log.warning(
-            "denied request",
-            extra=ctx(code=frame.code, client=session.client_addr, upstream=session.upstream_addr, role=session.role),
-        )
-        if self.on_deny is not None:
-            self.on_deny(session, frame.code)
-        if frame.is_oneway:
-            return divert(remark)
-        return reply(error_response(frame, C.NO_PERMISSION, remark))

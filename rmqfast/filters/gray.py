@@ -37,12 +37,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import V1_CODES, field_int, send_fields
+from rmqfast.filters.api import Filter, Frame, Session, Verdict, divert, reply, rewrite, slots_of
 from rmqfast.gray.config import GrayGroup, GraySection
 from rmqfast.gray.rules import (
     GRAY,
@@ -58,7 +59,9 @@ from rmqfast.gray.rules import (
 )
 from rmqfast.gray.state import Commands
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, rewrite, slots_of
+
+if TYPE_CHECKING:
+    from rmqfast.filters.host import ChainHost
 
 log = logging.getLogger("rmqfast.gray")
 
@@ -506,3 +509,25 @@ class GrayFilter(Filter):
     def on_close(self, session: Session) -> None:
         for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged"):
             session.state.pop(k, None)
+
+
+def build(host: ChainHost, role: str) -> Filter:
+    """``[gray]``: the split topics' queues from the route book (asked of the name server when not
+    cached; the asking greenlet waits), the commands file in the state directory."""
+    from rmqfast.gray.state import state_path
+
+    book = host.book
+
+    def queues(topic: str, broker: str) -> int | None:
+        route = book.get(topic)  # cached; else asked of the name server (this greenlet waits)
+        if route is None:
+            return None
+        return next((n for name, n, _ in route[1] if name == broker), None)
+
+    def broker_name(addr: str, topic: str) -> str | None:
+        book.get(topic)  # the route names the brokers
+        return book.broker_name_of(addr)
+
+    g = host.cfg.gray
+    commands = Commands(state_path(g.state_file, host.cfg.proxy.state_dir))
+    return GrayFilter(g, queues, commands, gray_metrics(), broker_name=broker_name)
