@@ -2,7 +2,7 @@
 
 The decision stays in the hot path: the scanner runs the limiter (compiled with the compiled
 scanner) on every send whose topic a rule covers and hands only a refused send to Python, whole,
-with the refusing rule's index in :attr:`rmqfast.proxy.policy.Frame.limited`.  Sends under their
+with the refusing rule's index in :attr:`rmqfast.filters.api.Frame.limited`.  Sends under their
 limits, and every send when no rule applies, never become Python objects.  This filter answers
 the refused ones:
 

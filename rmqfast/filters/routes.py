@@ -4,7 +4,7 @@ Name-server answers to ``GET_ROUTEINFO_BY_TOPIC`` (105) and ``GET_BROKER_CLUSTER
 carry the real brokers' addresses; this filter byte-patches each one to the proxy endpoint that
 serves it (:mod:`rmqfast.proxy.endpoints`), heals the routes of a dead master
 (:mod:`rmqfast.proxy.health`) and teaches the route book that moves sends off it
-(:mod:`rmqfast.proxy.failover`). The filter API it implements is :mod:`rmqfast.proxy.policy`.
+(:mod:`rmqfast.proxy.failover`). The filter API it implements is :mod:`rmqfast.filters.api`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Peak shaving: ``[[limits.rule]] mode = "shape"``.
 
 A shape rule limits like ``limit`` (same GCRA bucket, shared by every worker), but a send it
-refuses is not answered SYSTEM_BUSY: the send-limit filter (:mod:`rmqfast.limits.filter`)
+refuses is not answered SYSTEM_BUSY: the send-limit filter (:mod:`rmqfast.filters.limits`)
 hands it here (:func:`shape_send`) and
 
 1. it is committed, synced, to the worker's spill (the RocksDB of cross-cloud delivery,
