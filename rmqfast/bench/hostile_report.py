@@ -123,7 +123,8 @@ def _reason(body: str) -> str:
     import json
 
     try:
-        return str(json.loads(body).get("reason", "?"))[:120]
+        obj = json.loads(body)
+        return str(obj["reason"] if "reason" in obj else f"refused: {obj.get('error', '?')}")[:120]
     except (ValueError, AttributeError):
         return body[:80] or "?"
 
@@ -136,7 +137,8 @@ def steady(res: dict[str, Any]) -> dict[str, Any]:
             "p50_ms": round(res["lat_us"]["p50"] / 1000, 3), "p99_ms": round(res["lat_us"]["p99"] / 1000, 3),
             "p999_ms": round(res["lat_us"]["p999"] / 1000, 3), "max_ms": round(res["lat_us"]["max"] / 1000, 3),
             "rps": res["rps"], "errors": res["errors"], "error_detail": res["error_detail"],
-            "outstanding_at_end": res["outstanding_at_end"], "resp_codes": res["resp_codes"]}
+            "outstanding_at_end": res["outstanding_at_end"], "resp_codes": res["resp_codes"],
+            "other_cores": res.get("cpu", {}).get("machine", {}).get("other_cores")}
 
 
 def rss_verdict(samples: list[dict[str, Any]], base_fds: int) -> dict[str, Any]:
@@ -164,6 +166,12 @@ class Goal:
     value: Any
     limit: str
     met: bool | None  # None: could not be measured (said why in value)
+
+
+def quiet_reference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The quiet run the attacked one is held against: of the runs before and after the attack, the
+    one with the lower p99 (the stricter comparison; a neighbour's burst can spoil one of them)."""
+    return before if before["p99_ms"] <= after["p99_ms"] else after
 
 
 def goals(quiet: dict[str, Any], attack: dict[str, Any], gaps: dict[str, dict[str, Any]],
@@ -199,15 +207,18 @@ def goal_rows(found: list[Goal]) -> list[dict[str, Any]]:
 
 def render(r: dict[str, Any]) -> str:
     """The printed summary of one run (``r``: the summary line the bench writes)."""
-    q, a = r["steady"]["quiet"], r["steady"]["attack"]
+    a = r["steady"]["attack"]
     lines = [f"hostile load against one rmqfast worker; steady client {r['params']['rate']:,.0f} msg/s over "
-             f"{r['params']['steady_conns']} connections, {r['params']['duration']:g} s quiet then "
-             f"{r['params']['duration']:g} s attacked",
+             f"{r['params']['steady_conns']} connections, {r['params']['duration']:g} s each: quiet, attacked, "
+             "quiet again (p99 held against the lower quiet p99)",
              "attack: " + ", ".join(f"{k} {v:,}" for k, v in r["attack_sizes"].items()), ""]
-    lines.append(f"{'steady client':<22} {'success':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'msg/s':>9}")
-    for name, s in (("quiet", q), ("attacked", a)):
-        lines.append(f"{name:<22} {s['success'] * 100:>8.3f}% {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} "
-                     f"{s['max_ms']:>8.1f} {s['rps']:>9,.0f}")
+    lines.append(f"{'steady client':<14} {'success':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'msg/s':>9} "
+                 f"{'other cores':>11}")
+    for name, s in (("quiet", r["steady"]["quiet"]), ("attacked", a), ("quiet after", r["steady"]["quiet_after"])):
+        other = "-" if s.get("other_cores") is None else f"{s['other_cores']:.2f}"
+        lines.append(f"{name:<14} {s['success'] * 100:>8.3f}% {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} "
+                     f"{s['max_ms']:>8.1f} {s['rps']:>9,.0f} {other:>11}")
+    lines.append("(other cores: CPU of processes outside the proxy, null broker and steady client, attackers included)")
     lines += ["", f"{'listener':<10} {'phase':<9} {'probes':>7} {'answered':>9} {'silent max s':>12}  unanswered"]
     for lname, phases in r["listeners"].items():
         for ph, g in phases.items():
