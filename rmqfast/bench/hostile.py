@@ -64,6 +64,7 @@ SRC_HALF = [f"127.0.0.{i}" for i in range(80, 100)]
 SRC_FLOOD = [f"127.0.0.{i}" for i in range(100, 110)]
 SRC_PROBE = {"broker": "127.0.0.201", "namesrv": "127.0.0.202", "grpc": "127.0.0.203", "admin": "127.0.0.204",
              "readyz": "127.0.0.205"}
+ATTACK_LEAD = 3.0  # s from the steady client's start to its measured window while attacked
 SLOW_BYTE_EVERY = 2.0  # s between the bytes a slowloris client trickles
 
 
@@ -163,6 +164,17 @@ class _Proc:
             err = self.proc.stderr.read()[-2000:] if self.proc.stderr else ""
             raise BenchError(f"{self.module} ended (exit {self.proc.returncode}) without its result: {err}")
         return self.final
+
+    def finish_attacker(self, plan: Plan) -> dict[str, Any]:
+        """:meth:`finish`, or for an attacker that died, what it last said and why it ended."""
+        try:
+            return self.finish()
+        except BenchError as exc:
+            print(f"{LABEL}: attacker {plan.label or plan.kind}: {exc}", file=sys.stderr)
+            return {**self.last, "label": plan.label or plan.kind, "kind": plan.kind, "final": True,
+                    "opened": self.last.get("opened", 0), "peer_closed": self.last.get("peer_closed", 0),
+                    "connect_failed": self.last.get("connect_failed", 0), "closed_after_s": {"p50": None},
+                    "died": str(exc)[:500]}
 
 
 class _Sampler(threading.Thread):
@@ -286,16 +298,16 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
                 "path": "/readyz"}]
     if proxy.grpc_port:
         targets.insert(2, {"name": "grpc", "port": proxy.grpc_port, "proto": "h2", "source": SRC_PROBE["grpc"]})
-    probe_plan = {"targets": targets, "duration": 2 * attack_s + args.recovery, "period": args.probe_period,
+    probe_plan = {"targets": targets, "period": args.probe_period,
+                  "duration": 4 * (args.warmup + args.duration) + args.recovery + 300,  # stopped before
                   "periods": {"readyz": 0.2}}
     prober = _Proc("rmqfast.bench.hostile_probe", json.dumps(probe_plan))
     procs.append(prober)
     print(f"{LABEL}: quiet: {args.rate:,.0f} msg/s for {args.duration:g} s ...", file=sys.stderr, flush=True)
     groups = {"proxy": [proxy.proc.pid, *workers, *grpc_pids], "nullbroker": broker.pids}
 
-    def steady() -> dict[str, Any]:
-        return run_loadgen(tools, proxy.endpoint_port, sc, warmup=args.warmup, duration=args.duration,
-                           cpu_groups=groups)
+    def steady(warmup: float = args.warmup) -> dict[str, Any]:
+        return run_loadgen(tools, proxy.endpoint_port, sc, warmup=warmup, duration=args.duration, cpu_groups=groups)
 
     q0 = time.monotonic()
     quiet = steady()
@@ -304,20 +316,35 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     plans = _attackers(args, proxy, attack_s)
     sizes = {p.label or p.kind: p.conns for p in plans}
     print(f"{LABEL}: attacked: " + ", ".join(f"{k} {v:,}" for k, v in sizes.items()), file=sys.stderr, flush=True)
+    # The steady client connects first (an application already running; newcomers are the prober's
+    # part), then the attackers start; its measured window opens ATTACK_LEAD s later, when they are at work.
+    box: dict[str, Any] = {}
+
+    def attacked_run() -> None:
+        try:
+            box["res"] = steady(args.warmup + ATTACK_LEAD)
+        except BenchError as exc:  # it could not even connect: every send failed
+            print(f"{LABEL}: the steady client failed while attacked: {exc}", file=sys.stderr)
+            box["res"] = _failed_run(args)
+
     a0 = time.monotonic()
+    runner = threading.Thread(target=attacked_run, daemon=True)
+    runner.start()
+    time.sleep(0.3)  # its connections are made at its start
     attackers = [_Proc("rmqfast.bench.hostile_attack", plan_json(p)) for p in plans]
     procs.extend(attackers)
     deadline = time.monotonic() + 30
-    for a in attackers:  # the steady client starts when every attacker is at work (not while Python starts)
+    for a in attackers:
         a.running.wait(max(0.0, deadline - time.monotonic()))
-    try:
-        attacked = steady()
-    except BenchError as exc:  # the steady client could not even connect: every send failed
-        print(f"{LABEL}: the steady client failed while attacked: {exc}", file=sys.stderr)
-        attacked = _failed_run(args)
+    at_work = time.monotonic() - a0
+    if at_work > args.warmup + ATTACK_LEAD:
+        print(f"{LABEL}: WARNING: the attackers were at work only {at_work:.1f} s after the steady client started, "
+              f"after its measured window opened", file=sys.stderr)
+    runner.join(args.warmup + ATTACK_LEAD + args.duration + 90)
+    attacked = box.get("res") or _failed_run(args)
     open_before = [dict(a.last) for a in attackers]
     a1 = time.monotonic()
-    finals = [a.finish() for a in attackers]
+    finals = [a.finish_attacker(p) for a, p in zip(attackers, plans, strict=True)]
     r0 = time.monotonic()
     print(f"{LABEL}: attackers closed; recovery {args.recovery:g} s ...", file=sys.stderr, flush=True)
     time.sleep(args.recovery)  # the prober keeps probing: this is the time it is given
@@ -327,8 +354,10 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     probes = prober.finish()
     sampler.stop.set()
     sampler.join(5)
-    return _summary(args, probes, sampler, base, rss_quiet, (quiet, attacked, quiet_after), finals, open_before, sizes,
-                    (q0, q1, a0, a1, r0, r1))
+    out = _summary(args, probes, sampler, base, rss_quiet, (quiet, attacked, quiet_after), finals, open_before,
+                   sizes, (q0, q1, a0, a1, r0, r1))
+    out["attackers_at_work_s"] = round(at_work, 3)
+    return out
 
 
 def _failed_run(args: argparse.Namespace) -> dict[str, Any]:
