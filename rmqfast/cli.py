@@ -60,7 +60,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", metavar="FILE", help="TOML config file (see README, 'Configuration')")
+    p.add_argument("--config", "-c", metavar="FILE", help="TOML config file (see docs/configuration.md)")
     p.add_argument(
         "--namesrv-listen", metavar="H:P", help="where clients reach the name-server proxy (default 127.0.0.1:9876)"
     )

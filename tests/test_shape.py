@@ -461,7 +461,7 @@ mode = "shape"
         assert sorted(got) == keys
         # Every shaped message in send order, the later sends behind the backlog.  (The 3 direct
         # sends were still in flight at the slow broker when the first release went out: pipelined
-        # sends have no order the proxy could keep, see the README.)
+        # sends have no order the proxy could keep, see docs/limits.md.)
         assert [k for k in got if k not in keys[:3]] == keys[3:]
         m = p.metrics()
         assert sum(v for (n, lab), v in m.items() if n == "rmqfast_limit_admitted_total") == 3  # the burst only

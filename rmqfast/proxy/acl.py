@@ -38,7 +38,7 @@ a gRPC client's signature; ``acl.signature_max_age`` bounds the signed date-time
 the proxy's clock.
 
 Cost: with an allowlist these codes leave the compiled path; measured with
-``bench/acl_allowlist.py`` (see the README section on ACL for the figures).
+``bench/acl_allowlist.py`` (see docs/acl.md for the figures).
 """
 
 from __future__ import annotations

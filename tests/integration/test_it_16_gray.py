@@ -585,7 +585,7 @@ def _refused_in_flight(sent: dict[str, tuple[bool, str, int]], seen: list[tuple[
     marks, so the drain does not wait for it.  One first delivered less than that delay before the end
     (or after it) is in flight at the end: its send-back may pass (the retry topic, which an old-version
     instance may pull) or its queue leave the gray consumer at its rebalance before the redelivery (an
-    old-version instance then skips a tag it does not subscribe to): README, gray section, "After a
+    old-version instance then skips a tag it does not subscribe to): docs/gray.md, "After a
     promote ends".  ``undelivered_at``: the first delivery assumed for one the gray version has not been
     delivered yet (the traces still growing); None: such a message is not in flight (it was due before)."""
     refused = {k for k, (gray, _, _) in sent.items() if gray and int(k.rsplit(":", 1)[1]) % FAIL_EVERY == 0}
