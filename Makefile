@@ -9,7 +9,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: system-deps install demo test test-unit test-pure test-integration lint docs clean bench bench-short bench-real bench-clouds bench-idle
+.PHONY: system-deps install demo test test-unit test-pure test-integration lint docs clean bench bench-short bench-real bench-clouds bench-idle bench-hostile
 
 $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ bench: install
 
 bench-idle: install
 	$(PYTHON) -m rmqfast.bench --idle
+
+# A steady client while 20,000 idle connections, descriptor exhaustion, slowloris, gRPC
+# half-prefaces and an admin flood hit one worker (~3 min; docs/benchmarks.md#hostile-load).
+bench-hostile: install
+	$(PYTHON) -m rmqfast.bench --hostile
 
 bench-short: install
 	$(PYTHON) -m rmqfast.bench --short

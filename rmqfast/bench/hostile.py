@@ -64,7 +64,7 @@ SRC_HALF = [f"127.0.0.{i}" for i in range(80, 100)]
 SRC_FLOOD = [f"127.0.0.{i}" for i in range(100, 110)]
 SRC_PROBE = {"broker": "127.0.0.201", "namesrv": "127.0.0.202", "grpc": "127.0.0.203", "admin": "127.0.0.204",
              "readyz": "127.0.0.205"}
-ATTACK_LEAD = 3.0  # s from the steady client's start to its measured window while attacked
+ATTACK_LEAD = 5.0  # s from the steady client's start to its measured window while attacked
 SLOW_BYTE_EVERY = 2.0  # s between the bytes a slowloris client trickles
 
 
@@ -309,6 +309,7 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     def steady(warmup: float = args.warmup) -> dict[str, Any]:
         return run_loadgen(tools, proxy.endpoint_port, sc, warmup=warmup, duration=args.duration, cpu_groups=groups)
 
+    loadavg = [os.getloadavg()[0]]
     q0 = time.monotonic()
     quiet = steady()
     q1 = time.monotonic()
@@ -327,6 +328,7 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
             print(f"{LABEL}: the steady client failed while attacked: {exc}", file=sys.stderr)
             box["res"] = _failed_run(args)
 
+    loadavg.append(os.getloadavg()[0])
     a0 = time.monotonic()
     runner = threading.Thread(target=attacked_run, daemon=True)
     runner.start()
@@ -350,6 +352,7 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     time.sleep(args.recovery)  # the prober keeps probing: this is the time it is given
     r1 = time.monotonic()
     print(f"{LABEL}: quiet again: {args.rate:,.0f} msg/s for {args.duration:g} s ...", file=sys.stderr, flush=True)
+    loadavg.append(os.getloadavg()[0])
     quiet_after = steady()
     probes = prober.finish()
     sampler.stop.set()
@@ -357,6 +360,7 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     out = _summary(args, probes, sampler, base, rss_quiet, (quiet, attacked, quiet_after), finals, open_before,
                    sizes, (q0, q1, a0, a1, r0, r1))
     out["attackers_at_work_s"] = round(at_work, 3)
+    out["loadavg"] = [round(x, 2) for x in loadavg]
     return out
 
 
@@ -389,6 +393,7 @@ def _summary(args: argparse.Namespace, probes: dict[str, Any], sampler: _Sampler
     found = rep.goals(rep.quiet_reference(sq, sq2), sa, worst_gaps, health, ready, rss)
     for f, last in zip(finals, open_before, strict=True):
         f["open_before_stop"] = last.get("open", 0)
+        f["connecting_before_stop"] = last.get("connecting", 0)
     return {
         "params": {k: v for k, v in vars(args).items() if k not in ("results", "hostile")},
         "attack_sizes": sizes, "steady": {"quiet": sq, "attack": sa, "quiet_after": sq2},
@@ -398,6 +403,6 @@ def _summary(args: argparse.Namespace, probes: dict[str, Any], sampler: _Sampler
         "rss": rss, "rss_quiet_mib": round(rss_quiet["rss_kib"] / 1024, 1),
         "rss_base_mib": round(base["rss_kib"] / 1024, 1),
         "grpc_rss_mib": round(max((s["grpc_rss_kib"] for s in attack_samples), default=0) / 1024, 1),
-        "attackers": finals, "phases_s": {ph: round(b - a, 3) for ph, (a, b) in phases.items()},
+        "attack_t0": a0, "attackers": finals, "phases_s": {ph: round(b - a, 3) for ph, (a, b) in phases.items()},
         "goals": rep.goal_rows(found),
     }

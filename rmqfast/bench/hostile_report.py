@@ -240,8 +240,16 @@ def render(r: dict[str, Any]) -> str:
     m = r["rss"]
     lines.append(f"worker RSS: quiet {r['rss_quiet_mib']} MiB, peak {m['peak_rss_mib']} MiB, worker descriptors up to "
                  f"{m['max_fds']:,}; gRPC process peak {r.get('grpc_rss_mib', '-')} MiB")
+    if m["worst"]:
+        w = m["worst"]
+        lines.append(f"worker RSS furthest over (or least under) its budget: {w['rss_mib']} MiB with "
+                     f"{w['held_conns']:,} held connections, {w['t'] - r['attack_t0']:.1f} s after the attack began "
+                     f"(it ended at {r['phases_s']['attacked']:.1f} s; samples up to the attackers' exit)")
+    lines.append("load average at the start of quiet / attacked / quiet after: "
+                 + " / ".join(f"{x:.1f}" for x in r.get("loadavg", [])))
     lines.append("attackers: " + "; ".join(
-        f"{x['label']}: open at end {x['open_before_stop']:,}, opened {x['opened']:,}, closed by proxy "
+        f"{x['label']}: open at end {x['open_before_stop']:,} (connecting {x.get('connecting_before_stop', 0):,}), "
+        f"opened {x['opened']:,}, closed by proxy "
         f"{x['peer_closed']:,} (p50 after {x['closed_after_s']['p50']} s), connect failed {x['connect_failed']:,}"
         + (f", answers {x['codes']}" if x.get("codes") else "")
         for x in r["attackers"]))
