@@ -32,7 +32,8 @@ def test_hostile_bench_smallest_form(tmp_path: Path, capsys: pytest.CaptureFixtu
     rows = [json.loads(line) for f in tmp_path.glob("*-hostile.jsonl") for line in f.read_text().splitlines()]
     (s,) = [r for r in rows if r["kind"] == "hostile-summary"]
     goals = [r for r in rows if r["kind"] == "hostile-goal"]
-    assert [g["name"] for g in goals] == [g["name"] for g in s["goals"]] and len(goals) >= 8
+    assert [g["what"] for g in goals] == [g["what"] for g in s["goals"]] and len(goals) >= 8
+    assert all(g["met"] in (True, False, None) for g in goals)
     kinds = {a["kind"]: a for a in s["attackers"]}
     want = {"idle", "exhaust", "slowloris", "http-slowloris", "admin-flood"} | ({"half-preface"}
                                                                                if grpc_available() else set())

@@ -395,9 +395,9 @@ def _summary(args: argparse.Namespace, probes: dict[str, Any], sampler: _Sampler
         f["open_before_stop"] = last.get("open", 0)
         f["connecting_before_stop"] = last.get("connecting", 0)
     return {
-        "params": {k: v for k, v in vars(args).items() if k not in ("results", "hostile")},
+        "hostile_params": {k: v for k, v in vars(args).items() if k not in ("results", "hostile")},
         "attack_sizes": sizes, "steady": {"quiet": sq, "attack": sa, "quiet_after": sq2},
-        "loadgen": {"quiet": quiet, "attack": attacked, "quiet_after": quiet_after},
+        "steady_runs": {"quiet": quiet, "attack": attacked, "quiet_after": quiet_after},  # loadgen's JSON
         "listeners": gaps, "recovery_s": {n: rep.recovery_s(r, r0) for n, r in listeners.items()},
         "prober_late_s": probes["max_timer_late_s"], "healthz": health, "readyz": ready,
         "rss": rss, "rss_quiet_mib": round(rss_quiet["rss_kib"] / 1024, 1),

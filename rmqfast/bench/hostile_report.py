@@ -162,10 +162,13 @@ def rss_verdict(samples: list[dict[str, Any]], base_fds: int) -> dict[str, Any]:
 
 @dataclass
 class Goal:
-    name: str
-    value: Any
+    """One printed goal (field names differ from ``rmqfast bench``'s ``check`` lines on purpose: the
+    Spark report reads every results file of a folder into one schema)."""
+
+    what: str
+    measured: Any
     limit: str
-    met: bool | None  # None: could not be measured (said why in value)
+    met: bool | None  # None: could not be measured (said why in measured)
 
 
 def quiet_reference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -207,10 +210,10 @@ def goal_rows(found: list[Goal]) -> list[dict[str, Any]]:
 
 def render(r: dict[str, Any]) -> str:
     """The printed summary of one run (``r``: the summary line the bench writes)."""
-    a = r["steady"]["attack"]
-    lines = [f"hostile load against one rmqfast worker; steady client {r['params']['rate']:,.0f} msg/s over "
-             f"{r['params']['steady_conns']} connections, {r['params']['duration']:g} s each: quiet, attacked, "
-             "quiet again (p99 held against the lower quiet p99)",
+    a, hp = r["steady"]["attack"], r["hostile_params"]
+    lines = [f"hostile load against one rmqfast worker; steady client {hp['rate']:,.0f} msg/s over "
+             f"{hp['steady_conns']} connections, {hp['duration']:g} s each: quiet, attacked, quiet again"
+             " (p99 held against the lower quiet p99)",
              "attack: " + ", ".join(f"{k} {v:,}" for k, v in r["attack_sizes"].items()), ""]
     lines.append(f"{'steady client':<14} {'success':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'msg/s':>9} "
                  f"{'other cores':>11}")
@@ -256,5 +259,5 @@ def render(r: dict[str, Any]) -> str:
     lines += ["", "goals:"]
     for g in r["goals"]:
         mark = "n/a " if g["met"] is None else ("PASS" if g["met"] else "FAIL")
-        lines.append(f"  {mark} {g['name']}: {g['value']} (goal {g['limit']})")
+        lines.append(f"  {mark} {g['what']}: {g['measured']} (goal {g['limit']})")
     return "\n".join(lines)
