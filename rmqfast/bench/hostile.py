@@ -386,8 +386,13 @@ def _summary(args: argparse.Namespace, probes: dict[str, Any], sampler: _Sampler
     ready = rep.readyz_truth(recs["readyz"], accept_listeners, a0, a1)
     quiet, attacked, quiet_after = runs
     sq, sa, sq2 = rep.steady(quiet), rep.steady(attacked), rep.steady(quiet_after)
-    attack_samples = [s for s in sampler.samples if a0 <= s["t"] <= r0]
-    rss = rep.rss_verdict(attack_samples, base["fds"])
+    attack_samples = [s for s in sampler.samples if a0 <= s["t"] <= a1]
+    # while attacked, and once more at the end of the recovery (what the worker keeps after the
+    # attack), not while the closes are being handled
+    after = [s for s in sampler.samples if r1 - 1.0 <= s["t"] <= r1][-1:]
+    rss = rep.rss_verdict(attack_samples + after, base["fds"])
+    rss["after_recovery"] = {"rss_mib": round(after[0]["rss_kib"] / 1024, 1), "fds": after[0]["fds"]} if after \
+        else None
     worst_gaps = {n: {"longest_silent_s": max(g["attacked"]["longest_silent_s"], g["recovery"]["longest_silent_s"])}
                   for n, g in gaps.items()}
     found = rep.goals(rep.quiet_reference(sq, sq2), sa, worst_gaps, health, ready, rss)

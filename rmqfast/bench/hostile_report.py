@@ -243,11 +243,14 @@ def render(r: dict[str, Any]) -> str:
     m = r["rss"]
     lines.append(f"worker RSS: quiet {r['rss_quiet_mib']} MiB, peak {m['peak_rss_mib']} MiB, worker descriptors up to "
                  f"{m['max_fds']:,}; gRPC process peak {r.get('grpc_rss_mib', '-')} MiB")
+    if m.get("after_recovery"):
+        lines.append(f"worker RSS {r['hostile_params']['recovery']:g} s after the attackers closed: "
+                     f"{m['after_recovery']['rss_mib']} MiB, {m['after_recovery']['fds']:,} descriptors")
     if m["worst"]:
         w = m["worst"]
         lines.append(f"worker RSS furthest over (or least under) its budget: {w['rss_mib']} MiB with "
                      f"{w['held_conns']:,} held connections, {w['t'] - r['attack_t0']:.1f} s after the attack began "
-                     f"(it ended at {r['phases_s']['attacked']:.1f} s; samples up to the attackers' exit)")
+                     f"(it ended at {r['phases_s']['attacked']:.1f} s; sampled while attacked and after the recovery)")
     lines.append("load average at the start of quiet / attacked / quiet after: "
                  + " / ".join(f"{x:.1f}" for x in r.get("loadavg", [])))
     lines.append("attackers: " + "; ".join(
