@@ -391,6 +391,8 @@ def _summary(args: argparse.Namespace, probes: dict[str, Any], sampler: _Sampler
     # attack), not while the closes are being handled
     after = [s for s in sampler.samples if r1 - 1.0 <= s["t"] <= r1][-1:]
     rss = rep.rss_verdict(attack_samples + after, base["fds"])
+    # a worker that died (and was restarted under another pid) is not measured: said, not hidden
+    rss["worker_gone_samples"] = sum(1 for s in sampler.samples if s["rss_kib"] == 0)
     rss["after_recovery"] = {"rss_mib": round(after[0]["rss_kib"] / 1024, 1), "fds": after[0]["fds"]} if after \
         else None
     worst_gaps = {n: {"longest_silent_s": max(g["attacked"]["longest_silent_s"], g["recovery"]["longest_silent_s"])}

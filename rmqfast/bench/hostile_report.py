@@ -149,6 +149,8 @@ def rss_verdict(samples: list[dict[str, Any]], base_fds: int) -> dict[str, Any]:
     counts as half: the budget is, if anything, tight."""
     worst: dict[str, Any] | None = None
     for s in samples:
+        if s["rss_kib"] == 0:
+            continue  # the worker was gone (counted apart by the bench)
         held = max(0, s["fds"] - base_fds) // 2
         budget = GOAL_RSS_BYTES + DOC_BYTES_PER_CONN * held
         over = s["rss_kib"] * 1024 - budget
@@ -243,6 +245,9 @@ def render(r: dict[str, Any]) -> str:
     m = r["rss"]
     lines.append(f"worker RSS: quiet {r['rss_quiet_mib']} MiB, peak {m['peak_rss_mib']} MiB, worker descriptors up to "
                  f"{m['max_fds']:,}; gRPC process peak {r.get('grpc_rss_mib', '-')} MiB")
+    if m.get("worker_gone_samples"):
+        lines.append(f"WARNING: the measured worker was gone in {m['worker_gone_samples']} RSS samples (it died; "
+                     "a restarted worker has another pid and is not measured)")
     if m.get("after_recovery"):
         lines.append(f"worker RSS {r['hostile_params']['recovery']:g} s after the attackers closed: "
                      f"{m['after_recovery']['rss_mib']} MiB, {m['after_recovery']['fds']:,} descriptors")
