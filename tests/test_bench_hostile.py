@@ -131,3 +131,23 @@ def test_attacker_counts_what_the_server_closes() -> None:
     assert res["final"] and res["opened"] >= 6 and res["peer_closed"] >= 3, res
     assert 0.25 <= res["closed_after_s"]["p50"] <= 1.5, res
     assert got and all(g == b"PRI * HTTP" for g in got if g)
+
+
+def _lg(responses: int, *, bad: int = 0, lost: int = 0, skipped: int = 0, outstanding: int = 0) -> dict:
+    lat = {"p50": 300.0, "p99": 900.0, "p999": 2000.0, "max": 5000.0}
+    return {"sent": responses + lost + outstanding, "responses": responses, "rate": 1000.0, "skipped": skipped,
+            "outstanding_at_end": outstanding, "rps": responses / 10, "errors": bad + lost, "resp_codes": {},
+            "error_detail": {"bad_code": bad, "lost": lost, "conn_closed": 0, "protocol": 0, "unmatched": 0},
+            "lat_us": lat}
+
+
+def test_steady_success_counts_every_way_a_request_fails() -> None:
+    # the normal in-flight tail (under one second of the rate) is no failure
+    assert rep.steady(_lg(10000, outstanding=40))["success"] == 1.0
+    # answered with an error code, lost, or never sent on a dead connection: all failures
+    s = rep.steady(_lg(10000, bad=10, lost=5, skipped=5))
+    assert s["failed"] == 20 and s["success"] == pytest.approx(9990 / 10010)
+    # stalled at the end: what is in flight beyond one second's worth of the rate fails
+    s = rep.steady(_lg(10000, outstanding=3000))
+    assert s["failed"] == 2000 and s["success"] == pytest.approx(10000 / 12000)
+    assert s["p99_ms"] == 0.9

@@ -304,7 +304,7 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     prober = _Proc("rmqfast.bench.hostile_probe", json.dumps(probe_plan))
     procs.append(prober)
     print(f"{LABEL}: quiet: {args.rate:,.0f} msg/s for {args.duration:g} s ...", file=sys.stderr, flush=True)
-    groups = {"proxy": [proxy.proc.pid, *workers, *grpc_pids], "nullbroker": broker.pids}
+    groups = {"worker": workers, "supervisor": [proxy.proc.pid], "grpc": grpc_pids, "nullbroker": broker.pids}
 
     def steady(warmup: float = args.warmup) -> dict[str, Any]:
         return run_loadgen(tools, proxy.endpoint_port, sc, warmup=warmup, duration=args.duration, cpu_groups=groups)
@@ -367,7 +367,8 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
 def _failed_run(args: argparse.Namespace) -> dict[str, Any]:
     sent = int(args.rate * args.duration)
     zero = {"min": 0, "mean": 0, "p50": 0, "p90": 0, "p99": 0, "p999": 0, "p9999": 0, "max": 0}
-    return {"sent": sent, "responses": 0, "rps": 0.0, "errors": sent, "outstanding_at_end": 0, "resp_codes": {},
+    return {"sent": 0, "skipped": sent, "rate": args.rate, "responses": 0, "rps": 0.0, "errors": sent,
+            "outstanding_at_end": 0, "resp_codes": {},
             "error_detail": {"bad_code": 0, "conn_closed": 0, "protocol": 0, "unmatched": 0, "lost": 0},
             "lat_us": zero, "could_not_connect": True}
 
