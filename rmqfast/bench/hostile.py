@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -117,6 +118,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--short", action="store_true",
                     help="2,000 idle, 1,000 exhaust, 50 slow, 100 half-prefaces, 10 s windows")
     ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS_DIR, help="results folder (default results/bench)")
+    ap.add_argument("--keep-log", type=Path, metavar="FILE", help="copy the proxy's log there at the end")
     args = ap.parse_args(argv)
     if args.short:
         args.idle_conns, args.exhaust, args.slowloris, args.half_prefaces, args.duration = 2000, 1000, 50, 100, 10.0
@@ -271,6 +273,9 @@ def _run(args: argparse.Namespace) -> int:
                 if p.proc.poll() is None:
                     stop_process(p.proc)
             proxy.stop()
+            if args.keep_log:
+                shutil.copyfile(proxy.log_path, args.keep_log)
+            shutil.rmtree(proxy.workdir, ignore_errors=True)
     summary = {**common, "ts": now_iso(), "kind": "hostile-summary", **summary}
     with open(path, "a") as out:
         out.write(json.dumps(summary) + "\n")
@@ -295,7 +300,8 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     sc = Scenario("hostile-steady", args.steady_conns, rate=args.rate)
     attack_s = args.warmup + args.duration + 120  # the attackers stop themselves past this at the latest
     targets = [{"name": "broker", "port": proxy.endpoint_port, "proto": "remoting", "source": SRC_PROBE["broker"]},
-               {"name": "namesrv", "port": proxy.namesrv_port, "proto": "remoting", "source": SRC_PROBE["namesrv"]},
+               {"name": "namesrv", "port": proxy.namesrv_port, "proto": "remoting", "source": SRC_PROBE["namesrv"],
+                "code": 105},
                {"name": "admin", "port": proxy.admin_port, "proto": "http", "source": SRC_PROBE["admin"],
                 "path": "/healthz"},
                {"name": "readyz", "port": proxy.admin_port, "proto": "http", "source": SRC_PROBE["readyz"],
@@ -407,7 +413,7 @@ def _summary(args: argparse.Namespace, probes: dict[str, Any], sampler: _Sampler
         f["open_before_stop"] = last.get("open", 0)
         f["connecting_before_stop"] = last.get("connecting", 0)
     return {
-        "hostile_params": {k: v for k, v in vars(args).items() if k not in ("results", "hostile")},
+        "hostile_params": {k: v for k, v in vars(args).items() if k not in ("results", "hostile", "keep_log")},
         "attack_sizes": sizes, "steady": {"quiet": sq, "attack": sa, "quiet_after": sq2},
         "steady_runs": {"quiet": quiet, "attack": attacked, "quiet_after": quiet_after},  # loadgen's JSON
         "listeners": gaps, "recovery_s": {n: rep.recovery_s(r, r0) for n, r in listeners.items()},

@@ -4,7 +4,8 @@
 every listener, a fresh connection from that listener's own source address (127.0.0.x, used by
 nobody else) and asks one thing:
 
-* ``remoting`` (broker endpoint, name-server listener): a HEART_BEAT; answered = one whole frame back;
+* ``remoting``: a HEART_BEAT to the broker endpoint, GET_ROUTEINFO_BY_TOPIC to the name-server
+  listener (where a HEART_BEAT is denied, and logged); answered = one whole frame back;
 * ``h2`` (gRPC front): the client preface and an empty SETTINGS; answered = a SETTINGS frame back;
 * ``http`` (admin ``/healthz``, ``/readyz``): a GET; answered = a status line; the status and the
   first bytes of the body are kept (the truth of health is judged from them by the bench).
@@ -44,6 +45,7 @@ class Target:
     proto: str
     source: str
     path: str = ""
+    code: int = 34  # remoting: the request code (HEART_BEAT; the name server's probe asks a route, 105)
 
 
 @dataclass
@@ -70,7 +72,9 @@ class _Probe:
 
 def _request(t: Target, host: str) -> bytes:
     if t.proto == "remoting":
-        return encode(RemotingCommand(code=34, version=435, opaque=7, body=b"{}"))
+        if t.code == 105:  # GET_ROUTEINFO_BY_TOPIC: what every client asks a name server
+            return encode(RemotingCommand(code=105, version=435, opaque=7, ext_fields={"topic": "HostileProbe"}))
+        return encode(RemotingCommand(code=t.code, version=435, opaque=7, body=b"{}"))
     if t.proto == "h2":
         return H2_PREFACE + H2_EMPTY_SETTINGS
     return f"GET {t.path} HTTP/1.0\r\nHost: {host}:{t.port}\r\n\r\n".encode()
