@@ -262,12 +262,14 @@ def _run(args: argparse.Namespace) -> int:
     procs: list[_Proc] = []
     with NullBroker(tools) as broker, _grpc_lease(want_grpc) as lease:
         proxy = HostileProxy(broker.port, workers=args.workers, grpc_port=lease.base if lease else None)
+        done = False
         try:
             proxy.start()
             assert proxy.proc is not None
             if proxy.grpc_port:
                 wait_port(proxy.grpc_port, proxy.proc, timeout=60)
             summary = _phases(args, tools, broker, proxy, procs)
+            done = True
         finally:
             for p in procs:
                 if p.proc.poll() is None:
@@ -275,7 +277,10 @@ def _run(args: argparse.Namespace) -> int:
             proxy.stop()
             if args.keep_log:
                 shutil.copyfile(proxy.log_path, args.keep_log)
-            shutil.rmtree(proxy.workdir, ignore_errors=True)
+            if done:
+                shutil.rmtree(proxy.workdir, ignore_errors=True)
+            else:
+                print(f"{LABEL}: the proxy's log is kept at {proxy.log_path}", file=sys.stderr)
     summary = {**common, "ts": now_iso(), "kind": "hostile-summary", **summary}
     with open(path, "a") as out:
         out.write(json.dumps(summary) + "\n")
