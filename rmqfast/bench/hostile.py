@@ -366,6 +366,7 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     print(f"{LABEL}: attackers closed; recovery {args.recovery:g} s ...", file=sys.stderr, flush=True)
     time.sleep(args.recovery)  # the prober keeps probing: this is the time it is given
     r1 = time.monotonic()
+    counters = _counters(proxy)
     print(f"{LABEL}: quiet again: {args.rate:,.0f} msg/s for {args.duration:g} s ...", file=sys.stderr, flush=True)
     loadavg.append(os.getloadavg()[0])
     quiet_after = steady()
@@ -375,8 +376,24 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
     out = _summary(args, probes, sampler, base, rss_quiet, (quiet, attacked, quiet_after), finals, open_before,
                    sizes, (q0, q1, a0, a1, r0, r1))
     out["attackers_at_work_s"] = round(at_work, 3)
+    out["proxy_counters"] = counters
     out["loadavg"] = [round(x, 2) for x in loadavg]
     return out
+
+
+#: The proxy's counters of what it refused or closed, scraped from /metrics after the attack.
+COUNTERS = ("rmqfast_connections_refused_total", "rmqfast_accept_errors_total",
+            "rmqfast_grpc_connections_closed_total")
+
+
+def _counters(proxy: HostileProxy) -> dict[str, Any]:
+    """COUNTERS as ``name{label=value,...}: value``, over HTTP like any scraper (an error is said)."""
+    try:
+        found = proxy.metrics()
+    except (OSError, RuntimeError, ValueError) as exc:
+        return {"error": str(exc)[:300]}
+    return {name + "{" + ",".join(f"{k}={v}" for k, v in labels) + "}": value
+            for (name, labels), value in sorted(found.items()) if name in COUNTERS and value}
 
 
 def _failed_run(args: argparse.Namespace) -> dict[str, Any]:

@@ -279,6 +279,10 @@ def render(r: dict[str, Any]) -> str:
         f"{x['peer_closed']:,} (p50 after {x['closed_after_s']['p50']} s), connect failed {x['connect_failed']:,}"
         + (f", answers {x['codes']}" if x.get("codes") else "")
         for x in r["attackers"]))
+    if r.get("proxy_counters"):
+        lines.append("proxy counters after the attack (/metrics): "
+                     + ", ".join(f"{k} {v:,.0f}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in r["proxy_counters"].items()))
     lines += ["", "goals:"]
     for g in r["goals"]:
         mark = "n/a " if g["met"] is None else ("PASS" if g["met"] else "FAIL")
