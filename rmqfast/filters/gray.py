@@ -57,7 +57,7 @@ from rmqfast.gray.rules import (
     phase,
     send_queue,
 )
-from rmqfast.gray.state import Commands
+from rmqfast.gray.state import Commands, state_path
 from rmqfast.log import ctx
 
 if TYPE_CHECKING:
@@ -514,8 +514,6 @@ class GrayFilter(Filter):
 def build(host: ChainHost, role: str) -> Filter:
     """``[gray]``: the split topics' queues from the route book (asked of the name server when not
     cached; the asking greenlet waits), the commands file in the state directory."""
-    from rmqfast.gray.state import state_path
-
     book = host.book
 
     def queues(topic: str, broker: str) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rmqfast.filters.api import Filter
+from rmqfast.proxy.failover import KeepSendsInFlight
 
 if TYPE_CHECKING:
     from rmqfast.filters.host import ChainHost
@@ -18,6 +19,4 @@ if TYPE_CHECKING:
 def build(host: ChainHost, role: str) -> Filter:
     """``resend = "all"`` keeps every send (they leave the compiled path), ``"policy"`` only those
     another filter hands to Python anyway."""
-    from rmqfast.proxy.failover import KeepSendsInFlight
-
     return KeepSendsInFlight(everything=host.cfg.failover.resend == "all")
