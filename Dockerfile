@@ -51,9 +51,11 @@ VOLUME ["/etc/rmqfast", "/var/lib/rmqfast"]
 EXPOSE 9876 9400 30900-30999
 USER rmqfast:rmqfast
 
-# The slim image has no curl: ask /healthz with the standard library.
+# The slim image has no curl: ask /healthz with the standard library.  The check runs in
+# WORKDIR, the state directory: -I (isolated) keeps that directory (and PYTHON* variables) off
+# sys.path, so a module planted there never runs.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['RMQFAST_HEALTH_URL'], timeout=4)"]
+    CMD ["python", "-I", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['RMQFAST_HEALTH_URL'], timeout=4)"]
 
 # The supervisor is PID 1: it handles SIGTERM (drain, then exit 0) and SIGHUP (reload), and
 # reaps its own worker processes.

@@ -29,6 +29,7 @@ from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
 from rmqfast.proxy.health import FailoverSection, parse_failover
 from rmqfast.proxy.tls import TlsSection, parse_tls
+from rmqfast.server.admin_names import parse_allowed_hosts
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
 
@@ -101,6 +102,9 @@ class AdminSection:
     # Required (as "Authorization: Bearer <token>") to change limits over HTTP; without one,
     # changes are accepted only when the admin endpoint listens on a loopback address.
     token: str = ""
+    # Names (besides its listen address, localhost, 127.0.0.1, [::1] and $POD_IP) a request may
+    # give in Host or Origin: "name" with any port, "name:port" with that one (rmqfast.server.admin_names)
+    allowed_hosts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -439,7 +443,7 @@ _KNOWN = {
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
     "policy": {"allow_codes", "deny_codes", "preset", "message_addresses"},
-    "admin": {"listen", "token"},
+    "admin": {"listen", "token", "allowed_hosts"},
     "limits": {"global_rate", "global_burst", "global_bytes_rate", "global_bytes_burst", "rule"},
     "log": {"format", "level"},
     "records": {"enabled", "dir", "rotate_seconds", "rotate_bytes", "sample_rate", "format"},
@@ -612,6 +616,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
         if ad.get("listen"):
             cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
     _set(errs, ad, cfg.admin, "admin", "token", _str)
+    _set(errs, ad, cfg.admin, "admin", "allowed_hosts", parse_allowed_hosts)
     _parse_limits(cfg, raw, errs)
     lg = _section(errs, raw, "log")
     with errs.check():
@@ -876,7 +881,8 @@ def from_json(text: str) -> Config:
             static=[StaticBroker(hp(s["listen"]), hp(s["upstream"])) for s in d["brokers"]["static"]],  # type: ignore[arg-type]
         ),
         policy=PolicySection(**d["policy"]),
-        admin=AdminSection(listen=hp(d["admin"]["listen"]), token=d["admin"].get("token", "")),
+        admin=AdminSection(listen=hp(d["admin"]["listen"]), token=d["admin"].get("token", ""),
+                           allowed_hosts=list(d["admin"].get("allowed_hosts", []))),
         log=LogSection(**d["log"]),
     )
     if "limits" in d:

@@ -571,7 +571,8 @@ topics = ["Delayed"]
         res = json.loads(out.stdout)
         assert res["cancelled"] == [victim] and res["complete"], res
         victim2 = f"{UNIQ[:-6]}010049"
-        req = urllib.request.Request(f"{p.admin_url}/delay/cancel?key=k-{victim2}", data=b"", method="POST")
+        req = urllib.request.Request(f"{p.admin_url}/delay/cancel?key=k-{victim2}", data=b"", method="POST",
+                                     headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["cancelled"] == [victim2]
         # the metrics are published every second: wait for the cancels to show (a very loaded machine may

@@ -497,6 +497,26 @@ def test_dockerfile_healthcheck_asks_healthz(admin_url: str) -> None:
     assert bad.returncode != 0, "HEALTHCHECK passes against a 404: it checks nothing"
 
 
+def test_dockerfile_healthcheck_runs_no_module_of_its_working_directory(admin_url: str, tmp_path: Path) -> None:
+    """The HEALTHCHECK runs in WORKDIR, the state directory: a module planted there must not run
+    (issue 30, finding 8: `python -c` puts the working directory first on sys.path)."""
+    runtime = dockerfile_stages()[-1]
+    hc = next(a for i, a in runtime["lines"] if i == "HEALTHCHECK")
+    argv = json.loads(re.search(r"CMD\s+(\[.*\])\s*$", hc).group(1))  # type: ignore[union-attr]
+    assert argv[0] in ("python", "python3") and ("-I" in argv or "-P" in argv), (
+        f"Dockerfile: HEALTHCHECK {argv} must run python with -I (or -P): the state directory is its cwd")
+    argv[0] = sys.executable
+    marker = tmp_path / "planted-ran"
+    for name in ("urllib", "http", "email", "base64", "socket", "ssl", "json"):  # what urllib.request imports
+        pkg = tmp_path / name
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    ok = subprocess.run(argv, env={"RMQFAST_HEALTH_URL": admin_url + "/healthz"}, cwd=tmp_path,
+                        capture_output=True, timeout=30)
+    assert not marker.exists(), f"HEALTHCHECK ran a module planted in its working directory: {marker.read_text()}"
+    assert ok.returncode == 0, f"HEALTHCHECK failed against a healthy endpoint: {ok.stderr.decode()}"
+
+
 def dockerignored(path: str, patterns: list[str]) -> bool:
     parts = path.split("/")
     prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]

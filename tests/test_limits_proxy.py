@@ -28,6 +28,8 @@ from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_re
 from rmqfast.testing.proxy import ProxyProcess
 from rmqfast.testing.wire import read_frame
 
+JSON = {"Content-Type": "application/json"}  # the admin endpoint takes changes as JSON only
+
 
 class FakeBroker(socketserver.ThreadingTCPServer):
     daemon_threads = True
@@ -188,7 +190,7 @@ def test_live_change_over_the_admin_endpoint_and_cli(proxy):
 
 def test_bad_changes_are_refused_with_a_reason(proxy):
     req = urllib.request.Request(f"{proxy.admin_url}/limits/rule", method="PUT",
-                                 data=json.dumps({"topic": "X", "rate": -5}).encode())
+                                 data=json.dumps({"topic": "X", "rate": -5}).encode(), headers=JSON)
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=10)
     assert exc.value.code == 400
@@ -200,7 +202,8 @@ def test_a_shape_rule_added_live_shares_the_workers_spill(proxy):
     it must not open that RocksDB a second time ([delay] setup did, and failed on its lock)."""
     def put(rule: dict) -> None:
         before = reloads(proxy)
-        req = urllib.request.Request(f"{proxy.admin_url}/limits/rule", method="PUT", data=json.dumps(rule).encode())
+        req = urllib.request.Request(f"{proxy.admin_url}/limits/rule", method="PUT", data=json.dumps(rule).encode(),
+                                     headers=JSON)
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200
         wait_reloaded(proxy, before)
@@ -215,7 +218,7 @@ def test_a_shape_rule_added_live_shares_the_workers_spill(proxy):
     assert codes[C.SUCCESS] > 0 and codes[C.SYSTEM_BUSY] == 0  # shaped, not refused
     for topic in ("Shaped", "Other"):
         before = reloads(proxy)
-        req = urllib.request.Request(f"{proxy.admin_url}/limits/rule?topic={topic}", method="DELETE")
+        req = urllib.request.Request(f"{proxy.admin_url}/limits/rule?topic={topic}", method="DELETE", headers=JSON)
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200
         wait_reloaded(proxy, before)

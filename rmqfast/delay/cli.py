@@ -42,7 +42,9 @@ def _cancel(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=2))
         return 0 if res["complete"] else 1
     q = urllib.parse.urlencode({"msg_id": args.msg_id} if args.msg_id else {"key": args.key})
-    req = urllib.request.Request(f"{args.admin.rstrip('/')}/delay/cancel?{q}", data=b"", method="POST")
+    # a change: the admin endpoint needs Content-Type: application/json (rmqfast.server.admin_names)
+    req = urllib.request.Request(f"{args.admin.rstrip('/')}/delay/cancel?{q}", data=b"", method="POST",
+                                 headers={"Content-Type": "application/json"})
     if args.token:
         req.add_header("Authorization", f"Bearer {args.token}")
     try:

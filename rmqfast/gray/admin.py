@@ -166,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"rmqfast gray {args.action}: name the consumer group", file=sys.stderr)
             return 2
         q = urllib.parse.urlencode({"group": args.group})
-        req = urllib.request.Request(f"{base}/gray/{args.action}?{q}", data=b"", method="POST")
+        # a change: the admin endpoint needs Content-Type: application/json (rmqfast.server.admin_names)
+        req = urllib.request.Request(f"{base}/gray/{args.action}?{q}", data=b"", method="POST",
+                                     headers={"Content-Type": "application/json"})
     if args.token:
         req.add_header("Authorization", f"Bearer {args.token}")
     try:

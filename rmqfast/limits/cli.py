@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                                      headers={"Content-Type": "application/json"})
     else:
         q = {"topic": args.topic, **({"tag": args.tag} if args.tag is not None else {})}
-        req = urllib.request.Request(f"{base}/limits/rule?{urllib.parse.urlencode(q)}", method="DELETE")
+        req = urllib.request.Request(f"{base}/limits/rule?{urllib.parse.urlencode(q)}", method="DELETE",
+                                     headers={"Content-Type": "application/json"})  # changes must say JSON
     if args.token:
         req.add_header("Authorization", f"Bearer {args.token}")
     try:

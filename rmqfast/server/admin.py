@@ -3,10 +3,17 @@
 It runs in the supervisor's process (threads), so nothing a client sends may take it down or
 make it grow: every request is bounded.
 
-* One request per connection (HTTP/1.0), at most ``MAX_CONNECTIONS`` at once and at most
-  ``MAX_PER_CLIENT`` from one client address other than loopback (more get a 503 and are
-  closed); each socket read waits at most ``READ_TIMEOUT`` and a whole connection lives at most
-  ``CONNECTION_DEADLINE`` (slowloris: a client dribbling bytes is cut off).
+* One thread accepts and reads every request head (:mod:`rmqfast.server.admin_heads`): a slow
+  or idle client costs no thread, and ``/healthz`` is answered from that thread, so no number
+  of slow clients can starve the liveness probe.
+* Before anything else is read, ``Host`` must name the endpoint, and a change (POST, PUT,
+  DELETE, PATCH) must be ``Content-Type: application/json`` from no foreign ``Origin``
+  (:mod:`rmqfast.server.admin_names`; 421 and 403 otherwise).
+* One request per connection (HTTP/1.0), at most ``MAX_CONNECTIONS`` handler threads at once
+  and at most ``MAX_PER_CLIENT`` connections from one client address other than loopback (more
+  get a 503 and are closed); each socket read waits at most ``READ_TIMEOUT`` and a whole
+  connection lives at most ``CONNECTION_DEADLINE`` (slowloris: a client dribbling bytes is cut
+  off), its head included.
 * The request line and headers together are at most ``MAX_HEAD`` bytes (else 431).
 * Request bodies (PUT) need a ``Content-Length`` of at most ``MAX_BODY`` bytes (else 411/413,
   read before anything is allocated); JSON nested too deeply is a 400, not a crash.
@@ -24,13 +31,15 @@ from __future__ import annotations
 
 import hmac
 import http.client
+import io
 import ipaddress
 import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import parse_qs
@@ -40,6 +49,8 @@ from rmqfast.errors import ConfigError
 from rmqfast.limits import rules as limits_rules
 from rmqfast.limits.rules import LimitsSection
 from rmqfast.log import ctx
+from rmqfast.server.admin_heads import Conn, HeadReader
+from rmqfast.server.admin_names import OwnNames, pod_ips
 
 log = logging.getLogger("rmqfast.admin")
 
@@ -47,12 +58,20 @@ MAX_BODY = 64 * 1024
 MAX_HEAD = 64 * 1024  # request line and headers together
 READ_TIMEOUT = 5.0
 CONNECTION_DEADLINE = 15.0
-MAX_CONNECTIONS = 32
+MAX_CONNECTIONS = 32  # handler threads (a connection takes one once its head is read)
+# connections waiting for their head at once, and their bytes: past either, the one waiting
+# longest is closed (rmqfast.server.admin_heads); answered ones lingering before their close.
+# The supervisor keeps its open-files limit (often 1024): the endpoint holds at most about
+# MAX_PENDING + MAX_ANSWERING + MAX_CONNECTIONS descriptors.
+MAX_PENDING = 256
+MAX_PENDING_BYTES = 8 << 20
+MAX_ANSWERING = 128
 # Connections one client address other than loopback may hold at once: slow or idle clients
 # from one place cannot take every slot from the probes and scrapes (kubelet, Prometheus) that
 # come from elsewhere.  Loopback clients are on the host already and are not counted.
 MAX_PER_CLIENT = 8
 GET_PATHS = ("/metrics", "/healthz", "/readyz", "/limits")
+PROBE_PATHS = ("/healthz",)  # answered from the head reader's thread, never waiting for a handler
 
 
 class AdminBackend(Protocol):
@@ -118,6 +137,45 @@ class _HeadBudget:
         return getattr(self.raw, name)
 
 
+class _Prefixed:
+    """A connection's ``rfile`` with the bytes the head reader read already in front."""
+
+    def __init__(self, head: bytes, raw: Any) -> None:
+        self.head = head
+        self.raw = raw
+
+    def readline(self, size: int = -1) -> bytes:
+        if not self.head:
+            return bytes(self.raw.readline(size))
+        limit = len(self.head) if size < 0 else min(size, len(self.head))
+        nl = self.head.find(b"\n", 0, limit)
+        if nl >= 0 or limit < len(self.head):
+            cut = nl + 1 if nl >= 0 else limit
+            line, self.head = self.head[:cut], self.head[cut:]
+            return line
+        line, self.head = self.head, b""
+        return line + bytes(self.raw.readline(-1 if size < 0 else size - len(line)))
+
+    def read(self, size: int = -1) -> bytes:
+        if not self.head:
+            return bytes(self.raw.read(size))
+        if 0 <= size <= len(self.head):
+            data, self.head = self.head[:size], self.head[size:]
+            return data
+        data, self.head = self.head, b""
+        return data + bytes(self.raw.read(-1 if size < 0 else size - len(data)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+def _answer(code: int, body: object) -> bytes:
+    """A whole HTTP/1.0 answer with a JSON body, sent by the head reader."""
+    data = json.dumps(body, indent=1).encode() + b"\n"
+    return (f"HTTP/1.0 {code} {HTTPStatus(code).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     # connections the kernel queues before accept (socketserver's default, 5, left a burst of
@@ -125,30 +183,80 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128
     backend: AdminBackend
 
-    def __init__(self, addr: tuple[str, int], backend: AdminBackend) -> None:
+    def __init__(self, addr: tuple[str, int], backend: AdminBackend, allowed_hosts: Iterable[str] = ()) -> None:
         self.backend = backend
+        pods = pod_ips()  # before binding: a bad POD_IP is a clear error, not a half-made server
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.per_client: dict[str, int] = {}  # open connections by client address (not loopback)
         self.per_client_lock = threading.Lock()
+        self.heads: dict[Any, tuple[bytes, float]] = {}  # head bytes read, by socket, for its handler
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         super().__init__(addr, _Handler)
+        self.pods = pods
+        self.names = OwnNames.build(addr[0], int(self.server_address[1]), allowed_hosts, pods)
+        self.reader = HeadReader(self.socket, self, idle=READ_TIMEOUT, deadline=CONNECTION_DEADLINE,
+                                 max_head=MAX_HEAD, max_pending=MAX_PENDING, max_pending_bytes=MAX_PENDING_BYTES,
+                                 max_answering=MAX_ANSWERING)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self.reader.run()
+
+    def shutdown(self) -> None:
+        self.reader.stop()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        """A connection accepted: its head is read by the head reader (no thread yet)."""
         client = self._counted_client(client_address)
         if client is not None and not self._take_client(client):
             self._refuse(request, b"too many admin connections open from this address; retry shortly")
             return
+        self.reader.adopt(request, client_address, client)
+
+    def conn_closed(self, conn: Conn) -> None:
+        self._give_client(conn.client)
+
+    def head_done(self, conn: Conn, complete: bool) -> bytes | None:
+        """The head is read: refuse, answer a probe, or hand the connection to a handler thread."""
+        if complete:
+            answer = self._check_head(conn)
+            if answer is not None:
+                return answer
+        # a head without its end (over MAX_HEAD) goes on too: the handler answers 414 or 431
         if not self.slots.acquire(blocking=False):
-            self._give_client(client)
-            self._refuse(request, b"too many admin connections open; retry shortly")
-            return
+            return _answer(503, {"error": "too many admin connections open; retry shortly"})
+        self.heads[conn.sock] = (bytes(conn.buf), conn.since)
         try:
-            super().process_request(request, client_address)
+            conn.sock.setblocking(True)
+            super().process_request(conn.sock, conn.addr)
         except BaseException:
+            self.heads.pop(conn.sock, None)
             self.slots.release()
-            self._give_client(client)
             raise
+        return None
+
+    def _check_head(self, conn: Conn) -> bytes | None:
+        """The answer to a head refused by its Host, Origin or Content-Type, or to a probe; None
+        when a handler must read it (a head http.server cannot parse gets its 400/431 there)."""
+        line, _, rest = bytes(conn.buf).partition(b"\n")
+        words = line.decode("iso-8859-1").split()
+        if not 2 <= len(words) <= 3:
+            return None
+        try:
+            headers = http.client.parse_headers(io.BytesIO(rest))
+        except (http.client.HTTPException, ValueError):
+            return None
+        method, target = words[0], words[1]
+        refusal = self.names.refusal(method, headers, conn.local_ip)
+        if refusal is not None:
+            code, why = refusal
+            log.info("admin request refused", extra=ctx(client=str(conn.addr), method=method[:16], status=code,
+                                                        reason=why[:300]))
+            return _answer(code, {"error": why})
+        if method == "GET" and target.split("?", 1)[0] in PROBE_PATHS:
+            alive, body = self.backend.health()
+            return _answer(200 if alive else 503, body)
+        return None
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -158,7 +266,8 @@ class _Server(ThreadingHTTPServer):
             self._give_client(self._counted_client(client_address))
 
     def _refuse(self, request: Any, why: bytes) -> None:
-        try:  # answer at once, hold nothing
+        try:  # answer at once, hold nothing (and never wait long: this is the accept loop)
+            request.settimeout(1.0)
             request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b'Connection: close\r\n\r\n{"error": "' + why + b'"}\n')
         except OSError:
@@ -216,10 +325,12 @@ class _Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"
 
     def setup(self) -> None:
+        head, since = self.server.heads.pop(self.request, (b"", time.monotonic()))
         super().setup()
-        self.rfile = _HeadBudget(self.rfile, MAX_HEAD)  # type: ignore[assignment]
+        self.rfile = _HeadBudget(_Prefixed(head, self.rfile), MAX_HEAD)  # type: ignore[assignment]
         # the whole connection is bounded too: a client sending one byte per READ_TIMEOUT is cut off
-        self._watchdog = threading.Timer(CONNECTION_DEADLINE, self._cut)
+        left = CONNECTION_DEADLINE - (time.monotonic() - since)
+        self._watchdog = threading.Timer(max(0.0, left), self._cut)
         self._watchdog.daemon = True
         self._watchdog.start()
 
@@ -442,9 +553,9 @@ _NO_BODY = object()
 class AdminServer:
     """The endpoint on ``listen``; ``start()`` serves it from a daemon thread."""
 
-    def __init__(self, listen: HostPort, backend: AdminBackend) -> None:
+    def __init__(self, listen: HostPort, backend: AdminBackend, allowed_hosts: Iterable[str] = ()) -> None:
         try:
-            self.httpd = _Server((listen.host, listen.port), backend)
+            self.httpd = _Server((listen.host, listen.port), backend, allowed_hosts)
         except OSError as exc:
             raise ConfigError(f"admin.listen: cannot listen on {listen} ({exc.strerror or exc})") from None
         self.listen = listen
@@ -452,6 +563,11 @@ class AdminServer:
     @property
     def port(self) -> int:
         return int(self.httpd.server_address[1])
+
+    def set_allowed_hosts(self, allowed_hosts: Iterable[str]) -> None:
+        """Names of ``admin.allowed_hosts`` (on reload): in force for the next request head."""
+        h = self.httpd
+        h.names = OwnNames.build(self.listen.host, self.port, allowed_hosts, h.pods)
 
     def start(self) -> None:
         threading.Thread(target=self.httpd.serve_forever, name="admin-http", daemon=True).start()

@@ -336,6 +336,8 @@ class Supervisor:
         if new.worker_count != old.worker_count:
             log.warning("proxy.workers changes need a restart; keeping the current worker count")
         self._reset_changed_buckets(old.limits, new.limits)
+        if self.admin is not None:
+            self.admin.set_allowed_hosts(new.admin.allowed_hosts)
         self._signal_workers(signal.SIGHUP)
         log.info("configuration reloaded")
         sd_notify("READY=1")
@@ -414,7 +416,7 @@ class Supervisor:
     def _start_admin(self) -> None:
         if self.cfg.admin.listen is None:
             return
-        self.admin = AdminServer(self.cfg.admin.listen, self)
+        self.admin = AdminServer(self.cfg.admin.listen, self, self.cfg.admin.allowed_hosts)
         self.admin.start()
 
     def admin_token(self) -> str:

@@ -204,7 +204,8 @@ def _phases(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
 
     def command(action: str) -> None:  # what `rmqfast gray ACTION GROUP` sends (tests/test_gray.py runs it)
         before = time.time()
-        req = urllib.request.Request(f"{proxy.admin_url}/gray/{action}?group={group}", data=b"", method="POST")
+        req = urllib.request.Request(f"{proxy.admin_url}/gray/{action}?group={group}", data=b"", method="POST",
+                                     headers={"Content-Type": "application/json"})  # as the admin endpoint needs
         with urllib.request.urlopen(req, timeout=BOUND) as resp:
             view = json.loads(resp.read())
         since = next(g["since"] for g in view["groups"] if g["group"] == group) or time.time()
@@ -426,7 +427,8 @@ producer_groups = ["pg-canary*"]
             n_gray2 = sum(1 for v in batch2.values() if v[0])
             wait_until(lambda: _backlog_sum(proxy, group) == n_gray2, BOUND,
                        f"the backlog metric shows the {n_gray2} waiting gray messages")
-            req = urllib.request.Request(f"{proxy.admin_url}/gray/promote?group={group}", data=b"", method="POST")
+            req = urllib.request.Request(f"{proxy.admin_url}/gray/promote?group={group}", data=b"", method="POST",
+                                         headers={"Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=BOUND).close()
             since = _status(proxy, group)["since"]
             # 3. both producers send during the drain (the gray one TagC only, here and below)
