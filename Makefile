@@ -38,8 +38,8 @@ install: $(PYTHON) system-deps
 demo: install
 	$(PYTHON) -m rmqfast demo
 
-# Unit tests with the compiled codec, then again with the pure-Python reference (minus the Spark
-# report tests, which do not touch the codec); at the same time, in a second lane, the
+# Unit tests with the compiled codec, then again with the pure-Python reference the tests that
+# touch a twin (marker "twin"); at the same time, in a second lane, the
 # integration tests against a real RocketMQ name server + broker and real clients
 # (tests/run_suite.sh says why and how).
 test: install lint docs

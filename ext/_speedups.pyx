@@ -7,7 +7,8 @@ runs them side by side on the same inputs.  The difference is that nothing here 
 Python object per frame: the buffer is read through a raw pointer, counters are C arrays,
 and topics are counted in an open-addressing table of fixed-size C strings.
 
-One extension module, one concept per included file, in dependency order: constants and wire
+One extension module, one concept per included file, in dependency order: the shared tables
+(generated from ``rmqfast/codec/tables.py``), their lookups, constants and wire
 helpers, the per-worker counters, the header walk, the limiter, the in-flight table, the
 scanner that uses them all, and the relay pump that drives the scanner.
 """
@@ -23,6 +24,7 @@ from libc.errno cimport errno, EAGAIN, EINTR  # EWOULDBLOCK == EAGAIN on Linux
 from libc.stdlib cimport malloc, realloc
 from libc.string cimport memchr, memmove
 
+include "tables.pxi"
 include "constants.pxi"
 include "wire.pxi"
 include "stats.pxi"

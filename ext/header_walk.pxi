@@ -20,8 +20,7 @@
 
 
 
-DEF MAX_JSON_DEPTH_C = 32
-MAX_JSON_DEPTH = MAX_JSON_DEPTH_C
+# MAX_JSON_DEPTH_C: tables.pxi
 
 # Error codes of the header walk; messages live in _ERRORS (same text as the Python twin).  A
 # cpdef enum, so that the twin-constant test sees the codes from Python too.

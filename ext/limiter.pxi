@@ -24,21 +24,13 @@ cdef extern from *:
     int64_t rmq_load64(int64_t* p) nogil
     int64_t rmq_add64(int64_t* p, int64_t v) nogil
 
-DEF SLOT_WORDS_C = 8          # int64 words per shared slot: [msgs TAT, bytes TAT, unused...]
-DEF MAX_RULES_C = 1023        # slot 0 is the global bucket
-DEF LIM_TOPICS_C = 1024
-DEF SHM_HEADER_C = 64         # the shared file's header; the buckets follow it
-SLOT_WORDS = SLOT_WORDS_C
-SLOT_BYTES = SLOT_WORDS_C * 8
-MAX_RULES = MAX_RULES_C
-MODE_LIMIT = 0
-MODE_REJECT = 1
-MODE_OPEN = 2
+# SLOT_WORDS_C (int64 words per shared slot: [msgs TAT, bytes TAT, unused...]), MAX_RULES_C (slot 0
+# is the global bucket), SHM_HEADER_BYTES_C, SHM_BYTES_C, MODE_* and MAX_COST_NS_C: tables.pxi.
 # The shared bucket file starts with a header (rmqfast.limits.create_shared writes it, and
 # rmqfast._args.check_shared_header reads it for both twins) naming the twin whose locking the
 # buckets use: compiled CAS and pure-Python flock would lose each other's updates.
-SHM_HEADER_BYTES = SHM_HEADER_C
-SHM_BYTES = SHM_HEADER_C + SLOT_WORDS_C * 8 * (MAX_RULES_C + 1)
+cdef enum:
+    LIM_TOPICS_C = 1024      # the limiter's topic cache (C only)
 IMPLEMENTATION = "compiled"
 
 
@@ -68,8 +60,7 @@ cdef struct LimTopic:
 # A send whose cost (ns) would reach this is refused outright: 146 years of the rule's rate, and
 # past it the int64 arithmetic below would overflow (a batch of millions of tiny records at a
 # very slow rate).  The pure twin refuses at the same double comparison.
-DEF MAX_COST_NS_C = 4611686018427387904.0  # 2 ** 62
-MAX_COST_NS = MAX_COST_NS_C  # (the twin-constant test compares it with the pure twin's)
+# (MAX_COST_NS_C, 2 ** 62: tables.pxi)
 
 
 cdef inline bint gcra(int64_t* tat_p, int64_t now, double interval, double tolerance, int64_t n,
@@ -112,7 +103,7 @@ cdef class Limiter:
         try:
             from rmqfast._args import check_shared_header
             check_shared_header(shm, IMPLEMENTATION, SHM_BYTES)
-            self.slots = <int64_t*>(<char*>view.buf + SHM_HEADER_C)
+            self.slots = <int64_t*>(<char*>view.buf + SHM_HEADER_BYTES_C)
             self.nslots = MAX_RULES_C + 1
         finally:
             PyBuffer_Release(&view)
@@ -276,9 +267,9 @@ cdef class Limiter:
             r = &self.rules[r_i]
             charged_m[k] = 0
             charged_b[k] = 0
-            if r.mode == MODE_OPEN:
+            if r.mode == MODE_OPEN_C:
                 continue
-            if r.mode == MODE_REJECT or \
+            if r.mode == MODE_REJECT_C or \
                     (r.interval > 0 and not gcra(self.slots + r.slot * SLOT_WORDS_C, now, r.interval,
                                                  r.tolerance, msgs, &charged_m[k])) or \
                     (r.binterval > 0 and not gcra(self.slots + r.slot * SLOT_WORDS_C + 1, now, r.binterval,

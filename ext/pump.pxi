@@ -95,14 +95,16 @@ cdef enum:
     PH_SENDQ = 4     # the send of [start, fwd) is queued in the reactor's ring
     PH_RECVQ = 5     # a receive into [filled, filled + qspace) is queued in the reactor's ring
 
-DEF READS_BEFORE_YIELD = 16
+cdef enum:
+    READS_BEFORE_YIELD = 16
 # Larger sends go out at once with send(2) even in a reactor turn with io_uring, and a source whose
 # last receive brought more is received from with recv(2): those system calls are shared by
 # several frames already, and waiting for the batch only delays the other side (pipelined traffic
 # through 2 workers was 4 % slower when its sends waited).
-DEF RING_BYTES_MAX = 4096
-DEF BIG_ALIGN = 65536   # grown buffers are rounded up to this
-DEF POOL_MAX = 40       # free base buffers a process keeps for the next steps (the rest are unmapped):
+cdef enum:
+    RING_BYTES_MAX = 4096
+    BIG_ALIGN = 65536   # grown buffers are rounded up to this
+    POOL_MAX = 40       # free base buffers a process keeps for the next steps (the rest are unmapped):
                         # a reactor turn with io_uring has up to URING_BATCH pumps holding one at once
 
 # The process's free base buffers (one thread steps pumps: no lock).  Their pages stay resident,

@@ -65,12 +65,14 @@ cdef extern from "<errno.h>" nogil:
     enum: EBADF
     enum: EMFILE
 
-DEF REACTOR_EVENTS = 256
-DEF URING_ENTRIES = 256   # size of the submission ring (at most one queued operation per pump)
+cdef enum:
+    REACTOR_EVENTS = 256
+    URING_ENTRIES = 256   # size of the submission ring (at most one queued operation per pump)
 # Pumps queued before the reactor issues their operations: each holds a receive buffer until its
 # operation is done, and the process keeps only POOL_MAX free ones for reuse.
-DEF URING_BATCH = 32
-DEF FD_TABLE_MAX = 1 << 26  # descriptor numbers the fd table covers (512 MiB of pointers at most)
+cdef enum:
+    URING_BATCH = 32
+    FD_TABLE_MAX = 1 << 26  # descriptor numbers the fd table covers (512 MiB of pointers at most)
 
 
 @cython.no_gc_clear  # its fd table borrows the pumps its dict owns: the dict must stay until __dealloc__

@@ -14,30 +14,15 @@
 # the frame as it is for the policy path (the filter resolves the address, or logs and relays
 # the answer unchanged): the walk never guesses.
 
-DEF ADDR_SLOTS_C = 1024
-DEF ADDR_MAX_C = 512
-DEF ACTION_RECORDS_C = 2
-DEF MIN_RECORD_C = 91
-DEF SYSFLAG_POS_C = 36
-DEF STOREHOST_POS_C = 64
-
-ACTION_RECORDS = ACTION_RECORDS_C
-REC_OK = 0
-REC_MISS = 1
-REC_BAD = 2
-MAX_ADDRESSES = ADDR_MAX_C
-RECORD_MAGIC_V1 = 0xDAA320A7
-RECORD_MAGIC_V2 = 0xDAA320AB
-BORNHOST_V6 = 0x10
-STOREHOST_V6 = 0x20
-MIN_RECORD = MIN_RECORD_C        # TOTALSIZE .. STOREHOST (IPv4) and the fields up to the topic length
-SYSFLAG_POS = SYSFLAG_POS_C
-STOREHOST_POS = STOREHOST_POS_C  # with an IPv4 born host; 12 bytes later with an IPv6 one
+# The records constants (ACTION_RECORDS, REC_*, MAX_ADDRESSES, RECORD_MAGIC_*, MIN_RECORD, SYSFLAG_POS,
+# STOREHOST_POS...) are in tables.pxi, generated from rmqfast/codec/tables.py.
+cdef enum:
+    ADDR_SLOTS_C = 1024          # the open-addressing table of at most MAX_ADDRESSES_C addresses
 
 cdef enum:
-    RS_OK = 0
-    RS_MISS = 1
-    RS_BAD = 2
+    RS_OK = REC_OK_C
+    RS_MISS = REC_MISS_C
+    RS_BAD = REC_BAD_C
 
 
 cdef inline uint64_t rd_u64(const uint8_t* p) noexcept nogil:
@@ -93,7 +78,7 @@ cdef class AddressMap:
                 self.vals[j] = v
                 return True
             j = (j + 1) & (ADDR_SLOTS_C - 1)
-        if self.count >= ADDR_MAX_C:
+        if self.count >= MAX_ADDRESSES_C:
             return False
         self.used[j] = 1
         self.keys[j] = k
@@ -120,7 +105,7 @@ cdef inline bint layout_fits(const uint8_t* p, Py_ssize_t pos, Py_ssize_t total,
     length reads nothing, a negative topic length throws (as in Java)."""
     cdef Py_ssize_t rec_end = pos + total, at
     cdef int64_t n
-    at = pos + 84 + (12 if sys_flag & 0x10 else 0) + (12 if sys_flag & 0x20 else 0)  # BODYLENGTH
+    at = pos + 84 + (12 if sys_flag & BORNHOST_V6_C else 0) + (12 if sys_flag & STOREHOST_V6_C else 0)  # BODYLENGTH
     if at + 4 > rec_end:
         return False
     n = rd_i32(p + at)
@@ -152,15 +137,15 @@ cdef int walk_records(uint8_t* p, Py_ssize_t start, Py_ssize_t end, AddressMap a
             return RS_BAD
         total = rd_i32(p + pos)
         magic = rd_i32(p + pos + 4)
-        if magic != -626843481 and magic != -626843477:  # 0xDAA320A7 (V1), 0xDAA320AB (V2) as int32
+        if magic != RECORD_MAGIC_V1_I32_C and magic != RECORD_MAGIC_V2_I32_C:  # read as int32
             return RS_BAD
         if total < MIN_RECORD_C or total > end - pos:
             return RS_BAD
         sys_flag = rd_i32(p + pos + SYSFLAG_POS_C)
         if not patch and not layout_fits(p, pos, total, sys_flag, magic == -626843477):
             return RS_BAD  # (the patching pass follows a checking one over the same bytes)
-        if not sys_flag & 0x20:
-            at = pos + (STOREHOST_POS_C if not sys_flag & 0x10 else STOREHOST_POS_C + 12)
+        if not sys_flag & STOREHOST_V6_C:
+            at = pos + (STOREHOST_POS_C if not sys_flag & BORNHOST_V6_C else STOREHOST_POS_C + 12)
             raw = rd_u64(p + at)
             if have_last and raw == last_raw:
                 new = last_new

@@ -11,8 +11,7 @@ cdef struct TopicEntry:
     char name[MAX_TOPIC_LEN_C + 1]
 
 
-DEF SAMPLE_RING_C = 8192
-SAMPLE_RING = SAMPLE_RING_C
+# SAMPLE_RING_C: tables.pxi
 
 cdef struct SampleRec:
     int64_t t_ns
@@ -38,7 +37,7 @@ cdef class ScanStats:
     cdef public uint64_t bytes
     cdef public uint64_t protocol_errors
     cdef public uint64_t untracked
-    cdef uint64_t* _lat      # CODE_SLOTS_C rows of LAT_BUCKETS_C counts + the sum of ns
+    cdef uint64_t* _lat      # CODE_SLOTS_C rows of LATENCY_BUCKETS_C counts + the sum of ns
     cdef uint64_t* _res      # CODE_SLOTS_C rows of NRESULTS_C counts
     cdef SampleRec* _ring    # sampled requests, drained by the records writer once a second
     cdef Py_ssize_t _ring_len
@@ -48,7 +47,7 @@ cdef class ScanStats:
     def __cinit__(self):
         cdef int i
         self._topics = <TopicEntry*>calloc(TOPIC_SLOTS_C, sizeof(TopicEntry))
-        self._lat = <uint64_t*>calloc(CODE_SLOTS_C * (LAT_BUCKETS_C + 1), sizeof(uint64_t))
+        self._lat = <uint64_t*>calloc(CODE_SLOTS_C * (LATENCY_BUCKETS_C + 1), sizeof(uint64_t))
         self._res = <uint64_t*>calloc(CODE_SLOTS_C * NRESULTS_C, sizeof(uint64_t))
         if self._topics == NULL or self._lat == NULL or self._res == NULL:
             raise MemoryError()
@@ -109,9 +108,9 @@ cdef class ScanStats:
         return out
 
     cdef inline void observe_c(self, int slot, int64_t ns, int result) noexcept nogil:
-        cdef uint64_t* row = self._lat + slot * (LAT_BUCKETS_C + 1)
+        cdef uint64_t* row = self._lat + slot * (LATENCY_BUCKETS_C + 1)
         row[latency_bucket(ns)] += 1
-        row[LAT_BUCKETS_C] += <uint64_t>ns
+        row[LATENCY_BUCKETS_C] += <uint64_t>ns
         self._res[slot * NRESULTS_C + result] += 1
 
     def observe(self, int slot, int64_t ns, int result):
@@ -134,10 +133,10 @@ cdef class ScanStats:
         cdef uint64_t* row
         out = []
         for i in range(CODE_SLOTS_C):
-            row = self._lat + i * (LAT_BUCKETS_C + 1)
-            for b in range(LAT_BUCKETS_C):
+            row = self._lat + i * (LATENCY_BUCKETS_C + 1)
+            for b in range(LATENCY_BUCKETS_C):
                 if row[b]:
-                    out.append((i, tuple([row[k] for k in range(LAT_BUCKETS_C)]), row[LAT_BUCKETS_C]))
+                    out.append((i, tuple([row[k] for k in range(LATENCY_BUCKETS_C)]), row[LATENCY_BUCKETS_C]))
                     break
         return out
 

@@ -1,8 +1,11 @@
 # Type stub of the compiled hot path (ext/_speedups.pyx and its .pxi files).  The pure-Python
-# twins (rmqfast/codec/_scan_py.py, rmqfast/codec/_header_py.py, rmqfast/limits/_limiter_py.py)
-# have the same signatures; tests/test_twins.py checks the constants against them.
+# twins (rmqfast/codec/_scan_py.py, rmqfast/codec/_header_py.py, rmqfast/codec/_records_py.py,
+# rmqfast/limits/_limiter_py.py) have the same signatures; the shared constants are declared in
+# rmqfast/codec/tables.py (ext/tables.pxi is generated from it).  tests/test_twins.py checks the
+# constants against the twins, tests/test_stub.py this stub against the built extension.
 
 from collections.abc import Callable, Sequence
+from enum import IntEnum
 from typing import Any
 
 from _typeshed import ReadableBuffer, WriteableBuffer
@@ -35,7 +38,9 @@ DEFAULT_MAX_HEADER: int
 MAX_TRACKED: int
 LATENCY_BOUNDS_NS: tuple[int, ...]
 LATENCY_BUCKETS: int
+RESULTS: tuple[str, ...]
 NRESULTS: int
+R_OTHER_ERROR: int
 R_ONEWAY: int
 R_UNANSWERED: int
 SAMPLE_RING: int
@@ -62,6 +67,8 @@ P_OVER_BUDGET: int
 _ERRORS: tuple[str, ...]
 
 # header-walk error codes (indexes into _ERRORS); the same names as in rmqfast.codec._header_py
+class HeaderErrorCode(IntEnum): ...
+
 E_OK: int
 E_UNTERMINATED_STRING: int
 E_VALUE_EXPECTED: int

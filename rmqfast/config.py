@@ -68,6 +68,12 @@ class ProxySection:
     frame_timeout: float = 30.0
     # bytes per worker for frames held whole (policy, limited sends, batches) beyond the base buffers
     buffer_budget: int = 64 * 1024 * 1024
+    # client connections per worker on the Remoting listeners (0: from the open-files limit)
+    max_connections: int = 0
+    # ... per client address, IPv6 by /64 (0: half of the worker's cap)
+    max_connections_per_client: int = 0
+    # seconds a new Remoting connection may take to send its first frame (0: no deadline)
+    first_frame_timeout: float = 10.0
 
 
 @dataclass
@@ -439,6 +445,9 @@ _KNOWN = {
         "state_dir",
         "frame_timeout",
         "buffer_budget",
+        "max_connections",
+        "max_connections_per_client",
+        "first_frame_timeout",
     },
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
@@ -680,6 +689,19 @@ def _parse_proxy(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
                 raise ConfigError(f"proxy.frame_timeout: {p.frame_timeout!r} is not allowed; use 0 (no deadline) "
                                   "or at least 1 second")
     _set(errs, px, p, "proxy", "buffer_budget", lambda key, v: _int(key, v, 1 << 20, 1 << 40, " (1 MiB)"))
+    for k in ("max_connections", "max_connections_per_client"):  # 0: automatic (rmqfast.server.accept)
+        _set(errs, px, p, "proxy", k, lambda key, v: _int(key, v, 0, 1 << 24, " (0: automatic)"))
+    with errs.check():
+        if "first_frame_timeout" in px:
+            p.first_frame_timeout = _float("proxy.first_frame_timeout", px["first_frame_timeout"], 0, 3600)
+            if 0 < p.first_frame_timeout < 1:
+                raise ConfigError(f"proxy.first_frame_timeout: {p.first_frame_timeout!r} is not allowed; use 0 "
+                                  "(no deadline) or at least 1 second")
+    if 0 < p.max_connections < p.max_connections_per_client:
+        errs.messages.append(
+            f"proxy.max_connections_per_client: {p.max_connections_per_client} is not allowed; it must not "
+            f"exceed proxy.max_connections ({p.max_connections})"
+        )
     if p.max_header_size > p.max_frame_size:
         errs.messages.append(
             f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "

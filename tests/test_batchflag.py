@@ -14,13 +14,14 @@ import pytest
 from rmqfast import codec
 from rmqfast.codec import codes as C
 from rmqfast.codec.sendheader import is_batch
-from rmqfast.limits import LimiterC, LimiterPy
 from tests.test_limits import T0, rule, shm_for
 from tests.test_scan import batch_body, binary_frame, json_frame
 
-IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy, LimiterPy), id="py")]
-if codec.FrameScannerC is not None and LimiterC is not None:
-    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, LimiterC), id="c"))
+
+@pytest.fixture
+def impl(twin):
+    """(scanner class, stats class, limiter class) of each twin (the ``twin`` fixture of tests/conftest.py)."""
+    return twin.FrameScanner, twin.ScanStats, twin.Limiter
 
 FLAG_KEY = {10: "batch", 310: "m", 320: "m", 325: "m"}
 TOPIC_KEY = {10: "topic", 310: "b", 320: "b", 325: "b"}
@@ -69,7 +70,6 @@ def _messages(impl, frame: bytes) -> tuple[int, int]:
     return ev, sum(t[2] for t in stats.topics())
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 @pytest.mark.parametrize("code,key,value,batch", CASES)
 def test_stats_count_the_messages_of_a_flagged_send(impl, binary, code, key, value, batch):
@@ -81,7 +81,6 @@ def test_stats_count_the_messages_of_a_flagged_send(impl, binary, code, key, val
         assert msgs == (3 if batch else 1)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 @pytest.mark.parametrize("code,key,value,batch", CASES)
 def test_limiter_counts_the_messages_of_a_flagged_send(impl, binary, code, key, value, batch):
@@ -100,7 +99,6 @@ def test_limiter_counts_the_messages_of_a_flagged_send(impl, binary, code, key, 
         assert lim.counters() == [(0, 2, 0)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 @pytest.mark.parametrize("code,key,value,batch", CASES)
 def test_delay_topics_hand_flagged_sends_to_policy(impl, binary, code, key, value, batch):
@@ -113,7 +111,6 @@ def test_delay_topics_hand_flagged_sends_to_policy(impl, binary, code, key, valu
     assert sc.scan(frame, 0, len(frame))[0] == (codec.EV_POLICY if batch else codec.EV_FORWARD)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_a_flagged_send_split_across_reads_is_decided_whole(impl):
     scanner_cls, stats_cls, limiter_cls = impl
     lim = limiter_cls(shm_for(limiter_cls))
@@ -140,7 +137,6 @@ JSON_ONLY = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("member,batch", JSON_ONLY)
 def test_escaped_flag_values_are_read_decoded(impl, member, batch):
     header = ('{"code":310,"extFields":{"b":"T",' + member + '},"flag":0,"opaque":5}').encode()
@@ -160,7 +156,6 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("header", REFUSED)
 def test_ambiguous_flags_are_refused(impl, header):
     frame = (len(header) + 4).to_bytes(4, "big") + len(header).to_bytes(4, "big") + header
@@ -169,7 +164,6 @@ def test_ambiguous_flags_are_refused(impl, header):
     assert sc.scan(frame, 0, len(frame))[0] == codec.EV_ERROR
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("key", ["m", "batch"])
 def test_duplicate_binary_flags_are_refused(impl, key):
     code = 310 if key == "m" else 10

@@ -33,14 +33,14 @@ from rmqfast.proxy.failover import (
 from rmqfast.proxy.goaway import V5_3_1, GoAway
 from rmqfast.proxy.health import BrokerHealth, FailoverSection
 from rmqfast.proxy.policy import Frame
+from tests.test_relay import Events as RelayEvents
+from tests.test_relay import connect as relay_connect
 from tests.test_relay import (
-    IMPLS,
+    impl,  # noqa: F401  (the relay_twin's classes, for the proxy fixture and the tests below)
     proxy,  # noqa: F401  (the relay fixture: a session per parametrized pump)
     send_frame,
     wait_until,
 )
-from tests.test_relay import Events as RelayEvents
-from tests.test_relay import connect as relay_connect
 
 _I32 = struct.Struct(">i")
 
@@ -878,9 +878,8 @@ def test_unknown_topic_route_lookups_are_cached_briefly(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("mode", ["all", "policy-alone", "policy-with-other"])
-@pytest.mark.parametrize("impl", IMPLS)
 def test_kept_sends_in_flight_are_resent_when_the_broker_connection_dies(
-        impl: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        relay_twin: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The broker reads two sends and closes (a kill -9).  Kept sends are resent (here: a fake move
     answering SUCCESS with a queue id of its own) and the client gets those answers with its
     opaques; a send not kept (``policy`` with no other filter taking sends to Python) gets
@@ -891,7 +890,7 @@ def test_kept_sends_in_flight_are_resent_when_the_broker_connection_dies(
     from rmqfast.proxy.policy import Filter as PolicyFilter
     from rmqfast.proxy.relay import RelaySettings, Session
 
-    scanner, stats_cls, c_pump = impl
+    scanner, stats_cls, c_pump = relay_twin.FrameScanner, relay_twin.ScanStats, relay_twin.pump
     monkeypatch.setattr(relay, "FrameScanner", scanner)
     if not c_pump:
         monkeypatch.setattr(relay, "Pump", None)

@@ -559,9 +559,10 @@ def test_backlog_of_the_gray_queues_asked_of_the_brokers() -> None:
 
 # the scanner hands over the sends of split topics only -------------------------------------------------
 
-SCANNERS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py")]
-if codec.FrameScannerC is not None:
-    SCANNERS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c"))
+@pytest.fixture
+def scanner(twin: Any) -> tuple[Any, Any]:
+    """(scanner class, stats class) of each twin (the ``twin`` fixture of tests/conftest.py)."""
+    return twin.FrameScanner, twin.ScanStats
 
 
 def other_send(topic: str = "unsplit") -> Frame:
@@ -570,7 +571,6 @@ def other_send(topic: str = "unsplit") -> Frame:
     return frame_of(RemotingCommand(C.SEND_MESSAGE_V2, opaque=32, ext_fields=ext, body=b"hello"))
 
 
-@pytest.mark.parametrize("scanner", SCANNERS)
 def test_only_sends_of_split_topics_leave_the_fast_path(scanner: tuple[Any, Any]) -> None:
     scanner_cls, stats_cls = scanner
     f, _, _ = make_filter(k=1, queues=4)
@@ -678,7 +678,6 @@ def test_send_topic_decoys_do_not_skip_the_rewrite(header: bytes) -> None:
     assert decode_frame(fr.data).ext_fields["e"] == "0"  # type: ignore[index]
 
 
-@pytest.mark.parametrize("scanner", SCANNERS)
 @pytest.mark.parametrize("v2", [True, False])
 def test_reply_messages_of_split_topics_reach_the_filter_through_the_chain(scanner: tuple[Any, Any],
                                                                           v2: bool) -> None:

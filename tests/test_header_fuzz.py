@@ -17,15 +17,11 @@ from rmqfast import codec
 from rmqfast.codec import _header_py
 from rmqfast.testing import header_fuzz
 
-IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py-scan")]
-if codec.FrameScannerC is not None:
-    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c-scan"))
 
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request):
-    return request.param
+@pytest.fixture
+def impl(twin):
+    """(scanner class, stats class) of each twin (the ``twin`` fixture of tests/conftest.py)."""
+    return twin.FrameScanner, twin.ScanStats
 
 
 FUZZ_INPUTS = int(os.environ.get("RMQFAST_FUZZ_INPUTS", "5000"))

@@ -15,10 +15,6 @@ from rmqfast.limits import LimiterC, LimiterPy, new_shared_memory
 from rmqfast.limits.rules import LimitRule, LimitsSection, parse_limits, remove, upsert
 from tests.test_scan import binary_frame, json_frame
 
-TWINS = [pytest.param(LimiterPy, id="py")]
-if LimiterC is not None:
-    TWINS.append(pytest.param(LimiterC, id="c"))
-
 S = 1_000_000_000  # one second in ns
 
 
@@ -29,10 +25,11 @@ def shm_for(limiter_cls):
 T0 = 1_000 * S
 
 
-@pytest.fixture(params=TWINS)
-def make(request):
+@pytest.fixture
+def make(twin):
+    """Build a limiter of each twin (the ``twin`` fixture of tests/conftest.py) with ``rules``."""
     def build(*rules):
-        lim = request.param(shm_for(request.param))
+        lim = twin.Limiter(shm_for(twin.Limiter))
         lim.configure(list(rules))
         return lim
 
@@ -158,12 +155,12 @@ def batch_body(n: int) -> bytes:
     return rec * n
 
 
-SCANNERS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy, LimiterPy), id="py")]
-if LimiterC is not None:
-    SCANNERS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, LimiterC), id="c"))
+@pytest.fixture
+def impl(twin):
+    """(scanner class, stats class, limiter class) of each twin."""
+    return twin.FrameScanner, twin.ScanStats, twin.Limiter
 
 
-@pytest.mark.parametrize("impl", SCANNERS)
 def test_scanner_stops_sends_over_the_limit_and_forwards_the_rest(impl):
     Scanner, Stats, Limiter = impl
     lim = Limiter(shm_for(Limiter))
@@ -188,7 +185,6 @@ def test_scanner_stops_sends_over_the_limit_and_forwards_the_rest(impl):
     assert lim.counters() == [(0, 2, 5), (1, 1, 1)]
 
 
-@pytest.mark.parametrize("impl", SCANNERS)
 def test_limited_sends_are_decided_whole(impl):
     """A limited send split across reads is decided once, when it is complete."""
     Scanner, Stats, Limiter = impl

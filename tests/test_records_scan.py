@@ -35,9 +35,16 @@ from rmqfast.codec.store import (
     encode_records,
 )
 from tests.test_scan import run
+from tests.twins import all_twins
+
+
+@pytest.fixture
+def m(twin: Any) -> Any:
+    """The module of each twin (the ``twin`` fixture of tests/conftest.py)."""
+    return twin.module
+
 
 CM = codec.compiled_twin()
-TWINS = [pytest.param(_scan_py, id="py")] + ([pytest.param(CM, id="c")] if CM is not None else [])
 needs_c = pytest.mark.skipif(CM is None, reason="compiled extension not built")
 
 REAL = ("10.1.2.3", 10911)
@@ -84,7 +91,7 @@ def walk_both(body: bytes, start: int = 0, end: int | None = None, known: bool =
     """Walk ``body`` with every twin (patching a copy each); assert they agree; return one result."""
     end = len(body) if end is None else end
     results = []
-    for m in [p.values[0] for p in TWINS]:
+    for m in [t.module for t in all_twins()]:
         amap = fill(m.AddressMap()) if known else m.AddressMap()
         buf = bytearray(body)
         results.append((m.walk_store_hosts(buf, start, end, amap, True), bytes(buf)))
@@ -181,7 +188,6 @@ def test_twins_agree_on_random_bytes(seed: int) -> None:
         check_same_decision(bytes(data))
 
 
-@pytest.mark.parametrize("m", TWINS)
 def test_address_map(m: Any) -> None:
     amap = m.AddressMap()
     assert len(amap) == 0 and amap.get(hb(REAL)) is None
@@ -234,7 +240,6 @@ def hosts(frame: bytes) -> list[str]:
     return [r.store_host for r in decode_records(decode_frame(frame).body)]
 
 
-@pytest.mark.parametrize("m", TWINS)
 @pytest.mark.parametrize("chunk", [None, 1, 13, 700])
 @pytest.mark.parametrize("stype", [0, 1])
 def test_scanner_maps_the_answers_of_records_requests(m: Any, chunk: int | None, stype: int) -> None:
@@ -257,7 +262,6 @@ def test_scanner_maps_the_answers_of_records_requests(m: Any, chunk: int | None,
     assert u2c.stats.latencies()  # timed like every other request
 
 
-@pytest.mark.parametrize("m", TWINS)
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_answers_the_scanner_cannot_map_go_to_policy_untouched(m: Any, chunk: int | None) -> None:
     c2u, u2c, inflight = scanners(m)
@@ -286,7 +290,6 @@ def test_answers_the_scanner_cannot_map_go_to_policy_untouched(m: Any, chunk: in
     assert run(u2c, answer(21, good), None)[0][0][0] == "policy" and u2c.records == 1
 
 
-@pytest.mark.parametrize("m", TWINS)
 def test_opaque_reuse_and_full_table_close_the_connection(m: Any) -> None:
     c2u, u2c, inflight = scanners(m)
     events, fwd, *_ = run(c2u, pull(5) + pull(5), None)
@@ -365,15 +368,14 @@ class Registry:
         return addr == "127.0.0.1:40001"
 
 
-@pytest.fixture(params=__import__("tests.test_relay", fromlist=["IMPLS"]).IMPLS)
-def relay_impl(request: Any, monkeypatch: Any) -> Any:
+@pytest.fixture
+def relay_impl(relay_twin: Any, monkeypatch: Any) -> Any:
     from rmqfast.proxy import relay
 
-    Scanner, _Stats, c_pump = request.param
-    monkeypatch.setattr(relay, "FrameScanner", Scanner)
-    if not c_pump:
+    monkeypatch.setattr(relay, "FrameScanner", relay_twin.FrameScanner)
+    if not relay_twin.pump:
         monkeypatch.setattr(relay, "Pump", None)
-    return request.param
+    return relay_twin.FrameScanner, relay_twin.ScanStats, relay_twin.pump
 
 
 def test_relay_maps_store_hosts_in_the_scanner_after_the_first_answer(relay_impl: Any) -> None:

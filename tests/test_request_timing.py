@@ -16,22 +16,13 @@ from rmqfast import codec
 from rmqfast.codec import _scan_py
 from tests.test_scan import json_frame, send_v2
 
-TWINS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy, codec.InFlightPy), id="py")]
-if codec.FrameScannerC is not None:
-    TWINS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC, codec.InFlightC), id="c"))
-
-
-@pytest.fixture(params=TWINS)
-def twin(request):
-    return request.param
-
 
 def response(opaque: int, code: int = 0) -> bytes:
     return json_frame({"code": code, "flag": 1, "opaque": opaque, "extFields": {"msgId": "X"}})
 
 
 def pair(twin, actions=None, capacity=None):
-    Scanner, Stats, InFlight = twin
+    Scanner, Stats, InFlight = twin.FrameScanner, twin.ScanStats, twin.InFlight
     stats = Stats()
     inflight = InFlight() if capacity is None else InFlight(capacity)
     c2u = Scanner(stats, inflight=inflight, direction=0, actions=actions)
@@ -151,7 +142,7 @@ def test_inflight_table_against_a_dict():
 
 
 def test_bad_arguments_are_refused(twin):
-    Scanner, Stats, InFlight = twin
+    Scanner, Stats, InFlight = twin.FrameScanner, twin.ScanStats, twin.InFlight
     with pytest.raises(ValueError, match="direction must be 0"):
         Scanner(Stats(), inflight=InFlight(), direction=2)
     with pytest.raises(ValueError, match="out of range"):
@@ -193,7 +184,7 @@ def test_sampled_requests_are_identical_in_both_twins():
 
 
 def test_sampling_ring_is_bounded(twin):
-    Scanner, Stats, InFlight = twin
+    Scanner, Stats, InFlight = twin.FrameScanner, twin.ScanStats, twin.InFlight
     stats = Stats()
     stats.set_sampling(1)
     inflight = InFlight()

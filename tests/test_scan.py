@@ -18,14 +18,11 @@ from hypothesis import strategies as st
 from rmqfast import codec
 from rmqfast.codec import _scan_py
 
-IMPLS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py-scan")]
-if codec.FrameScannerC is not None:
-    IMPLS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c-scan"))
 
-
-@pytest.fixture(params=IMPLS)
-def impl(request):
-    return request.param
+@pytest.fixture
+def impl(twin):
+    """(scanner class, stats class) of each twin (the ``twin`` fixture of tests/conftest.py)."""
+    return twin.FrameScanner, twin.ScanStats
 
 
 def json_frame(header: dict, body: bytes = b"") -> bytes:

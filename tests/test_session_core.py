@@ -33,6 +33,7 @@ from rmqfast.proxy.policy import (
     divert,
     rewrite,
 )
+from tests.twins import Twin
 
 
 class RecordingWriter(Writer):
@@ -212,17 +213,12 @@ def test_send_limit_filter_shapes_without_a_shaper_as_busy_or_drops_oneway(limit
     assert result_count(h.stats, C.SEND_MESSAGE_V2, "oneway") == 1
 
 
-TWINS = [pytest.param("python", id="py")]
-if codec.FrameScannerC is not None:
-    TWINS.append(pytest.param("compiled", id="c"))
-
-
-@pytest.mark.parametrize("twin", TWINS)
-def test_scanner_limiter_to_session_core_without_sockets(tmp_path: Path, twin: str) -> None:
+def test_scanner_limiter_to_session_core_without_sockets(tmp_path: Path, twin: Twin) -> None:
     """A scanner with the chain's limiter cuts a pipelined buffer: sends under no rule are
     forwarded as raw spans, the refused one is handed over with its rule and answered."""
-    compiled = twin == "compiled"
-    limits = WorkerLimits(create_shared(tmp_path, twin), parse_limits({"rule": [{"topic": "Busy", "mode": "reject"}]}))
+    compiled = twin.compiled
+    rules = parse_limits({"rule": [{"topic": "Busy", "mode": "reject"}]})
+    limits = WorkerLimits(create_shared(tmp_path, twin.name), rules)
     h = Harness([SendLimitFilter(limits)])
     h.stats = h.core.stats = codec.ScanStatsC() if compiled else codec.ScanStatsPy()
     h.core.inflight = codec.InFlightC() if compiled else codec.InFlightPy()
@@ -294,13 +290,13 @@ def test_a_filter_failing_on_a_frame_closes_only_that_connection_with_a_log(capl
     assert h2.response(answer(7))  # responses are not seen by that filter
 
 
-@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize("code", [C.SEND_REPLY_MESSAGE_V2, C.SEND_REPLY_MESSAGE])
-def test_reply_messages_take_the_send_limits(tmp_path: Path, twin: str, code: int) -> None:
+def test_reply_messages_take_the_send_limits(tmp_path: Path, twin: Twin, code: int) -> None:
     """A reply message is stored by the broker in its header's topic like a send: a topic over its
     limit cannot be written through SEND_REPLY_MESSAGE(_V2) instead."""
-    compiled = twin == "compiled"
-    limits = WorkerLimits(create_shared(tmp_path, twin), parse_limits({"rule": [{"topic": "Busy", "mode": "reject"}]}))
+    compiled = twin.compiled
+    rules = parse_limits({"rule": [{"topic": "Busy", "mode": "reject"}]})
+    limits = WorkerLimits(create_shared(tmp_path, twin.name), rules)
     h = Harness([SendLimitFilter(limits)])
     h.stats = h.core.stats = codec.ScanStatsC() if compiled else codec.ScanStatsPy()
     scanner_cls = codec.FrameScannerC if compiled else codec.FrameScannerPy

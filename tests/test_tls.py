@@ -17,7 +17,6 @@ from gevent import socket
 from gevent.pool import Pool
 from gevent.server import StreamServer
 
-from rmqfast import codec
 from rmqfast import config as config_mod
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
@@ -33,9 +32,6 @@ from tests.test_relay import FakeBroker, send_frame
 
 pytest.importorskip("cryptography")
 
-SCANNERS = [pytest.param((codec.FrameScannerPy, codec.ScanStatsPy), id="py-scan")]
-if codec.FrameScannerC is not None:
-    SCANNERS.append(pytest.param((codec.FrameScannerC, codec.ScanStatsC), id="c-scan"))
 
 
 # Configuration --------------------------------------------------------------------------------
@@ -235,9 +231,10 @@ class Proxy:
         self.server.stop(timeout=2)
 
 
-@pytest.fixture(params=SCANNERS)
-def scanner(request, monkeypatch):  # type: ignore[no-untyped-def]
-    Scanner, Stats = request.param
+@pytest.fixture
+def scanner(twin, monkeypatch):  # type: ignore[no-untyped-def]
+    """Each twin's scanner in the relay (the ``twin`` fixture of tests/conftest.py); TLS keeps to the Python pump."""
+    Scanner, Stats = twin.FrameScanner, twin.ScanStats
     monkeypatch.setattr(relay, "FrameScanner", Scanner)
 
     c_pump = Session._pump_c

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from rmqfast import codec
-from rmqfast.codec import _header_py, _scan_py
+from rmqfast.codec import _header_py, _records_py, _scan_py, tables
 from rmqfast.limits import LimiterPy, _limiter_py, new_shared_memory, rules
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,15 +118,16 @@ def test_twin_helpers():
 
 # Python-side constants the C side holds differently (with where to find them)
 _PY_ONLY = {
-    _scan_py: {"ERRORS": "C: _ERRORS (checked below)", "E_TOPIC_ESCAPED": "C: an enum member",
-               "RESULTS": "C: NRESULTS, the names stay in Python"},
+    _scan_py: {"ERRORS": "C: _ERRORS (checked below)", "E_TOPIC_ESCAPED": "C: an enum member"},
     _limiter_py: {"IMPLEMENTATION": "each twin's own name, written into the shared file's header"},
     _header_py: {"ERRORS": "C: _ERRORS (checked below)"},
+    _records_py: {},
+    tables: {"RESULT_OF_CODE": "C: the comparisons of result_index (checked below)"},
 }
 
 
 @needs_c
-@pytest.mark.parametrize("module", [_scan_py, _limiter_py, _header_py], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [_scan_py, _limiter_py, _header_py, _records_py, tables], ids=lambda m: m.__name__)
 def test_every_public_constant_of_the_python_twin_equals_the_compiled_one(module):
     names = [n for n in vars(module) if re.fullmatch(r"[A-Z][A-Z0-9_]*", n) and not isinstance(getattr(module, n),
                                                                                                     type(re))]
@@ -137,13 +138,13 @@ def test_every_public_constant_of_the_python_twin_equals_the_compiled_one(module
         assert hasattr(C, n), f"{module.__name__}.{n} has no compiled counterpart; expose it in ext/_speedups.pyx"
         assert getattr(C, n) == getattr(module, n), f"{n}: compiled {getattr(C, n)!r} != python {getattr(module, n)!r}"
         checked += 1
-    assert checked >= {_scan_py: 15, _limiter_py: 8, _header_py: 33}[module]
+    assert checked >= {_scan_py: 30, _limiter_py: 8, _header_py: 33, _records_py: 12, tables: 40}[module]
 
 
 @needs_c
 def test_copied_tables_are_equal():
     assert C.LATENCY_BOUNDS_NS == _scan_py.LATENCY_BOUNDS_NS and len(C.LATENCY_BOUNDS_NS) + 1 == C.LATENCY_BUCKETS
-    assert C.NRESULTS == len(_scan_py.RESULTS)
+    assert C.NRESULTS == len(_scan_py.RESULTS) and C.RESULTS == tables.RESULTS
     assert C._ERRORS == _header_py.ERRORS, "the header walk's error messages differ between the twins"
     # result index table: every code the table names and its neighbours, plus extremes
     for code in [*range(-3, 400), 2**31 - 1, -(2**31)]:
@@ -170,11 +171,16 @@ def test_copied_tables_are_equal():
 BIG = 2**70
 
 
-def _twins() -> list[Any]:
-    out = [pytest.param(_scan_py, LimiterPy, id="py")]
-    if C is not None:
-        out.append(pytest.param(C, C.Limiter, id="c"))
-    return out
+@pytest.fixture
+def m(twin: Any) -> Any:
+    """The module of each twin (the ``twin`` fixture of tests/conftest.py)."""
+    return twin.module
+
+
+@pytest.fixture
+def L(twin: Any) -> Any:  # noqa: N802 - a class
+    """The limiter class of each twin."""
+    return twin.Limiter
 
 
 def _lim(L: Any) -> Any:
@@ -278,7 +284,6 @@ def _outcome(fn: Any, m: Any, L: Any) -> type[BaseException] | None:
 
 
 @pytest.mark.parametrize("what,call,expected", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("m,L", _twins())
 def test_the_same_bad_argument_raises_the_same_exception_in_both_twins(m, L, what, call, expected):
     assert _outcome(call, m, L) is expected, what
 

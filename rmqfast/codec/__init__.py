@@ -22,7 +22,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from rmqfast.codec import _scan_py
+from rmqfast.codec import _scan_py, tables
 
 _EXT_NAME = "rmqfast._speedups"
 
@@ -53,20 +53,21 @@ AddressMap = _impl.AddressMap
 code_slot = _impl.code_slot
 slot_code = _impl.slot_code
 
-EV_FORWARD = _scan_py.EV_FORWARD
-EV_POLICY = _scan_py.EV_POLICY
-EV_ERROR = _scan_py.EV_ERROR
-ACTION_PASS = _scan_py.ACTION_PASS
-ACTION_POLICY = _scan_py.ACTION_POLICY
-ACTION_RECORDS = _scan_py.ACTION_RECORDS
-CODE_SLOTS = _scan_py.CODE_SLOTS
-OTHER_SLOT = _scan_py.OTHER_SLOT
-DEFAULT_MAX_FRAME = _scan_py.DEFAULT_MAX_FRAME
-DEFAULT_MAX_HEADER = _scan_py.DEFAULT_MAX_HEADER
-LATENCY_BOUNDS_NS = _scan_py.LATENCY_BOUNDS_NS
-LATENCY_BUCKETS = _scan_py.LATENCY_BUCKETS
-RESULTS = _scan_py.RESULTS
-MAX_TRACKED = _scan_py.MAX_TRACKED
+# The constants both twins share: declared once in rmqfast.codec.tables (ext/tables.pxi is made from it).
+EV_FORWARD = tables.EV_FORWARD
+EV_POLICY = tables.EV_POLICY
+EV_ERROR = tables.EV_ERROR
+ACTION_PASS = tables.ACTION_PASS
+ACTION_POLICY = tables.ACTION_POLICY
+ACTION_RECORDS = tables.ACTION_RECORDS
+CODE_SLOTS = tables.CODE_SLOTS
+OTHER_SLOT = tables.OTHER_SLOT
+DEFAULT_MAX_FRAME = tables.DEFAULT_MAX_FRAME
+DEFAULT_MAX_HEADER = tables.DEFAULT_MAX_HEADER
+LATENCY_BOUNDS_NS = tables.LATENCY_BOUNDS_NS
+LATENCY_BUCKETS = tables.LATENCY_BUCKETS
+RESULTS = tables.RESULTS
+MAX_TRACKED = tables.MAX_TRACKED
 
 
 def extension_built() -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import struct
 
-MAX_JSON_DEPTH = 32
+from rmqfast.codec.tables import MAX_JSON_DEPTH  # noqa: F401 - re-exported
 
 #: Error messages by code (the compiled walk's ``_ERRORS``, same order).
 ERRORS = (

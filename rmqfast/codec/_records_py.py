@@ -22,20 +22,21 @@ from __future__ import annotations
 import struct
 
 from rmqfast._args import c_int
-
-ACTION_RECORDS = 2
-REC_OK = 0
-REC_MISS = 1
-REC_BAD = 2
-#: Addresses an :class:`AddressMap` holds at most (the compiled one is a fixed table).
-MAX_ADDRESSES = 512
-RECORD_MAGIC_V1 = 0xDAA320A7
-RECORD_MAGIC_V2 = 0xDAA320AB
-BORNHOST_V6 = 0x10
-STOREHOST_V6 = 0x20
-MIN_RECORD = 91  # TOTALSIZE .. STOREHOST (IPv4) and the fields up to the topic length
-SYSFLAG_POS = 36
-STOREHOST_POS = 64  # with an IPv4 born host; 12 bytes later with an IPv6 one
+from rmqfast.codec.layout import layout_fits  # noqa: F401 - the policy path's walk shares it
+from rmqfast.codec.tables import (  # noqa: F401 - re-exported
+    ACTION_RECORDS,
+    BORNHOST_V6,
+    MAX_ADDRESSES,
+    MIN_RECORD,
+    REC_BAD,
+    REC_MISS,
+    REC_OK,
+    RECORD_MAGIC_V1,
+    RECORD_MAGIC_V2,
+    STOREHOST_POS,
+    STOREHOST_V6,
+    SYSFLAG_POS,
+)
 
 _HEAD = struct.Struct(">iI")
 _I32 = struct.Struct(">i")
@@ -79,32 +80,6 @@ class AddressMap:
         return self._map.get(_key(real))
 
 
-_I16 = struct.Struct(">h")
-_I8 = struct.Struct(">b")
-
-
-def layout_fits(mv: memoryview | bytes | bytearray, pos: int, total: int, sys_flag: int, v2: bool) -> bool:
-    """Whether the record's fields, read as a client reads them (``MessageDecoder.decode``: field by
-    field, TOTALSIZE only stored), end exactly at TOTALSIZE: else the client would find the next
-    record (and its store host) elsewhere than this walk.  A non-positive body or properties
-    length reads nothing, a negative topic length throws (as in Java)."""
-    rec_end = pos + total
-    at = pos + 84 + (12 if sys_flag & BORNHOST_V6 else 0) + (12 if sys_flag & STOREHOST_V6 else 0)
-    if at + 4 > rec_end:
-        return False
-    n = _I32.unpack_from(mv, at)[0]
-    at += 4 + (n if n > 0 else 0)
-    width = 2 if v2 else 1
-    if at + width > rec_end:
-        return False
-    n = (_I16 if v2 else _I8).unpack_from(mv, at)[0]
-    if n < 0:
-        return False
-    at += width + n
-    if at + 2 > rec_end:
-        return False
-    n = _I16.unpack_from(mv, at)[0]
-    return at + 2 + (n if n > 0 else 0) == rec_end
 
 
 def _walk(mv: memoryview, start: int, end: int, amap: AddressMap, patch: bool) -> tuple[int, int, bool]:

@@ -46,37 +46,49 @@ from rmqfast.codec._header_py import (
     parse_json_header,
     props_delay,
 )
+from rmqfast.codec.batch import scanned_batch_count
 
-# Records answers (ext/records.pxi's twin), re-exported here with the scanner that runs them.
-ACTION_RECORDS = _records_py.ACTION_RECORDS
-REC_OK, REC_MISS, REC_BAD = _records_py.REC_OK, _records_py.REC_MISS, _records_py.REC_BAD
-MAX_ADDRESSES = _records_py.MAX_ADDRESSES
-RECORD_MAGIC_V1, RECORD_MAGIC_V2 = _records_py.RECORD_MAGIC_V1, _records_py.RECORD_MAGIC_V2
-BORNHOST_V6, STOREHOST_V6 = _records_py.BORNHOST_V6, _records_py.STOREHOST_V6
-MIN_RECORD, SYSFLAG_POS, STOREHOST_POS = _records_py.MIN_RECORD, _records_py.SYSFLAG_POS, _records_py.STOREHOST_POS
+# The tables both twins share (rmqfast/codec/tables.py), re-exported beside the scanner that uses them.
+from rmqfast.codec.tables import (  # noqa: F401 - re-exported
+    ACTION_PASS,
+    ACTION_POLICY,
+    ACTION_RECORDS,
+    BORNHOST_V6,
+    CODE_SLOTS,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_MAX_HEADER,
+    EV_ERROR,
+    EV_FORWARD,
+    EV_POLICY,
+    LATENCY_BOUNDS_NS,
+    LATENCY_BUCKETS,
+    MAX_ADDRESSES,
+    MAX_TOPIC_LEN,
+    MAX_TRACKED,
+    MIN_RECORD,
+    NRESULTS,
+    OTHER_SLOT,
+    OTHER_TOPIC,
+    R_ONEWAY,
+    R_UNANSWERED,
+    REC_BAD,
+    REC_MISS,
+    REC_OK,
+    RECORD_MAGIC_V1,
+    RECORD_MAGIC_V2,
+    RESULTS,
+    SAMPLE_RING,
+    STOREHOST_POS,
+    STOREHOST_V6,
+    SYSFLAG_POS,
+    TOPIC_SLOTS,
+    latency_bucket,
+    result_index,
+)
+
 AddressMap = _records_py.AddressMap
 map_records = _records_py.map_records
 walk_store_hosts = _records_py.walk_store_hosts
-
-EV_FORWARD = 0
-EV_POLICY = 1
-EV_ERROR = 2
-
-ACTION_PASS = 0
-ACTION_POLICY = 1
-
-#: Size of the action and counter tables.  Codes 0..1023 map to themselves, the 5.x pop
-#: family (200000..201022) to 1024..2046, everything else to the last slot.
-CODE_SLOTS = 2048
-OTHER_SLOT = CODE_SLOTS - 1
-
-#: Topic counter table capacity; topics beyond it are counted under ``OTHER_TOPIC``.
-TOPIC_SLOTS = 1024
-MAX_TOPIC_LEN = 255
-OTHER_TOPIC = b"__other__"
-
-DEFAULT_MAX_FRAME = 16 * 1024 * 1024
-DEFAULT_MAX_HEADER = 1024 * 1024
 
 # Request codes whose topic is counted, and where the topic sits in extFields.
 _SEND_V1 = 10
@@ -86,42 +98,6 @@ _SEND_REPLY_V1 = 324
 _SEND_REPLY_V2 = 325
 _PULL = 11
 _LITE_PULL = 361
-
-#: Upper bounds (nanoseconds) of the request latency histogram; one more bucket holds the rest.
-LATENCY_BOUNDS_NS = (
-    100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000, 25_000_000, 50_000_000,
-    100_000_000, 250_000_000, 500_000_000, 1_000_000_000, 2_500_000_000, 5_000_000_000, 10_000_000_000,
-    30_000_000_000,
-)
-LATENCY_BUCKETS = len(LATENCY_BOUNDS_NS) + 1
-
-#: How a request ended (the ``result`` label of ``rmqfast_requests_total``), by index.
-RESULTS = (
-    "success", "system_error", "system_busy", "not_supported", "flush_timeout", "slave_unavailable",
-    "no_permission", "topic_not_exist", "not_found", "retry_immediately", "offset_moved", "other_error",
-    "oneway", "unanswered",
-)
-R_ONEWAY = 12
-R_UNANSWERED = 13
-# response code -> result index; codes not listed are "other_error"
-_RESULT_OF_CODE = {0: 0, 1: 1, 2: 2, 3: 3, 10: 4, 12: 4, 11: 5, 16: 6, 17: 7, 19: 8, 22: 8, 20: 9, 21: 10}
-
-#: Requests awaiting their response that one connection tracks at most (more are not timed).
-MAX_TRACKED = 65536
-#: Sampled requests a ScanStats keeps between two take_samples() calls.
-SAMPLE_RING = 8192
-
-
-def result_index(response_code: int) -> int:
-    return _RESULT_OF_CODE.get(response_code, 11)
-
-
-def latency_bucket(ns: int) -> int:
-    for i, bound in enumerate(LATENCY_BOUNDS_NS):
-        if ns <= bound:
-            return i
-    return len(LATENCY_BOUNDS_NS)
-
 
 _I32 = struct.Struct(">i")
 
@@ -253,20 +229,6 @@ class ScanStats:
     def responses(self) -> list[tuple[int, int]]:
         """``(slot, count)`` for every response-code slot with a non-zero count."""
         return [(s, self.response_counts[s]) for s in range(CODE_SLOTS) if self.response_counts[s]]
-
-
-def _count_batch(body: bytes) -> int:
-    """Number of records in a SEND_BATCH_MESSAGE body (walks the totalSize words only)."""
-    count = 0
-    i = 0
-    n = len(body)
-    while n - i >= 4:
-        size = _I32.unpack_from(body, i)[0]
-        if size <= 0:
-            break
-        count += 1
-        i += size
-    return count
 
 
 class InFlight:
@@ -622,7 +584,7 @@ class FrameScanner:
                 if now_ns < 0:
                     now_ns = time.monotonic_ns()
                 props = header[pspan[0] : pspan[0] + pspan[1]] if pspan is not None else None
-                msgs = _count_batch(bytes(mv[pos + 8 + hlen : pos + total])) if batch else 1
+                msgs = scanned_batch_count(bytes(mv[pos + 8 + hlen : pos + total])) if batch else 1
                 limited = self.limiter.decide(topic, props, pspan is not None and pspan[2], msgs, total, now_ns)
                 if limited >= 0:
                     policy = True
@@ -679,7 +641,7 @@ class FrameScanner:
         else:
             entry[0] += 1
             if batch:
-                entry[1] += _count_batch(bytes(mv[pos + 8 + hlen : pos + total]))
+                entry[1] += scanned_batch_count(bytes(mv[pos + 8 + hlen : pos + total]))
             else:
                 entry[1] += 1
         return topic if topic in self.stats._topics else OTHER_TOPIC

@@ -37,7 +37,6 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from rmqfast.codec._scan_py import DEFAULT_MAX_FRAME, DEFAULT_MAX_HEADER
 from rmqfast.codec.codes import (
     FLAG_ONEWAY,
     FLAG_RESPONSE,
@@ -45,6 +44,7 @@ from rmqfast.codec.codes import (
     SERIALIZE_JSON,
     SERIALIZE_ROCKETMQ,
 )
+from rmqfast.codec.tables import DEFAULT_MAX_FRAME, DEFAULT_MAX_HEADER
 from rmqfast.errors import FrameError, FrameTooLarge, HeaderError
 
 __all__ = [

@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from rmqfast.codec._records_py import layout_fits
+from rmqfast.codec.layout import layout_fits
 
 #: 8 raw bytes (IPv4 + int32 port) -> 8 replacement bytes, or None: leave it.
 Mapping = Callable[[bytes], "bytes | None"]

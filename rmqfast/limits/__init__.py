@@ -19,11 +19,12 @@ from typing import Any
 
 from rmqfast import codec
 from rmqfast._args import SHM_HEADER_BYTES, SHM_IMPL_LEN, SHM_IMPL_OFFSET, shared_header
+from rmqfast.codec import tables
 from rmqfast.limits import _limiter_py
 from rmqfast.limits.rules import LimitRule, LimitsSection, parse_limits
 
 LimiterPy = _limiter_py.Limiter
-SHM_BYTES = _limiter_py.SHM_BYTES
+SHM_BYTES = tables.SHM_BYTES
 SHM_NAME = "limits.shm"
 IMPLEMENTATIONS = ("compiled", "python")
 
@@ -91,10 +92,10 @@ def reset_slots(path: Path, slots: list[int]) -> None:
     """Zero the buckets of rules that changed (a new rate starts from a full bucket)."""
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), SHM_BYTES) as m:
         for s in slots:
-            if not 0 <= s <= _limiter_py.MAX_RULES:
-                raise ValueError(f"bucket slot {s} outside 0..{_limiter_py.MAX_RULES}")
-            off = SHM_HEADER_BYTES + s * _limiter_py.SLOT_BYTES
-            m[off : off + _limiter_py.SLOT_BYTES] = bytes(_limiter_py.SLOT_BYTES)
+            if not 0 <= s <= tables.MAX_RULES:
+                raise ValueError(f"bucket slot {s} outside 0..{tables.MAX_RULES}")
+            off = SHM_HEADER_BYTES + s * tables.SLOT_BYTES
+            m[off : off + tables.SLOT_BYTES] = bytes(tables.SLOT_BYTES)
 
 
 def changed_slots(old: LimitsSection, new: LimitsSection) -> list[int]:

@@ -18,14 +18,18 @@ from typing import Any
 
 from rmqfast._args import SHM_HEADER_BYTES, c_int, check_shared_header, limit_rules
 from rmqfast.codec._header_py import props_tag
+from rmqfast.codec.tables import (  # noqa: F401 - re-exported beside the twin that uses them
+    MAX_COST_NS,
+    MAX_RULES,
+    MODE_LIMIT,
+    MODE_OPEN,
+    MODE_REJECT,
+    SHM_BYTES,
+    SLOT_BYTES,
+    SLOT_WORDS,
+)
 
-SLOT_WORDS = 8
-SLOT_BYTES = SLOT_WORDS * 8
-MAX_RULES = 1023
-SHM_BYTES = SHM_HEADER_BYTES + SLOT_BYTES * (MAX_RULES + 1)
 IMPLEMENTATION = "python"
-MODE_LIMIT, MODE_REJECT, MODE_OPEN = 0, 1, 2
-MAX_COST_NS = 4611686018427387904.0  # 2 ** 62: a send costing that much (ns) is refused
 _Q = struct.Struct("<q")  # native little-endian int64, as the C side sees it on x86-64 / arm64
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from rmqfast.codec import code_slot
 from rmqfast.codec import codes as C
-from rmqfast.codec._scan_py import R_ONEWAY, result_index
 from rmqfast.codec.command import decode_frame
+from rmqfast.codec.tables import R_ONEWAY, result_index
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import PASS, FilterChain, Frame, Kind, Verdict
 

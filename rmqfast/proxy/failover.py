@@ -57,13 +57,14 @@ from gevent.lock import Semaphore
 
 from rmqfast.codec import codes as C
 from rmqfast.codec import slot_code
-from rmqfast.codec._scan_py import _count_batch, result_index
+from rmqfast.codec.batch import scanned_batch_count
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
+from rmqfast.codec.tables import result_index
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
-from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
+from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics, local_shortage
 from rmqfast.proxy.policy import Filter, Frame, Kind, Verdict, slots_of
 
 log = logging.getLogger("rmqfast.failover")
@@ -199,7 +200,7 @@ def ordered_reason(info: SendInfo, cfg: FailoverSection) -> str | None:
 def _messages(cmd: RemotingCommand) -> int:
     """Messages of a send, counted as the relay's scanner counts them for the limiter (a batch: the
     records its totalSize words walk)."""
-    return _count_batch(bytes(cmd.body)) if is_batch(cmd.code, cmd.ext_fields) else 1
+    return scanned_batch_count(bytes(cmd.body)) if is_batch(cmd.code, cmd.ext_fields) else 1
 
 
 class _Upstream:
@@ -593,7 +594,8 @@ class FailoverService:
                 answer = self._request(addr, out)
             except Exception as exc:  # RemoteError: connect refused, closed, no answer in time
                 errors.append(f"{addr}: {exc}")
-                self.health.suspect(addr, f"a moved send failed: {exc}")
+                if not local_shortage(exc):  # out of descriptors ourselves: nothing to suspect the broker of
+                    self.health.suspect(addr, f"a moved send failed: {exc}")
                 continue
             if answer.code in TRY_NEXT_CODES:
                 last = answer

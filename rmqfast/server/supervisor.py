@@ -67,6 +67,8 @@ class WorkerProc:
     buf: bytes = b""
     fatal: str = ""
     refused: str = ""  # why the supervisor refused it (version or codec differs)
+    # listen address -> why this worker cannot accept there now (descriptors, bind), as it reported
+    blocked: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,6 +199,10 @@ class Supervisor:
                 wp.ready = True
             elif msg.get("event") == "fatal":
                 wp.fatal = str(msg.get("error", ""))
+            elif msg.get("event") == "listeners":  # a listener cannot accept, or can again (/readyz)
+                blocked = msg.get("blocked")
+                if isinstance(blocked, dict):
+                    wp.blocked = {str(k): str(v) for k, v in blocked.items()}
 
     def _reap(self) -> None:
         for index, wp in list(self.state.workers.items()):
@@ -444,6 +450,9 @@ class Supervisor:
         workers = list(self.state.workers.values())
         if not workers or not all(w.ready for w in workers):
             return False, f"{sum(w.ready for w in workers)}/{self.cfg.worker_count} workers ready"
+        blocked = [f"worker {w.index}: {why}" for w in workers for why in sorted(w.blocked.values())]
+        if blocked:  # not cached: true again as soon as the worker says it accepts again
+            return False, "cannot accept: " + "; ".join(blocked)
         with self._ready_lock:
             t, ok, why, _ = self._ready_cache
             if time.monotonic() - t < READY_CACHE_SECONDS:

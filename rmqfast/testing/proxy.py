@@ -53,8 +53,10 @@ class ProxyProcess:
         env: dict[str, str] | None = None,
         records: dict[str, Any] | None = None,
         cwd: str | Path | None = None,
+        proxy_settings: str = "",
     ) -> None:
         self.cwd = cwd  # the directory `rmqfast serve` is started from (default: the caller's)
+        self.proxy_settings = proxy_settings  # TOML lines for the [proxy] table (e.g. "max_connections = 10\n")
         self.workdir = Path(tempfile.mkdtemp(prefix="rmqfast-proxy-"))
         self.workers = workers
         self.range_size = range_size
@@ -101,7 +103,7 @@ class ProxyProcess:
             f"""
 [proxy]
 workers = {self.workers}
-state_dir = "{self.workdir / 'state'}"
+{self.proxy_settings}state_dir = "{self.workdir / 'state'}"
 drain_timeout = 5
 
 [namesrv]
