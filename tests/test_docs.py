@@ -4,6 +4,7 @@
 - every TOML block in the README and the docs is a configuration ``rmqfast.config`` accepts
   (a block that shows one section is checked with a name-server upstream added, and the PEM
   files it names are made for the test);
+- the hand-written configuration reference names every key ``rmqfast.config`` accepts;
 - ``mkdocs build --strict`` passes, and fails on a page left out of the nav and on a broken link
   (so the strict build in ``make test`` cannot pass by not looking).
 """
