@@ -54,9 +54,10 @@ from rmqfast.proxy.failover import (
 )
 from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
-from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
+from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain
 from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
+from rmqfast.proxy.routes import RewriteRoutes
 from rmqfast.proxy.tls import TlsContexts
 from rmqfast.server.accept import (
     AcceptGuard,
@@ -207,6 +208,7 @@ class Worker:
         self.failover.replicate = self.replication.filter if self.cfg.replication_enabled else None
         # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
+        self.failover.offset_ids = self.message_addresses.map_offset_ids  # moved sends' answers
         # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
         acl: list[Filter] = [AclTopics(self.cfg.acl, self._denied)] if self.cfg.acl.enabled else []
         # [limits]: sends the scanner's limiter refused get SYSTEM_BUSY or are shaped, before the
@@ -226,7 +228,8 @@ class Worker:
         self.chains = {
             "namesrv": FilterChain(
                 [
-                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied,
+                                   preset=pol.preset),
                     RewriteRoutes(self.registry, self._rewritten,
                                   health=self.health if fo.enabled and fo.heal_routes else None,
                                   book=self.book if fo.enabled else None, on_heal=self._healed),
@@ -234,7 +237,8 @@ class Worker:
             ),
             "broker": FilterChain(
                 [
-                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied,
+                                   preset=pol.preset),
                     *acl,
                     *limit,
                     *gray,

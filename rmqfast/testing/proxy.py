@@ -148,7 +148,11 @@ level = "info"
         for attempt in range(1, self.bind_attempts + 1):
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed by stop()
             self._log_offset = self._log.tell()
-            env = dict(os.environ, **(self.env or {}))
+            # the supervisor's runtime folder (rmqfast-run-*) inside the workdir: gone with it even
+            # when the proxy was killed and could not remove it itself
+            tmp = self.workdir / "tmp"
+            tmp.mkdir(exist_ok=True)
+            env = {**os.environ, "TMPDIR": str(tmp), **(self.env or {})}
             self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)
             try:
                 self.wait_ready(timeout)
