@@ -44,6 +44,7 @@ from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import V1_CODES, field_int, send_fields
 from rmqfast.gray.config import GrayGroup, GraySection
+from rmqfast.gray.handover import Handover
 from rmqfast.gray.rules import (
     GRAY,
     NORMAL,
@@ -95,6 +96,8 @@ class GrayMetrics:
             "rmqfast_gray_retries_kept_total",
             "A gray consumer's send-back (or retry-topic send) refused so that it consumes the message again",
             ["group"])
+        self.held = Counter("rmqfast_gray_pulls_held_total",
+                            "Pulls held during a hand-over fence (answered with no message when it ends)", ["group"])
         self.members = Gauge("rmqfast_gray_members", "Members of the group in the last consumer list seen",
                              ["group", "side"], multiprocess_mode="max")
 
@@ -138,6 +141,7 @@ class GrayFilter(Filter):
         start = clock()
         self.alive_at = {g: start for g in self.groups}  # last time a consumer list had a gray member
         self._phases: dict[str, Phase] = {}  # the phase each group was last seen in (logged on change)
+        self.handover = Handover(cfg.handover)  # the fence and notification at each phase change
 
     def request_slots(self) -> set[int]:
         return slots_of(self.CODES)
@@ -155,7 +159,30 @@ class GrayFilter(Filter):
         if self._phases.get(group) is not ph:
             self._phases[group] = ph
             log.info("gray: phase", extra=ctx(group=group, phase=ph.value, action=action))
+        f, started = self.handover.seen(group, ph, self.clock())
+        if started:
+            log.info("gray: hand-over started (pulls of the group held, consumers notified to rebalance)",
+                     extra=ctx(group=group, phase=ph.value, previous=f.prev.value if f.prev else None,
+                               fence=self.cfg.handover, epoch=f.epoch))
         return ph
+
+    def tick(self, sessions: Any) -> None:
+        """Called a few times a second by the worker: phase changes are seen without waiting for a frame,
+        the group's consumers are notified, held pulls are answered when their fence ends."""
+        for group in self.groups:
+            self.phase(group)
+        notify, release = self.handover.due(self.clock())
+        for group in notify:
+            data, n = self.handover.notify_frame(group), 0
+            for s in list(sessions):
+                st = s._state
+                if st and group in st.get("gray_groups", ()) and _write_client(s, data):
+                    n += 1
+            log.info("gray: consumers notified to rebalance (NOTIFY_CONSUMER_IDS_CHANGED)",
+                     extra=ctx(group=group, connections=n))
+        for group, held in release:
+            n = sum(1 for s, answer in held if _write_client(s, answer))
+            log.info("gray: hand-over fence ended; held pulls answered", extra=ctx(group=group, pulls=n))
 
     def gray_alive(self, group: str) -> bool:
         return self.clock() - self.alive_at.get(group, 0.0) < self.cfg.grace
@@ -218,6 +245,7 @@ class GrayFilter(Filter):
             group = cd.get("groupName") if isinstance(cd, dict) else None
             if group not in self.groups:
                 continue
+            session.state.setdefault("gray_groups", set()).add(group)  # notified at each phase change
             for sd in cd.get("subscriptionDataSet") or ():  # empty in 5.x heartbeats that repeat the last one
                 if not isinstance(sd, dict) or not isinstance(sd.get("topic"), str):
                     continue
@@ -258,6 +286,8 @@ class GrayFilter(Filter):
         key = (g.group, topic, broker, qid)
         parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
         ph = self.phase(g.group)
+        if self.handover.fenced(g.group, self.clock()):
+            return self._hold(session, frame, cmd, g.group)
         if side is None or gq is None or not may_pull(side, ph, gq, self.gray_alive(g.group)):
             if len(parked) < _MAX_TRACKED:
                 parked.setdefault(key, ph)
@@ -267,18 +297,34 @@ class GrayFilter(Filter):
                    else "queue count unknown" if gq is None else f"queue owned by the other side ({ph.value})")
             remark = f"rmqfast gray: {topic} {broker} queue {qid} not pulled by this client: {why}"
             return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
+        epoch = self.handover.epoch(g.group)
         if key in parked:  # this client's position for the queue is stale: start it from the committed offset
-            return self._offset_fix(session, frame, cmd, key, side)
+            return self._offset_fix(session, frame, cmd, key, side, epoch, False)
+        if session.state.get("gray_epochs", {}).get(key, 0) != epoch:
+            # its first pull since a hand-over: from the committed offset or its own position, the later
+            return self._offset_fix(session, frame, cmd, key, side, epoch, True)
         self._own_subscription(session, frame, cmd, g.group, topic)
-        if topic in g.topics:
-            # the broker may hold this pull (long polling) past a switch: its answer is checked again
-            pulls: dict[int, tuple[tuple[Any, ...], str, bool, RemotingCommand]] = session.state.setdefault(
-                "gray_pulls", {})
-            if len(pulls) >= _MAX_TRACKED:
-                pulls.clear()
-            pulls[frame.opaque] = (key, side, gq, cmd)
-            frame.want_response = True
+        # the broker may hold this pull (long polling) past a switch: its answer is checked again
+        pulls: dict[int, tuple[Any, ...]] = session.state.setdefault("gray_pulls", {})
+        if len(pulls) >= _MAX_TRACKED:
+            pulls.clear()
+        pulls[frame.opaque] = (key, side, gq, cmd, epoch)
+        frame.want_response = True
         return None
+
+    def _hold(self, session: Session, frame: Frame, cmd: RemotingCommand, group: str) -> Verdict:
+        """A pull during a hand-over fence: answered with no message when the fence ends."""
+        offset = (cmd.ext_fields or {}).get("queueOffset", "0")
+        out = {"suggestWhichBrokerId": "0", "nextBeginOffset": offset, "minOffset": "0", "maxOffset": offset}
+        answer = encode(make_response(cmd, C.PULL_NOT_FOUND, "rmqfast gray: queues changing hands", ext_fields=out))
+        if self.metrics is not None:
+            self.metrics.held.labels(group).inc()
+        if frame.is_oneway:
+            return divert("gray: one-way pull during a hand-over")
+        if self.handover.hold(group, session, answer):
+            return divert("gray: pull held until the hand-over fence ends")
+        remark = "rmqfast gray: queues changing hands (too many pulls held)"
+        return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
 
     def _own_subscription(self, session: Session, frame: Frame, cmd: RemotingCommand, group: str, topic: str) -> None:
         """The pull carries this client's own subscription (``FLAG_SUBSCRIPTION``): the broker keeps one
@@ -296,7 +342,7 @@ class GrayFilter(Filter):
         frame._cmd = None
 
     def _offset_fix(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
-                    side: str) -> Verdict:
+                    side: str, epoch: int, own_if_later: bool) -> Verdict:
         ext = cmd.ext_fields or {}
         q: dict[str, str] = {"consumerGroup": ext.get("consumerGroup", ""), "topic": ext.get("topic", ""),
                              "queueId": ext.get("queueId", ""), "setZeroIfNotFound": "false"}
@@ -304,10 +350,10 @@ class GrayFilter(Filter):
             q["bname"] = ext["bname"]
         query = RemotingCommand(code=C.QUERY_CONSUMER_OFFSET, language=cmd.language, version=cmd.version,
                                 opaque=cmd.opaque, flag=cmd.flag, ext_fields=q, serialize_type=cmd.serialize_type)
-        fixes: dict[int, tuple[tuple[Any, ...], RemotingCommand, str]] = session.state.setdefault("gray_fixes", {})
+        fixes: dict[int, tuple[Any, ...]] = session.state.setdefault("gray_fixes", {})
         if len(fixes) >= _MAX_TRACKED:
             fixes.clear()
-        fixes[frame.opaque] = (key, cmd, side)
+        fixes[frame.opaque] = (key, cmd, side, epoch, own_if_later)
         frame.want_response = True
         return rewrite(encode(query))
 
@@ -318,8 +364,13 @@ class GrayFilter(Filter):
         cmd, g, topic, qid, broker, side, gq = q
         ph = self.phase(g.group)
         parked_in = session.state.get("gray_parked", {}).get((g.group, topic, broker, qid))
-        ok = (side is not None and gq is not None and may_commit(side, ph, gq, self.gray_alive(g.group))
-              and (parked_in is None or parked_in is Phase.ABORTING))
+        alive = self.gray_alive(g.group)
+        f = self.handover.groups.get(g.group)
+        prev = f.prev if f is not None and self.handover.fenced(g.group, self.clock()) else None
+        # during a hand-over fence the old owner's last commits count too
+        allowed = side is not None and (may_commit(side, ph, gq, alive)
+                                        or (prev is not None and may_commit(side, prev, gq, alive)))
+        ok = gq is not None and allowed and (parked_in is None or parked_in is Phase.ABORTING)
         if ok:
             return None
         if self.metrics is not None:
@@ -439,14 +490,18 @@ class GrayFilter(Filter):
         return None
 
     def _pull_answer(self, session: Session, frame: Frame, key: tuple[Any, ...], side: str, gq: bool,
-                     pull: RemotingCommand) -> Verdict | None:
-        """The answer to a pull the broker held: if the queue changed hands meanwhile, the client gets
-        no message (its position stays) and the queue counts as parked for it."""
+                     pull: RemotingCommand, epoch: int) -> Verdict | None:
+        """The answer to a pull the broker held: if the queue changed hands meanwhile (or a hand-over
+        started), the client gets no message (its position stays) and the queue counts as parked for it
+        (a hand-over: its next pull starts from the committed offset or its own position)."""
         group = key[0]
-        if frame.code != C.SUCCESS or may_pull(side, self.phase(group), gq, self.gray_alive(group)):
+        if frame.code != C.SUCCESS:
+            return None
+        handed = epoch != self.handover.epoch(group) or self.handover.fenced(group, self.clock())
+        if not handed and may_pull(side, self.phase(group), gq, self.gray_alive(group)):
             return None
         parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
-        if len(parked) < _MAX_TRACKED:
+        if not handed and len(parked) < _MAX_TRACKED:
             parked.setdefault(key, self.phase(group))
         if self.metrics is not None:
             self.metrics.answers_dropped.labels(group, side).inc()
@@ -483,17 +538,24 @@ class GrayFilter(Filter):
         return rewrite(frame.with_body(json.dumps({"consumerIdList": shown}, separators=(",", ":")).encode()))
 
     def _offset_answer(self, session: Session, frame: Frame, key: tuple[Any, ...], pull: RemotingCommand,
-                       side: str) -> Verdict:
+                       side: str, epoch: int, own_if_later: bool) -> Verdict:
         resp = frame.command()
         ext = resp.ext_fields or {}
+        own = field_int((pull.ext_fields or {}).get("queueOffset"))
         if resp.code == C.SUCCESS and field_int(ext.get("offset"), -1) >= 0:
             offset = field_int(ext.get("offset"))
+            if own_if_later:  # a client that kept its queue goes on (what it pulled, it was given)
+                offset = max(offset, own)
         elif resp.code in (C.SUCCESS, QUERY_NOT_FOUND):  # never committed: the client's own position stands
-            offset = field_int((pull.ext_fields or {}).get("queueOffset"))
+            offset = own
         else:
             remark = f"rmqfast gray: committed offset not readable ({resp.code} {resp.remark})"
             return rewrite(encode(make_response(pull, C.SYSTEM_BUSY, remark)))
         session.state.get("gray_parked", {}).pop(key, None)
+        epochs: dict[tuple[Any, ...], int] = session.state.setdefault("gray_epochs", {})
+        if len(epochs) >= _MAX_TRACKED:
+            epochs.clear()
+        epochs[key] = epoch
         if self.metrics is not None:
             self.metrics.fixes.labels(key[0], side).inc()
         log.info("gray: queue handed over from the committed offset",
@@ -505,5 +567,18 @@ class GrayFilter(Filter):
                                             ext_fields=out)))
 
     def on_close(self, session: Session) -> None:
-        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged"):
+        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged",
+                  "gray_epochs", "gray_groups"):
             session.state.pop(k, None)
+
+
+def _write_client(session: Any, data: bytes) -> bool:
+    """A frame the proxy makes itself to a client, at a frame boundary of the stream relayed to it."""
+    out = session.to_client
+    if session.closed or out is None:
+        return False
+    try:
+        session.answer(out, data, False)
+    except OSError:  # the client went meanwhile
+        return False
+    return True

@@ -1,0 +1,122 @@
+"""The hand-over of a gray group's queues at a phase change (start, promote, abort, end of a drain).
+
+Each phase change changes which consumer may pull which queue (and which consumer list each member
+is shown), but a client only learns it at its next rebalance (every 20 s by default).  So, per worker
+and per group, from the moment the worker sees the change:
+
+1. **Fence** (``gray.handover`` seconds): no pull of the group is answered with messages.  A pull that
+   arrives is held and answered ``PULL_NOT_FOUND`` (its own ``queueOffset`` as ``nextBeginOffset``) when
+   the fence ends; an answer the broker gives meanwhile to a pull it held (long polling) is turned into
+   the same "no message".  Offset commits of the group pass if the old phase or the new one allows
+   them (the old owner's last commits come in).
+2. **Notify**, a quarter of the fence in (at most :data:`QUIESCE` seconds: what was delivered before
+   the fence is consumed and its offset updated in the client's memory): every connection of the
+   group's consumers on this worker gets the broker's own ``NOTIFY_CONSUMER_IDS_CHANGED`` (40,
+   header ``consumerGroup``), one-way, written at a frame boundary of the stream it is relayed on;
+   the clients rebalance at once: a client drops the queues it no longer owns and commits their
+   offsets as it drops them (Java, Go v2), and takes the new ones.
+3. **After the fence**, each client's first pull of each queue is turned into a query of the group's
+   committed offset (:mod:`rmqfast.gray.filter`) and the client starts from
+   ``max(committed offset, its own position)``: a new owner starts where the old one stopped (its
+   commit came in during the fence); a client that kept its queue goes on from its own position (what
+   it had pulled, it had been given).
+
+The opaques of the proxy's requests count down from ``2**31 - 1``; a broker's count up from 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import RemotingCommand, encode
+from rmqfast.gray.rules import Phase
+
+#: Longest wait from the start of a fence to the notification.
+QUIESCE = 0.5
+#: Pulls one worker holds during a fence at most (past it, a pull is answered "no message" at once).
+MAX_HELD = 20000
+
+
+@dataclass
+class Fence:
+    """One group's hand-over as one worker sees it."""
+
+    phase: Phase
+    prev: Phase | None = None
+    epoch: int = 0  # phase changes this worker has seen for the group
+    since: float = 0.0  # when this worker saw the last one
+    until: float = 0.0  # end of its fence
+    notify_at: float = 0.0
+    notified: bool = True
+    held: list[tuple[Any, bytes]] = field(default_factory=list)  # (session, answer) of pulls held
+
+
+class Handover:
+    """The fences of one worker's gray groups (``fence`` seconds each; 0: none, no notification)."""
+
+    def __init__(self, fence: float) -> None:
+        self.fence = fence
+        self.groups: dict[str, Fence] = {}
+        self._opaque = 0x7FFFFFFF
+
+    def seen(self, group: str, ph: Phase, now: float) -> tuple[Fence, bool]:
+        """The group is in ``ph`` at ``now``: (its fence, whether this starts a hand-over).  The first
+        sight of a group (a worker starting) is no change."""
+        f = self.groups.get(group)
+        if f is None:
+            self.groups[group] = f = Fence(ph)
+            return f, False
+        if f.phase is ph:
+            return f, False
+        f.prev, f.phase = f.phase, ph
+        f.since = now
+        if self.fence > 0:  # 0: as before hand-overs (no fence, no notification, positions kept)
+            f.epoch += 1
+            f.until = now + self.fence
+            f.notify_at = now + min(QUIESCE, self.fence / 4)
+            f.notified = False
+        return f, True
+
+    def fenced(self, group: str, now: float) -> bool:
+        f = self.groups.get(group)
+        return f is not None and now < f.until
+
+    def epoch(self, group: str) -> int:
+        f = self.groups.get(group)
+        return 0 if f is None else f.epoch
+
+    def hold(self, group: str, session: Any, answer: bytes) -> bool:
+        """Keep a pull's answer until the fence ends; False when too many are held already."""
+        f = self.groups[group]
+        if sum(len(g.held) for g in self.groups.values()) >= MAX_HELD:
+            return False
+        f.held.append((session, answer))
+        return True
+
+    def due(self, now: float) -> tuple[list[str], list[tuple[str, list[tuple[Any, bytes]]]]]:
+        """(groups whose consumers are to be notified now, (group, held answers) of fences that ended)."""
+        notify: list[str] = []
+        release: list[tuple[str, list[tuple[Any, bytes]]]] = []
+        for group, f in self.groups.items():
+            if not f.notified and now >= f.notify_at:
+                f.notified = True
+                notify.append(group)
+            if f.held and now >= f.until:
+                release.append((group, f.held))
+                f.held = []
+        return notify, release
+
+    def notify_frame(self, group: str) -> bytes:
+        """``NOTIFY_CONSUMER_IDS_CHANGED`` as the broker sends it (one-way)."""
+        opaque = self._opaque
+        self._opaque = opaque - 1 if opaque > 0x40000000 else 0x7FFFFFFF
+        return encode(RemotingCommand(code=C.NOTIFY_CONSUMER_IDS_CHANGED, flag=C.FLAG_ONEWAY, opaque=opaque,
+                                      ext_fields={"consumerGroup": group}))
+
+    def carry(self, old: Handover | None) -> None:
+        """A reload: the fences under way go on (with the new length for the next ones)."""
+        if old is not None:
+            self.groups = old.groups
+            self._opaque = old._opaque

@@ -1,0 +1,171 @@
+"""The hand-over at a gray phase change (rmqfast/gray/handover.py, its hooks in rmqfast/gray/filter.py):
+pulls held during the fence, NOTIFY_CONSUMER_IDS_CHANGED to the group's connections, the first pull
+after it from max(committed offset, own position), the old owner's commits during the fence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_gray import FakeSession, G, T, frame_of, heartbeat, make_filter, pull
+
+from rmqfast.codec import codes as C
+from rmqfast.codec.command import FLAG_ONEWAY, FLAG_RESPONSE, RemotingCommand, decode_frame
+from rmqfast.errors import ConfigError
+from rmqfast.gray.config import parse_gray
+from rmqfast.gray.handover import Handover
+from rmqfast.gray.rules import Phase
+from rmqfast.proxy.policy import Kind
+
+
+class Conn(FakeSession):
+    """A session as the worker's tick sees it: frames the proxy writes to the client are recorded."""
+
+    def __init__(self, addr: str) -> None:
+        super().__init__(client_addr=addr)
+        self.closed = False
+        self.to_client = object()
+        self.written: list[RemotingCommand] = []
+
+    @property
+    def _state(self) -> dict[str, Any]:
+        return self.state
+
+    def answer(self, out: Any, data: bytes, request: bool) -> None:
+        assert out is self.to_client and request is False
+        self.written.append(decode_frame(data))
+
+
+def commit(qid: int, offset: int, opaque: int = 90) -> Any:
+    return frame_of(RemotingCommand(C.UPDATE_CONSUMER_OFFSET, opaque=opaque, flag=FLAG_ONEWAY, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": str(qid), "commitOffset": str(offset)}))
+
+
+def offset_answer(opaque: int, offset: int) -> Any:
+    return frame_of(RemotingCommand(C.SUCCESS, opaque=opaque, flag=FLAG_RESPONSE, ext_fields={"offset": str(offset)}))
+
+
+def promoted_with_two_consumers() -> tuple[Any, Any, Any, Conn, Conn, Conn]:
+    f, clock, cmds = make_filter(k=1, queues=4, handover=2.0)
+    normal, gray, other = Conn("127.0.0.1:50001"), Conn("127.0.0.1:50002"), Conn("127.0.0.1:50003")
+    heartbeat(f, normal, "127.0.0.1@app-1")
+    heartbeat(f, gray, "127.0.0.1@canary-1")
+    other.state["gray_cid"] = "127.0.0.1@else"  # a connection of no gray group's consumer
+    f.alive_at[G] = clock.t
+    f.tick([normal, gray, other])  # first sight of the group: no hand-over
+    assert not normal.written and not f.handover.fenced(G, clock.t)
+    return f, clock, cmds, normal, gray, other
+
+
+def test_phase_change_holds_pulls_notifies_the_group_and_answers_them_empty_after_the_fence() -> None:
+    f, clock, cmds, normal, gray, other = promoted_with_two_consumers()
+    assert f.on_request(normal, pull(0, opaque=5, offset=40)) is None  # a canary: relayed
+    cmds.cmds[G] = ("promote", clock.t - 10)
+    cmds.extra[G] = {"drained_at": clock.t - 1}  # the promote ended by its drain
+    f.tick([normal, gray, other])  # the worker sees the change
+    assert f.handover.fenced(G, clock.t) and f.phase(G) is Phase.PROMOTED
+    v = f.on_request(gray, pull(0, opaque=6, offset=33))
+    assert v is not None and v.kind is Kind.DIVERT  # held: no message to anybody during the fence
+    v = f.on_request(normal, pull(2, opaque=7, offset=12))
+    assert v is not None and v.kind is Kind.DIVERT
+    assert not normal.written and not gray.written  # notified only once what was delivered is consumed
+    clock.t += 0.5
+    f.tick([normal, gray, other])
+    for conn in (normal, gray):
+        (n,) = conn.written
+        assert n.code == C.NOTIFY_CONSUMER_IDS_CHANGED and n.flag == FLAG_ONEWAY
+        assert n.ext_fields == {"consumerGroup": G} and n.opaque > 0x40000000  # far from the broker's
+    assert other.written == []
+    clock.t += 1.0
+    f.tick([normal, gray, other])
+    assert len(gray.written) == 1  # the fence still runs
+    clock.t += 0.6
+    f.tick([normal, gray, other])
+    r = gray.written[-1]
+    assert r.code == C.PULL_NOT_FOUND and r.opaque == 6 and r.flag & FLAG_RESPONSE and r.body == b""
+    assert r.ext_fields is not None and r.ext_fields["nextBeginOffset"] == "33"  # its own position: no change
+    assert normal.written[-1].opaque == 7 and normal.written[-1].ext_fields["nextBeginOffset"] == "12"
+    f.tick([normal, gray, other])
+    assert len(gray.written) == 2  # answered once
+
+
+def test_first_pull_after_the_fence_starts_from_the_later_of_committed_and_own_position() -> None:
+    f, clock, cmds, normal, gray, other = promoted_with_two_consumers()
+    cmds.cmds[G] = ("promote", clock.t - 10)
+    cmds.extra[G] = {"drained_at": clock.t - 1}
+    f.tick([normal, gray, other])
+    clock.t += 2.1
+    f.tick([normal, gray, other])
+    # the new owner of gray queue 3: its position (from before the old owner's last commit) is behind
+    fr = pull(3, opaque=20, offset=40)
+    v = f.on_request(normal, fr)
+    assert v is not None and v.kind is Kind.REWRITE and fr.want_response
+    assert decode_frame(v.data).code == C.QUERY_CONSUMER_OFFSET
+    v = f.on_response(normal, offset_answer(20, 55))
+    r = decode_frame(v.data)  # type: ignore[union-attr]
+    assert r.code == C.PULL_NOT_FOUND and r.ext_fields["nextBeginOffset"] == "55"  # type: ignore[index]
+    assert f.on_request(normal, pull(3, opaque=21, offset=55)) is None  # from now on relayed
+    # a client ahead of the committed offset (it kept its queue, its last commits not sent yet) goes on
+    # from its own position: it was given what it pulled
+    fr = pull(3, opaque=22, offset=70)
+    v = f.on_request(gray, fr)
+    assert v is not None and v.kind is Kind.REWRITE
+    r = decode_frame(f.on_response(gray, offset_answer(22, 55)).data)  # type: ignore[union-attr]
+    assert r.ext_fields["nextBeginOffset"] == "70"  # type: ignore[index]
+
+
+def test_a_pull_the_broker_held_across_the_change_brings_no_message() -> None:
+    f, clock, cmds, normal, gray, other = promoted_with_two_consumers()
+    fr = pull(0, opaque=30, offset=40)
+    assert f.on_request(normal, fr) is None and fr.want_response
+    cmds.cmds[G] = ("abort", clock.t)
+    f.tick([normal, gray, other])
+    late = frame_of(RemotingCommand(C.SUCCESS, opaque=30, flag=FLAG_RESPONSE, ext_fields={
+        "suggestWhichBrokerId": "0", "nextBeginOffset": "45", "minOffset": "0", "maxOffset": "90"}, body=b"msgs"))
+    v = f.on_response(normal, late)
+    assert v is not None and v.kind is Kind.REWRITE
+    r = decode_frame(v.data)
+    assert r.code == C.PULL_NOT_FOUND and r.body == b"" and r.ext_fields["nextBeginOffset"] == "40"  # type: ignore[index]
+
+
+def test_the_old_owners_commits_count_during_the_fence_only() -> None:
+    f, clock, cmds, normal, gray, other = promoted_with_two_consumers()
+    cmds.cmds[G] = ("promote", clock.t - 10)
+    cmds.extra[G] = {"drained_at": clock.t - 1}
+    f.tick([normal, gray, other])
+    clock.t += 3
+    f.tick([normal, gray, other])
+    assert f.on_request(gray, pull(0, opaque=40, offset=10)).kind is Kind.REWRITE  # type: ignore[union-attr]
+    f.on_response(gray, offset_answer(40, 10))
+    assert f.on_request(gray, pull(0, opaque=41, offset=10)) is None  # promoted: the gray consumer owns queue 0
+    cmds.cmds.pop(G)  # reset: a canary again; normal queue 0 goes back to the normal side
+    cmds.extra.pop(G)
+    f.tick([normal, gray, other])
+    assert f.on_request(gray, commit(0, 25)) is None  # the old owner's commit as it drops the queue: kept
+    clock.t += 2.1
+    f.tick([normal, gray, other])
+    v = f.on_request(gray, commit(0, 26, opaque=91))
+    assert v is not None and v.kind is Kind.DIVERT  # after the fence: not its queue, dropped
+
+
+def test_no_handover_when_off_and_config_checked() -> None:
+    f, clock, cmds = make_filter(k=1, queues=4, handover=0.0)
+    s = Conn("127.0.0.1:50010")
+    heartbeat(f, s, "127.0.0.1@app-1")
+    f.tick([s])
+    cmds.cmds[G] = ("abort", clock.t - 10)
+    f.tick([s])
+    clock.t += 1
+    f.tick([s])
+    assert s.written == [] and f.on_request(s, pull(0)) is None  # relayed as before
+    with pytest.raises(ConfigError, match=r"gray.handover: 0.2 is not allowed; expected 0 .* or 0.5 to 60"):
+        parse_gray({"handover": 0.2})
+    assert parse_gray({"handover": 0}).handover == 0.0 and parse_gray({}).handover == 2.0
+
+
+def test_notify_opaques_count_down_and_wrap_above_the_brokers() -> None:
+    h = Handover(2.0)
+    ops = [decode_frame(h.notify_frame("g")).opaque for _ in range(3)]
+    assert ops == [0x7FFFFFFF, 0x7FFFFFFE, 0x7FFFFFFD]
+    h._opaque = 0x40000000
+    assert [decode_frame(h.notify_frame("g")).opaque for _ in range(2)] == [0x40000000, 0x7FFFFFFF]
