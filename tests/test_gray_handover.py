@@ -169,3 +169,66 @@ def test_notify_opaques_count_down_and_wrap_above_the_brokers() -> None:
     assert ops == [0x7FFFFFFF, 0x7FFFFFFE, 0x7FFFFFFD]
     h._opaque = 0x40000000
     assert [decode_frame(h.notify_frame("g")).opaque for _ in range(2)] == [0x40000000, 0x7FFFFFFF]
+
+
+def pull_with_commit(qid: int, opaque: int, offset: int, committed: int) -> Any:
+    return frame_of(RemotingCommand(C.PULL_MESSAGE, opaque=opaque, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": str(qid), "queueOffset": str(offset), "maxMsgNums": "32",
+        "sysFlag": "3", "commitOffset": str(committed), "suspendTimeoutMillis": "15000", "subVersion": "1"}))
+
+
+def owning(f: Any, conn: Conn, qid: int, opaque: int, offset: int) -> None:
+    """``conn`` pulls queue ``qid`` in the current phase (its first pull since a hand-over is an offset fix)."""
+    v = f.on_request(conn, pull(qid, opaque=opaque, offset=offset))
+    if v is not None:
+        assert v.kind is Kind.REWRITE
+        f.on_response(conn, offset_answer(opaque, offset))
+        assert f.on_request(conn, pull(qid, opaque=opaque + 1, offset=offset)) is None
+
+
+def test_a_client_losing_a_queue_it_keeps_has_its_consumed_offset_committed() -> None:
+    f, clock, cmds, normal, gray, other = promoted_with_two_consumers()
+    cmds.cmds[G] = ("abort", clock.t - 10)  # aborted: the normal consumer pulls gray queue 3
+    f.tick([normal, gray, other])
+    clock.t += 2.1
+    f.tick([normal, gray, other])
+    owning(f, normal, 3, 50, 100)
+    normal.written.clear()  # the abort's notification and answers
+    cmds.cmds.pop(G)  # reset: the gray side takes queue 3 back; the normal consumer keeps it (parked)
+    f.tick([normal, gray, other])
+    v = f.on_request(normal, pull_with_commit(3, 52, 120, 118))
+    assert v is not None and v.kind is Kind.DIVERT  # held until the notification
+    clock.t += 0.5
+    f.tick([normal, gray, other])
+    assert [w.code for w in normal.written] == [C.NOTIFY_CONSUMER_IDS_CHANGED, C.PULL_NOT_FOUND]  # released early
+    fr = pull_with_commit(3, 53, 120, 120)  # all consumed by now: its next pull carries the final offset
+    v = f.on_request(normal, fr)
+    assert v is not None and v.kind is Kind.REWRITE and fr.want_response
+    c = decode_frame(v.data)
+    assert c.code == C.UPDATE_CONSUMER_OFFSET and c.opaque == 53 and not c.flag & FLAG_ONEWAY
+    assert c.ext_fields == {"consumerGroup": G, "topic": T, "queueId": "3", "commitOffset": "120"}
+    v = f.on_response(normal, frame_of(RemotingCommand(C.SUCCESS, opaque=53, flag=FLAG_RESPONSE)))
+    r = decode_frame(v.data)  # type: ignore[union-attr]
+    assert r.code == C.SYSTEM_BUSY and r.opaque == 53  # its pull waits; the queue is the gray side's now
+    # a client that keeps its queue is not losing it: held until the fence ends, nothing committed
+    owning_normal = f.on_request(normal, pull_with_commit(0, 54, 10, 10))
+    assert owning_normal is not None and owning_normal.kind is Kind.DIVERT
+    clock.t += 1.6
+    f.tick([normal, gray, other])
+    assert decode_frame(f.on_request(normal, pull(3, opaque=55)).data).code == C.SYSTEM_BUSY  # type: ignore[union-attr]
+
+
+def test_a_new_owners_commit_before_its_first_pull_does_not_undo_the_old_owners() -> None:
+    f, clock, cmds, normal, gray, other = promoted_with_two_consumers()
+    owning(f, gray, 3, 60, 170)  # a canary: the gray consumer pulls gray queue 3
+    cmds.cmds[G] = ("promote", clock.t - 10)
+    cmds.extra[G] = {"drained_at": clock.t - 1}
+    f.tick([normal, gray, other])  # promoted: one group; the normal consumer gets queue 3 in its rebalance
+    # it read queue 3's committed offset (179) before the gray consumer's drop commit (180) and persists it
+    v = f.on_request(normal, commit(3, 179, opaque=62))
+    assert v is not None and v.kind is Kind.DIVERT  # dropped: it has not pulled the queue since the change
+    assert f.on_request(gray, commit(3, 180, opaque=63)) is None  # the old owner's drop commit: kept
+    clock.t += 2.1
+    f.tick([normal, gray, other])
+    owning(f, normal, 3, 64, 180)  # its first pull starts it at the committed 180; from then on it commits
+    assert f.on_request(normal, commit(3, 185, opaque=66)) is None

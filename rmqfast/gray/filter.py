@@ -44,7 +44,7 @@ from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import V1_CODES, field_int, send_fields
 from rmqfast.gray.config import GrayGroup, GraySection
-from rmqfast.gray.handover import Handover
+from rmqfast.gray.handover import Handover, commit_of_pull, held_answer, write_client
 from rmqfast.gray.rules import (
     GRAY,
     NORMAL,
@@ -176,13 +176,13 @@ class GrayFilter(Filter):
             data, n = self.handover.notify_frame(group), 0
             for s in list(sessions):
                 st = s._state
-                if st and group in st.get("gray_groups", ()) and _write_client(s, data):
+                if st and group in st.get("gray_groups", ()) and write_client(s, data):
                     n += 1
             log.info("gray: consumers notified to rebalance (NOTIFY_CONSUMER_IDS_CHANGED)",
                      extra=ctx(group=group, connections=n))
         for group, held in release:
-            n = sum(1 for s, answer in held if _write_client(s, answer))
-            log.info("gray: hand-over fence ended; held pulls answered", extra=ctx(group=group, pulls=n))
+            n = sum(1 for s, answer in held if write_client(s, answer))
+            log.info("gray: held pulls answered", extra=ctx(group=group, pulls=n))
 
     def gray_alive(self, group: str) -> bool:
         return self.clock() - self.alive_at.get(group, 0.0) < self.cfg.grace
@@ -287,7 +287,7 @@ class GrayFilter(Filter):
         parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
         ph = self.phase(g.group)
         if self.handover.fenced(g.group, self.clock()):
-            return self._hold(session, frame, cmd, g.group)
+            return self._fenced_pull(session, frame, cmd, key, side, gq, ph)
         if side is None or gq is None or not may_pull(side, ph, gq, self.gray_alive(g.group)):
             if len(parked) < _MAX_TRACKED:
                 parked.setdefault(key, ph)
@@ -310,18 +310,38 @@ class GrayFilter(Filter):
             pulls.clear()
         pulls[frame.opaque] = (key, side, gq, cmd, epoch)
         frame.want_response = True
+        owned: dict[tuple[Any, ...], int] = session.state.setdefault("gray_owned", {})
+        if len(owned) >= _MAX_TRACKED:
+            owned.clear()
+        owned[key] = epoch  # it pulls the queue in this phase
         return None
 
-    def _hold(self, session: Session, frame: Frame, cmd: RemotingCommand, group: str) -> Verdict:
-        """A pull during a hand-over fence: answered with no message when the fence ends."""
-        offset = (cmd.ext_fields or {}).get("queueOffset", "0")
-        out = {"suggestWhichBrokerId": "0", "nextBeginOffset": offset, "minOffset": "0", "maxOffset": offset}
-        answer = encode(make_response(cmd, C.PULL_NOT_FOUND, "rmqfast gray: queues changing hands", ext_fields=out))
+    def _fenced_pull(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
+                     side: str | None, gq: bool | None, ph: Phase) -> Verdict:
+        """A pull during a hand-over fence (:mod:`rmqfast.gray.handover`): held, answered with no message
+        when the fence ends; a client that loses the queue has its consumed offset committed instead."""
+        group = key[0]
+        f = self.handover.groups[group]
+        owned = session.state.get("gray_owned", {})
+        losing = (owned.get(key) == f.epoch - 1 and side is not None and gq is not None
+                  and not may_pull(side, ph, gq, self.gray_alive(group)))
+        if losing and f.notified and (commit := commit_of_pull(cmd)) is not None:
+            owned.pop(key, None)  # if it gets the queue back: from the committed offset
+            session.state.setdefault("gray_parked", {}).setdefault(key, ph)
+            last: dict[int, RemotingCommand] = session.state.setdefault("gray_last_commits", {})
+            if len(last) >= _MAX_TRACKED:
+                last.clear()
+            last[frame.opaque] = cmd
+            frame.want_response = True
+            offset = (commit.ext_fields or {}).get("commitOffset")
+            log.info("gray: a client losing a queue has its consumed offset committed",
+                     extra=ctx(group=group, queue=key[1:], offset=offset, client=session.client_addr))
+            return rewrite(encode(commit))
         if self.metrics is not None:
             self.metrics.held.labels(group).inc()
         if frame.is_oneway:
             return divert("gray: one-way pull during a hand-over")
-        if self.handover.hold(group, session, answer):
+        if self.handover.hold(group, session, held_answer(cmd), early=losing):
             return divert("gray: pull held until the hand-over fence ends")
         remark = "rmqfast gray: queues changing hands (too many pulls held)"
         return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
@@ -370,7 +390,10 @@ class GrayFilter(Filter):
         # during a hand-over fence the old owner's last commits count too
         allowed = side is not None and (may_commit(side, ph, gq, alive)
                                         or (prev is not None and may_commit(side, prev, gq, alive)))
-        ok = gq is not None and allowed and (parked_in is None or parked_in is Phase.ABORTING)
+        # since a hand-over, only a client that pulled the queue in this phase or the last one commits it
+        epoch = self.handover.epoch(g.group)
+        seen = epoch == 0 or session.state.get("gray_owned", {}).get((g.group, topic, broker, qid), -1) >= epoch - 1
+        ok = gq is not None and allowed and seen and (parked_in is None or parked_in is Phase.ABORTING)
         if ok:
             return None
         if self.metrics is not None:
@@ -484,6 +507,10 @@ class GrayFilter(Filter):
         fixes: dict[int, Any] | None = session.state.get("gray_fixes")
         if fixes and frame.opaque in fixes:
             return self._offset_answer(session, frame, *fixes.pop(frame.opaque))
+        last: dict[int, RemotingCommand] | None = session.state.get("gray_last_commits")
+        if last and frame.opaque in last:  # a losing client's last commit went in: its pull waits 3 s
+            remark = f"rmqfast gray: queue handed over (last position committed: {frame.code})"
+            return rewrite(encode(make_response(last.pop(frame.opaque), C.SYSTEM_BUSY, remark)))
         pulls: dict[int, Any] | None = session.state.get("gray_pulls")
         if pulls and frame.opaque in pulls:
             return self._pull_answer(session, frame, *pulls.pop(frame.opaque))
@@ -568,17 +595,6 @@ class GrayFilter(Filter):
 
     def on_close(self, session: Session) -> None:
         for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged",
-                  "gray_epochs", "gray_groups"):
+                  "gray_epochs", "gray_groups", "gray_owned", "gray_last_commits"):
             session.state.pop(k, None)
 
-
-def _write_client(session: Any, data: bytes) -> bool:
-    """A frame the proxy makes itself to a client, at a frame boundary of the stream relayed to it."""
-    out = session.to_client
-    if session.closed or out is None:
-        return False
-    try:
-        session.answer(out, data, False)
-    except OSError:  # the client went meanwhile
-        return False
-    return True

@@ -15,6 +15,12 @@ and per group, from the moment the worker sees the change:
    header ``consumerGroup``), one-way, written at a frame boundary of the stream it is relayed on;
    the clients rebalance at once: a client drops the queues it no longer owns and commits their
    offsets as it drops them (Java, Go v2), and takes the new ones.
+   A client that loses a queue without dropping it (the other side takes it: a reset after a promote or
+   an abort; it goes on holding the queue, parked) commits nothing then; so its held pull is answered at
+   the notification already, and its next pull, which carries its consumed offset (``commitOffset``),
+   is turned into an ``UPDATE_CONSUMER_OFFSET`` of that offset and answered ``SYSTEM_BUSY``.  A commit of
+   a client that pulled the queue neither in this phase nor in the last one (a new owner that read its
+   start offset from the broker before the old owner's last commit) is dropped: it would undo that commit.
 3. **After the fence**, each client's first pull of each queue is turned into a query of the group's
    committed offset (:mod:`rmqfast.gray.filter`) and the client starts from
    ``max(committed offset, its own position)``: a new owner starts where the old one stopped (its
@@ -30,11 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rmqfast.codec import codes as C
-from rmqfast.codec.command import RemotingCommand, encode
+from rmqfast.codec.command import RemotingCommand, encode, make_response
+from rmqfast.codec.sendheader import field_int
 from rmqfast.gray.rules import Phase
 
 #: Longest wait from the start of a fence to the notification.
 QUIESCE = 0.5
+#: PullSysFlag: the pull carries the client's consumed offset (``commitOffset``), which the broker commits
+FLAG_COMMIT_OFFSET = 1
 #: Pulls one worker holds during a fence at most (past it, a pull is answered "no message" at once).
 MAX_HELD = 20000
 
@@ -51,6 +60,7 @@ class Fence:
     notify_at: float = 0.0
     notified: bool = True
     held: list[tuple[Any, bytes]] = field(default_factory=list)  # (session, answer) of pulls held
+    early: list[tuple[Any, bytes]] = field(default_factory=list)  # those of clients losing the queue
 
 
 class Handover:
@@ -87,12 +97,13 @@ class Handover:
         f = self.groups.get(group)
         return 0 if f is None else f.epoch
 
-    def hold(self, group: str, session: Any, answer: bytes) -> bool:
-        """Keep a pull's answer until the fence ends; False when too many are held already."""
+    def hold(self, group: str, session: Any, answer: bytes, early: bool = False) -> bool:
+        """Keep a pull's answer until the fence ends (``early``: until the notification, a client losing
+        the queue); False when too many are held already."""
         f = self.groups[group]
-        if sum(len(g.held) for g in self.groups.values()) >= MAX_HELD:
+        if sum(len(g.held) + len(g.early) for g in self.groups.values()) >= MAX_HELD:
             return False
-        f.held.append((session, answer))
+        (f.early if early and not f.notified else f.held).append((session, answer))
         return True
 
     def due(self, now: float) -> tuple[list[str], list[tuple[str, list[tuple[Any, bytes]]]]]:
@@ -103,6 +114,9 @@ class Handover:
             if not f.notified and now >= f.notify_at:
                 f.notified = True
                 notify.append(group)
+            if f.early and f.notified:
+                release.append((group, f.early))
+                f.early = []
             if f.held and now >= f.until:
                 release.append((group, f.held))
                 f.held = []
@@ -120,3 +134,36 @@ class Handover:
         if old is not None:
             self.groups = old.groups
             self._opaque = old._opaque
+
+
+def held_answer(pull: RemotingCommand) -> bytes:
+    """What a pull held in a fence is answered: no message, the client's position unchanged."""
+    offset = (pull.ext_fields or {}).get("queueOffset", "0")
+    out = {"suggestWhichBrokerId": "0", "nextBeginOffset": offset, "minOffset": "0", "maxOffset": offset}
+    return encode(make_response(pull, C.PULL_NOT_FOUND, "rmqfast gray: queues changing hands", ext_fields=out))
+
+
+def commit_of_pull(pull: RemotingCommand) -> RemotingCommand | None:
+    """The ``UPDATE_CONSUMER_OFFSET`` (two-way, the pull's opaque) of the consumed offset a pull carries
+    (``FLAG_COMMIT_OFFSET`` and ``commitOffset``); None when it carries none."""
+    ext = pull.ext_fields or {}
+    flag = field_int(ext.get("sysFlag"), -1)
+    offset = field_int(ext.get("commitOffset"), -1)
+    if flag < 0 or not flag & FLAG_COMMIT_OFFSET or offset < 0 or "AccessKey" in ext:  # a signature covers it
+        return None
+    q = {k: ext[k] for k in ("consumerGroup", "topic", "queueId", "bname") if k in ext}
+    q["commitOffset"] = str(offset)
+    return RemotingCommand(code=C.UPDATE_CONSUMER_OFFSET, language=pull.language, version=pull.version,
+                           opaque=pull.opaque, flag=pull.flag, ext_fields=q, serialize_type=pull.serialize_type)
+
+
+def write_client(session: Any, data: bytes) -> bool:
+    """A frame the proxy makes itself to a client, at a frame boundary of the stream relayed to it."""
+    out = session.to_client
+    if session.closed or out is None:
+        return False
+    try:
+        session.answer(out, data, False)
+    except OSError:  # the client went meanwhile
+        return False
+    return True
