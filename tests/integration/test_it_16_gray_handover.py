@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from itutil import BOUND, unique, wait_until
-from test_it_16_gray import Consumer, Producer, _status, _topic_on_both
+from test_it_16_gray import QUEUES, Consumer, Producer, _status, _topic_on_both
 
 from rmqfast.testing import JarPaths, RocketMQCluster, ensure_jars
 from rmqfast.testing.javaclient import start_driver
@@ -37,6 +37,7 @@ pytestmark = pytest.mark.integration
 
 SETTLE = 3.0
 HANDOVER = 2.0
+SEEN = 0.5  # every worker has seen a phase change this long after it
 CYCLES = int(os.environ.get("RMQFAST_GRAY_CYCLES", "5"))  # promotes and aborts each
 
 
@@ -55,7 +56,12 @@ def test_promote_abort_reset_deliver_no_message_to_two_consumers(
     a, _ = pair
     topic, group = unique("grayho"), unique("grayhocg")
     _topic_on_both(pair, topic)
+    # [failover] off: on this loaded machine its health probe saw a slow broker dead twice in one run and cut
+    # every connection to it; the broker then forgot those consumers until their next heartbeat (30 s), the
+    # members' consumer lists disagreed and queues went to two consumers or to none (not a hand-over matter)
     extra = f"""
+[failover]
+enabled = false
 [gray]
 settle = {SETTLE}
 handover = {HANDOVER}
@@ -166,7 +172,9 @@ def _cycles(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
 def _judge(producers: list[Producer], consumers: list[Consumer], changes: list[tuple[str, float]]) -> dict[str, Any]:
     """Lost, delivered to two consumers, delivered twice to one; per phase change the switch time: from the
     change until every queue that got a message sent after it delivered one (None: one never did before the
-    next change)."""
+    next change).  Only messages sent 0.5 s or more after the change count: every worker has seen it by then
+    (they check every 0.1 s and read the command file at most 0.25 s late), and a delivery before that may
+    still come from the phase before."""
     sent_at: dict[str, float] = {}
     stored: list[tuple[str, int, float]] = []
     for p in producers:
@@ -188,9 +196,12 @@ def _judge(producers: list[Producer], consumers: list[Consumer], changes: list[t
         nxt = changes[i + 1][1] if i + 1 < len(changes) else float("inf")
         per_queue: dict[tuple[str, int], float] = {}
         for broker, q, s, d in firsts:
-            if at <= s < nxt and d < nxt:
+            if at + SEEN <= s < nxt and d < nxt:
                 per_queue[(broker, q)] = min(per_queue.get((broker, q), d), d)
-        used = {(broker, q) for broker, q, s in stored if at <= s < nxt}  # after an abort: no gray queue
+        # after an abort: nobody pulls the gray queues until its settle (messages stored there as the abort
+        # was on its way to the workers wait for it)
+        used = {(broker, q) for broker, q, s in stored
+                if at + SEEN <= s < nxt and not (name == "abort" and q == QUEUES - 1)}
         ok = used and set(per_queue) >= used
         switch.append((name, round(max(per_queue[k] for k in used) - at, 2) if ok else None))
     return {"sent": len(sent_at), "lost": len(lost), "lost_keys": lost[:10], "to_two_consumers": len(two),
