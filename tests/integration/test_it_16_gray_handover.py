@@ -1,9 +1,11 @@
 """Gray promote, abort and reset hand queues over without delivering a message to two consumers
-(issue 33; real RocketMQ 5.3.3, two masters, real Java 5.3.3 push consumers and producers through
-rmqfast with ``[gray]``, two workers).
+(issue 33; real RocketMQ 5.3.3, two masters, real push consumers through rmqfast with ``[gray]``, two
+workers; Java 5.3.3 producers).
 
-One group: two normal consumers (``app-n1``, ``app-n2``) and one gray one (``canary-g1``); a normal
-producer and a gray one (user property ``gray=true``) send every 20 ms through the whole run.  Cycles
+One group, two consumer mixes: Java 5.3.3 only (two normal consumers ``app-n1``, ``app-n2`` and a gray
+one ``canary-g1``), and Java 5.3.3, Java 4.9.4 and Go v2 2.1.2 (normal ``app-n1`` 5.3.3 and ``app-n2``
+4.9.4, gray ``canary-j4`` 4.9.4 and ``canary-go``).  A normal producer and a gray one (user property
+``gray=true``) send every 20 ms through the whole run.  Cycles
 of promote (waited for until it ends by its drain), reset, abort (past its settle), reset, each phase
 paced by acknowledged sends.  Every acknowledged message is counted per consumer: none lost, none
 delivered to two consumers (a second delivery to the same consumer is counted apart).  The switch time
@@ -16,19 +18,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from itutil import BOUND, unique, wait_until
-from test_it_16_gray import QUEUES, Consumer, Producer, _status, _topic_on_both
+from test_it_16_gray import QUEUES, Producer, _status, _topic_on_both
 
 from rmqfast.testing import JarPaths, RocketMQCluster, ensure_jars
+from rmqfast.testing.goclient import GoDriverProcess, start_godriver
 from rmqfast.testing.javaclient import start_driver
 from rmqfast.testing.jvm import kill_group
 from rmqfast.testing.proxy import ProxyProcess
@@ -41,17 +46,64 @@ SEEN = 0.5  # every worker has seen a phase change this long after it
 CYCLES = int(os.environ.get("RMQFAST_GRAY_CYCLES", "5"))  # promotes and aborts each
 
 
+# Java: "DELIVERED run:idx broker:queue epoch_ms"; Go: the same, then "reconsume[ refused]"
+_TRACE = re.compile(r"^DELIVERED (\S+) (\S+):(-?\d+) (\d+)(?: \d+)?( refused)?$", re.M)
+MIXES = {"java5": [("app-n1", False, "5"), ("app-n2", False, "5"), ("canary-g1", True, "5")],
+         "java5-java4-go": [("app-n1", False, "5"), ("app-n2", False, "4"), ("canary-j4", True, "4"),
+                            ("canary-go", True, "go")]}
+
+
+@dataclass
+class Member:
+    """A push consumer of the group (a Java driver or the Go driver) and its delivery trace."""
+
+    name: str
+    gray: bool
+    proc: Any
+    trace: Callable[[], str]
+
+    def deliveries(self) -> list[tuple[str, str, int, int]]:
+        """(run:idx, broker, queue id, epoch ms) in delivery order (none refused: every delivery is acknowledged)."""
+        return [(m[1], m[2], int(m[3]), int(m[4])) for m in _TRACE.finditer(self.trace())]
+
+
+def _start(name: str, gray: bool, client: str, jars4: JarPaths, ns: str, topic: str, group: str, work: Path,
+           stop: Path) -> Member:
+    if client == "go":
+        go = start_godriver("consume-push", ns, topic=topic, group=group, expect=10**6, timeout_ms=900000,
+                            instance=name, stop_file=str(stop), trace_deliveries=True)
+        return Member(name, gray, go, lambda: go.stderr_tail(10**8))
+    proc = start_driver("consume-push", ns, client, jars=jars4, log_dir=work, topic=topic, group=group,
+                        instance_name=name, expect=10**6, timeout_ms=900000, stop_file=str(stop),
+                        trace_deliveries=True, settle_ms=0, **{"from": "CONSUME_FROM_FIRST_OFFSET"})
+    return Member(name, gray, proc, proc.stderr_text)
+
+
+def _started(m: Member) -> None:
+    if isinstance(m.proc, GoDriverProcess):
+        wait_until(lambda: "CONSUMER_STARTED" in m.proc.stderr_tail(10**6) or m.proc.poll() is not None, BOUND,
+                   f"{m.name} started")
+        assert m.proc.poll() is None, m.proc.stderr_tail()
+    else:
+        m.proc.wait_started(BOUND)
+
+
 @pytest.fixture(scope="module")
-def pair(jars: JarPaths) -> Iterator[tuple[RocketMQCluster, RocketMQCluster]]:
-    jars4 = ensure_jars(jars.java_dir, rocketmq4=True)  # the 4.9.4 client's jars too
+def jars4(jars: JarPaths) -> JarPaths:
+    return ensure_jars(jars.java_dir, rocketmq4=True)  # the 4.9.4 client's jars too
+
+
+@pytest.fixture(scope="module")
+def pair(jars4: JarPaths) -> Iterator[tuple[RocketMQCluster, RocketMQCluster]]:
     with contextlib.ExitStack() as stack:
         a = stack.enter_context(RocketMQCluster(jars=jars4, broker_name="broker-a"))
         b = stack.enter_context(RocketMQCluster(jars=jars4, broker_name="broker-b", join=a))
         yield a, b
 
 
+@pytest.mark.parametrize("mix", list(MIXES))
 def test_promote_abort_reset_deliver_no_message_to_two_consumers(
-        jars: JarPaths, pair: tuple[RocketMQCluster, RocketMQCluster], tmp_path: Path,
+        mix: str, jars4: JarPaths, pair: tuple[RocketMQCluster, RocketMQCluster], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     a, _ = pair
     topic, group = unique("grayho"), unique("grayhocg")
@@ -77,28 +129,27 @@ property = "gray=true"
     with ProxyProcess([a.namesrv_addr], workers=2, extra_config=extra) as proxy:
         ns = proxy.namesrv_addr
         stop = tmp_path / "consumers.stop"
-        consumers = [
-            Consumer(name, gray, start_driver(
-                "consume-push", ns, "5", jars=jars, log_dir=tmp_path, topic=topic, group=group,
-                instance_name=name, expect=10**6, timeout_ms=900000, stop_file=str(stop), trace_deliveries=True,
-                settle_ms=0, **{"from": "CONSUME_FROM_FIRST_OFFSET"}))
-            for name, gray in (("app-n1", False), ("app-n2", False), ("canary-g1", True))]
+        consumers = [_start(name, gray, client, jars4, ns, topic, group, tmp_path, stop)
+                     for name, gray, client in MIXES[mix]]
         producers = [Producer("normal", False, "5", f"n{os.getpid()}", tmp_path, ["--group", "pg-app"]),
                      Producer("grayprop", True, "5", f"p{os.getpid()}", tmp_path,
                               ["--group", "pg-app2", "--props", "gray=true"])]
         changes: list[tuple[str, float]] = []
         try:
             for c in consumers:
-                c.proc.wait_started(BOUND)
+                _started(c)
             for p in producers:
-                p.start(jars, ns, topic)
+                p.start(jars4, ns, topic)
             _cycles(proxy, group, producers, consumers, changes)
             for p in producers:
                 p.stop()
             _consumed_all(producers, consumers)
             stop.touch()
+            traces = {c.name: c.trace() for c in consumers}  # the Go driver's folder goes with its result
             for c in consumers:
                 c.proc.result(BOUND, check=False)
+            for c in consumers:
+                c.trace = (lambda t: lambda: t)(traces[c.name])
             metrics = proxy.metrics()
         finally:
             for p in producers:
@@ -111,7 +162,7 @@ property = "gray=true"
     res = _judge(producers, consumers, changes)
     held = sum(v for (n, lbl), v in metrics.items() if n == "rmqfast_gray_pulls_held_total")
     with capsys.disabled():
-        print(f"\ngray hand-over ({CYCLES} promotes, {CYCLES} aborts, {2 * CYCLES} resets): {json.dumps(res)}"
+        print(f"\ngray hand-over, {mix} ({CYCLES} promotes, {CYCLES} aborts, {2 * CYCLES} resets): {json.dumps(res)}"
               f"\npulls held during fences: {held:g}")
     assert res["sent"] >= 200, res
     assert res["lost"] == 0, res
@@ -122,14 +173,14 @@ property = "gray=true"
     assert all(s is not None and s <= HANDOVER + 5 for _, s in res["switch_s"]), res["switch_s"]
 
 
-def _consumed_all(producers: list[Producer], consumers: list[Consumer]) -> None:
+def _consumed_all(producers: list[Producer], consumers: list[Member]) -> None:
     def done() -> bool:
         got = {d[0] for c in consumers for d in c.deliveries()}
         return all(f"{p.run}:{i}" in got for p in producers for i, *_ in p.ok)
     wait_until(done, BOUND * 2, "every acknowledged message consumed")
 
 
-def _cycles(proxy: ProxyProcess, group: str, producers: list[Producer], consumers: list[Consumer],
+def _cycles(proxy: ProxyProcess, group: str, producers: list[Producer], consumers: list[Member],
             changes: list[tuple[str, float]]) -> None:
     def sent(n: int) -> None:
         base = [len(p.ok) for p in producers]
@@ -169,7 +220,7 @@ def _cycles(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
     sent(15)
 
 
-def _judge(producers: list[Producer], consumers: list[Consumer], changes: list[tuple[str, float]]) -> dict[str, Any]:
+def _judge(producers: list[Producer], consumers: list[Member], changes: list[tuple[str, float]]) -> dict[str, Any]:
     """Lost, delivered to two consumers, delivered twice to one; per phase change the switch time: from the
     change until every queue that got a message sent after it delivered one (None: one never did before the
     next change).  Only messages sent 0.5 s or more after the change count: every worker has seen it by then
