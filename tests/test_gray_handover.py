@@ -64,6 +64,14 @@ def test_phase_change_holds_pulls_notifies_the_group_and_answers_them_empty_afte
     cmds.extra[G] = {"drained_at": clock.t - 1}  # the promote ended by its drain
     f.tick([normal, gray, other])  # the worker sees the change
     assert f.handover.fenced(G, clock.t) and f.phase(G) is Phase.PROMOTED
+    # the pull the broker holds is answered by the proxy at once, no message; the broker's answer is dropped
+    (cut,) = normal.written
+    assert cut.code == C.PULL_NOT_FOUND and cut.opaque == 5 and cut.ext_fields["nextBeginOffset"] == "40"  # type: ignore[index]
+    late = frame_of(RemotingCommand(C.SUCCESS, opaque=5, flag=FLAG_RESPONSE, ext_fields={
+        "suggestWhichBrokerId": "0", "nextBeginOffset": "45", "minOffset": "0", "maxOffset": "90"}, body=b"msgs"))
+    v = f.on_response(normal, late)
+    assert v is not None and v.kind is Kind.DIVERT
+    normal.written.clear()
     v = f.on_request(gray, pull(0, opaque=6, offset=33))
     assert v is not None and v.kind is Kind.DIVERT  # held: no message to anybody during the fence
     v = f.on_request(normal, pull(2, opaque=7, offset=12))
@@ -119,7 +127,7 @@ def test_a_pull_the_broker_held_across_the_change_brings_no_message() -> None:
     fr = pull(0, opaque=30, offset=40)
     assert f.on_request(normal, fr) is None and fr.want_response
     cmds.cmds[G] = ("abort", clock.t)
-    f.tick([normal, gray, other])
+    f.phase(G)  # seen by a frame before the worker's tick answered the pulls in flight
     late = frame_of(RemotingCommand(C.SUCCESS, opaque=30, flag=FLAG_RESPONSE, ext_fields={
         "suggestWhichBrokerId": "0", "nextBeginOffset": "45", "minOffset": "0", "maxOffset": "90"}, body=b"msgs"))
     v = f.on_response(normal, late)
@@ -193,9 +201,9 @@ def test_a_client_losing_a_queue_it_keeps_has_its_consumed_offset_committed() ->
     clock.t += 2.1
     f.tick([normal, gray, other])
     owning(f, normal, 3, 50, 100)
-    normal.written.clear()  # the abort's notification and answers
     cmds.cmds.pop(G)  # reset: the gray side takes queue 3 back; the normal consumer keeps it (parked)
     f.tick([normal, gray, other])
+    normal.written.clear()  # the abort's notification and answers, the reset's answer to its pull in flight
     v = f.on_request(normal, pull_with_commit(3, 52, 120, 118))
     assert v is not None and v.kind is Kind.DIVERT  # held until the notification
     clock.t += 0.5

@@ -44,7 +44,7 @@ from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import V1_CODES, field_int, send_fields
 from rmqfast.gray.config import GrayGroup, GraySection
-from rmqfast.gray.handover import Handover, commit_of_pull, held_answer, write_client
+from rmqfast.gray.handover import Handover, commit_of_pull, held_answer, run_due
 from rmqfast.gray.rules import (
     GRAY,
     NORMAL,
@@ -171,18 +171,7 @@ class GrayFilter(Filter):
         the group's consumers are notified, held pulls are answered when their fence ends."""
         for group in self.groups:
             self.phase(group)
-        notify, release = self.handover.due(self.clock())
-        for group in notify:
-            data, n = self.handover.notify_frame(group), 0
-            for s in list(sessions):
-                st = s._state
-                if st and group in st.get("gray_groups", ()) and write_client(s, data):
-                    n += 1
-            log.info("gray: consumers notified to rebalance (NOTIFY_CONSUMER_IDS_CHANGED)",
-                     extra=ctx(group=group, connections=n))
-        for group, held in release:
-            n = sum(1 for s, answer in held if write_client(s, answer))
-            log.info("gray: held pulls answered", extra=ctx(group=group, pulls=n))
+        run_due(self.handover, sessions, self.clock())
 
     def gray_alive(self, group: str) -> bool:
         return self.clock() - self.alive_at.get(group, 0.0) < self.cfg.grace
@@ -501,6 +490,10 @@ class GrayFilter(Filter):
     # Responses ----------------------------------------------------------------------------------
 
     def on_response(self, session: Session, frame: Frame) -> Verdict | None:
+        cut: set[int] | None = session.state.get("gray_cut")
+        if cut and frame.opaque in cut:  # the proxy answered this pull when a hand-over started
+            cut.discard(frame.opaque)
+            return divert("gray: answer to a pull answered at a hand-over")
         lists: dict[int, str] | None = session.state.get("gray_lists")
         if lists and frame.opaque in lists:
             return self._consumer_list_response(session, frame, lists.pop(frame.opaque))
@@ -595,6 +588,6 @@ class GrayFilter(Filter):
 
     def on_close(self, session: Session) -> None:
         for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged",
-                  "gray_epochs", "gray_groups", "gray_owned", "gray_last_commits"):
+                  "gray_epochs", "gray_groups", "gray_owned", "gray_last_commits", "gray_cut"):
             session.state.pop(k, None)
 

@@ -4,11 +4,13 @@ Each phase change changes which consumer may pull which queue (and which consume
 is shown), but a client only learns it at its next rebalance (every 20 s by default).  So, per worker
 and per group, from the moment the worker sees the change:
 
-1. **Fence** (``gray.handover`` seconds): no pull of the group is answered with messages.  A pull that
-   arrives is held and answered ``PULL_NOT_FOUND`` (its own ``queueOffset`` as ``nextBeginOffset``) when
-   the fence ends; an answer the broker gives meanwhile to a pull it held (long polling) is turned into
-   the same "no message".  Offset commits of the group pass if the old phase or the new one allows
-   them (the old owner's last commits come in).
+1. **Fence** (``gray.handover`` seconds): no pull of the group is answered with messages.  The pulls the
+   broker holds (long polling) are answered by the proxy at once, "no message" (the broker's answer, when
+   it comes, is dropped): the clients pull again, and a client whose queue gets no new message is not left
+   waiting at the broker (up to 15 s) through the hand-over.  A pull that arrives is held and answered
+   ``PULL_NOT_FOUND`` (its own ``queueOffset`` as ``nextBeginOffset``) when the fence ends; an answer
+   the broker gives to a pull relayed before the worker saw the change is turned into the same.  Offset
+   commits of the group pass if the old phase or the new one allows them (the old owner's last commits).
 2. **Notify**, a quarter of the fence in (at most :data:`QUIESCE` seconds: what was delivered before
    the fence is consumed and its offset updated in the client's memory): every connection of the
    group's consumers on this worker gets the broker's own ``NOTIFY_CONSUMER_IDS_CHANGED`` (40,
@@ -32,6 +34,7 @@ The opaques of the proxy's requests count down from ``2**31 - 1``; a broker's co
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +42,9 @@ from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.sendheader import field_int
 from rmqfast.gray.rules import Phase
+from rmqfast.log import ctx
+
+log = logging.getLogger("rmqfast.gray")
 
 #: Longest wait from the start of a fence to the notification.
 QUIESCE = 0.5
@@ -59,6 +65,7 @@ class Fence:
     until: float = 0.0  # end of its fence
     notify_at: float = 0.0
     notified: bool = True
+    cut: bool = True  # the pulls in flight at its start were answered
     held: list[tuple[Any, bytes]] = field(default_factory=list)  # (session, answer) of pulls held
     early: list[tuple[Any, bytes]] = field(default_factory=list)  # those of clients losing the queue
 
@@ -86,7 +93,7 @@ class Handover:
             f.epoch += 1
             f.until = now + self.fence
             f.notify_at = now + min(QUIESCE, self.fence / 4)
-            f.notified = False
+            f.notified = f.cut = False
         return f, True
 
     def fenced(self, group: str, now: float) -> bool:
@@ -106,11 +113,16 @@ class Handover:
         (f.early if early and not f.notified else f.held).append((session, answer))
         return True
 
-    def due(self, now: float) -> tuple[list[str], list[tuple[str, list[tuple[Any, bytes]]]]]:
-        """(groups whose consumers are to be notified now, (group, held answers) of fences that ended)."""
+    def due(self, now: float) -> tuple[list[str], list[str], list[tuple[str, list[tuple[Any, bytes]]]]]:
+        """(groups whose fence started: their pulls in flight are to be answered, groups whose consumers are
+        to be notified now, (group, held answers to write) of fences that ended or notified)."""
+        started: list[str] = []
         notify: list[str] = []
         release: list[tuple[str, list[tuple[Any, bytes]]]] = []
         for group, f in self.groups.items():
+            if not f.cut:
+                f.cut = True
+                started.append(group)
             if not f.notified and now >= f.notify_at:
                 f.notified = True
                 notify.append(group)
@@ -120,7 +132,7 @@ class Handover:
             if f.held and now >= f.until:
                 release.append((group, f.held))
                 f.held = []
-        return notify, release
+        return started, notify, release
 
     def notify_frame(self, group: str) -> bytes:
         """``NOTIFY_CONSUMER_IDS_CHANGED`` as the broker sends it (one-way)."""
@@ -167,3 +179,31 @@ def write_client(session: Any, data: bytes) -> bool:
     except OSError:  # the client went meanwhile
         return False
     return True
+
+
+def run_due(handover: Handover, sessions: Any, now: float) -> None:
+    """What the worker's tick does for the fences (:meth:`Handover.due`) over its ``sessions``."""
+    started, notify, release = handover.due(now)
+    for group in started:
+        n = 0
+        for s in list(sessions):
+            st = s._state
+            pulls = st.get("gray_pulls") if st else None
+            for opaque, entry in list(pulls.items()) if pulls else ():
+                if entry[0][0] == group:  # (key, side, gray queue, pull, epoch); key[0] is the group
+                    del pulls[opaque]
+                    if write_client(s, held_answer(entry[3])):
+                        st.setdefault("gray_cut", set()).add(opaque)
+                        n += 1
+        log.info("gray: pulls at the brokers answered at the hand-over's start", extra=ctx(group=group, pulls=n))
+    for group in notify:
+        data, n = handover.notify_frame(group), 0
+        for s in list(sessions):
+            st = s._state
+            if st and group in st.get("gray_groups", ()) and write_client(s, data):
+                n += 1
+        log.info("gray: consumers notified to rebalance (NOTIFY_CONSUMER_IDS_CHANGED)",
+                 extra=ctx(group=group, connections=n))
+    for group, held in release:
+        n = sum(1 for s, answer in held if write_client(s, answer))
+        log.info("gray: held pulls answered", extra=ctx(group=group, pulls=n))

@@ -156,6 +156,8 @@ property = "gray=true"
                 if p.proc is not None and p.proc.poll() is None:
                     kill_group(p.proc)
             for c in consumers:
+                with contextlib.suppress(OSError):
+                    (tmp_path / f"{c.name}.trace").write_text(c.trace())  # kept for a look after a failure
                 c.proc.kill()
             with contextlib.suppress(OSError):
                 shutil.copy(proxy.log_path, tmp_path / "proxy.log")
