@@ -76,25 +76,56 @@ def test_phase_change_holds_pulls_notifies_the_group_and_answers_them_empty_afte
     assert v is not None and v.kind is Kind.DIVERT  # held: no message to anybody during the fence
     v = f.on_request(normal, pull(2, opaque=7, offset=12))
     assert v is not None and v.kind is Kind.DIVERT
-    assert not normal.written and not gray.written  # notified only once what was delivered is consumed
-    clock.t += 0.5
+    assert not normal.written and not gray.written
+    clock.t += 0.5  # a quarter in: what was delivered before is consumed; the held pulls are answered
+    f.tick([normal, gray, other])
+    (r,) = gray.written
+    assert r.code == C.PULL_NOT_FOUND and r.opaque == 6 and r.flag & FLAG_RESPONSE and r.body == b""
+    assert r.ext_fields is not None and r.ext_fields["nextBeginOffset"] == "33"  # its own position: no change
+    assert [(w.opaque, w.ext_fields["nextBeginOffset"]) for w in normal.written] == [(7, "12")]  # type: ignore[index]
+    v = f.on_request(gray, pull(0, opaque=8, offset=33))  # it pulls again: held to the fence's end
+    assert v is not None and v.kind is Kind.DIVERT
+    clock.t += 0.5  # half-way: the group's connections are told to rebalance
     f.tick([normal, gray, other])
     for conn in (normal, gray):
-        (n,) = conn.written
+        n = conn.written[-1]
         assert n.code == C.NOTIFY_CONSUMER_IDS_CHANGED and n.flag == FLAG_ONEWAY
         assert n.ext_fields == {"consumerGroup": G} and n.opaque > 0x40000000  # far from the broker's
     assert other.written == []
-    clock.t += 1.0
+    clock.t += 0.9
     f.tick([normal, gray, other])
-    assert len(gray.written) == 1  # the fence still runs
-    clock.t += 0.6
+    assert len(gray.written) == 2  # the fence still runs
+    clock.t += 0.2
     f.tick([normal, gray, other])
     r = gray.written[-1]
-    assert r.code == C.PULL_NOT_FOUND and r.opaque == 6 and r.flag & FLAG_RESPONSE and r.body == b""
-    assert r.ext_fields is not None and r.ext_fields["nextBeginOffset"] == "33"  # its own position: no change
-    assert normal.written[-1].opaque == 7 and normal.written[-1].ext_fields["nextBeginOffset"] == "12"
+    assert r.code == C.PULL_NOT_FOUND and r.opaque == 8 and r.ext_fields["nextBeginOffset"] == "33"  # type: ignore[index]
     f.tick([normal, gray, other])
-    assert len(gray.written) == 2  # answered once
+    assert len(gray.written) == 3  # answered once
+
+
+def test_the_last_owner_of_a_queue_commits_its_consumed_offset_and_waits_for_the_fences_end() -> None:
+    f, clock, cmds, normal, gray, other = promoted_with_two_consumers()
+    owning(f, gray, 3, 60, 170)  # a canary: the gray consumer pulls gray queue 3
+    cmds.cmds[G] = ("promote", clock.t - 10)
+    cmds.extra[G] = {"drained_at": clock.t - 1}
+    f.tick([normal, gray, other])
+    assert [(w.code, w.opaque) for w in gray.written] == [(C.PULL_NOT_FOUND, 60)]  # its pull at the broker
+    v = f.on_request(gray, pull_with_commit(3, 70, 175, 172))
+    assert v is not None and v.kind is Kind.DIVERT  # held until a quarter in
+    clock.t += 0.5
+    f.tick([normal, gray, other])
+    assert gray.written[-1].opaque == 70
+    fr = pull_with_commit(3, 71, 175, 175)  # everything consumed by now: its final position
+    v = f.on_request(gray, fr)
+    assert v is not None and v.kind is Kind.REWRITE and fr.want_response
+    c = decode_frame(v.data)
+    assert c.code == C.UPDATE_CONSUMER_OFFSET and c.ext_fields["commitOffset"] == "175"  # type: ignore[index]
+    v = f.on_response(gray, frame_of(RemotingCommand(C.SUCCESS, opaque=71, flag=FLAG_RESPONSE)))
+    assert v is not None and v.kind is Kind.DIVERT  # promoted: it may keep the queue; its pull waits
+    assert f.on_request(gray, pull_with_commit(3, 72, 175, 175)).kind is Kind.DIVERT  # type: ignore[union-attr]
+    clock.t += 1.6
+    f.tick([normal, gray, other])
+    assert [w.opaque for w in gray.written if w.code == C.PULL_NOT_FOUND][-2:] == [71, 72]
 
 
 def test_first_pull_after_the_fence_starts_from_the_later_of_committed_and_own_position() -> None:
@@ -208,7 +239,7 @@ def test_a_client_losing_a_queue_it_keeps_has_its_consumed_offset_committed() ->
     assert v is not None and v.kind is Kind.DIVERT  # held until the notification
     clock.t += 0.5
     f.tick([normal, gray, other])
-    assert [w.code for w in normal.written] == [C.NOTIFY_CONSUMER_IDS_CHANGED, C.PULL_NOT_FOUND]  # released early
+    assert [w.code for w in normal.written] == [C.PULL_NOT_FOUND]  # a quarter in: the held pulls are answered
     fr = pull_with_commit(3, 53, 120, 120)  # all consumed by now: its next pull carries the final offset
     v = f.on_request(normal, fr)
     assert v is not None and v.kind is Kind.REWRITE and fr.want_response

@@ -307,33 +307,37 @@ class GrayFilter(Filter):
 
     def _fenced_pull(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
                      side: str | None, gq: bool | None, ph: Phase) -> Verdict:
-        """A pull during a hand-over fence (:mod:`rmqfast.gray.handover`): held, answered with no message
-        when the fence ends; a client that loses the queue has its consumed offset committed instead."""
+        """A pull during a hand-over fence (:mod:`rmqfast.gray.handover`): held, answered with no message;
+        once the held pulls were answered, the next pull of the client of the phase before commits its
+        consumed offset first."""
         group = key[0]
         f = self.handover.groups[group]
         owned = session.state.get("gray_owned", {})
-        losing = (owned.get(key) == f.epoch - 1 and side is not None and gq is not None
-                  and not may_pull(side, ph, gq, self.gray_alive(group)))
-        if losing and f.notified and (commit := commit_of_pull(cmd)) is not None:
-            owned.pop(key, None)  # if it gets the queue back: from the committed offset
-            session.state.setdefault("gray_parked", {}).setdefault(key, ph)
-            last: dict[int, RemotingCommand] = session.state.setdefault("gray_last_commits", {})
+        if f.released and owned.get(key) == f.epoch - 1 and (commit := commit_of_pull(cmd)) is not None:
+            owned.pop(key, None)  # once per fence; after it, its first pull sets its position again
+            losing = side is None or gq is None or not may_pull(side, ph, gq, self.gray_alive(group))
+            if losing:  # if it gets the queue back: from the committed offset
+                session.state.setdefault("gray_parked", {}).setdefault(key, ph)
+            last: dict[int, tuple[RemotingCommand, bool]] = session.state.setdefault("gray_last_commits", {})
             if len(last) >= _MAX_TRACKED:
                 last.clear()
-            last[frame.opaque] = cmd
+            last[frame.opaque] = (cmd, losing)
             frame.want_response = True
             offset = (commit.ext_fields or {}).get("commitOffset")
-            log.info("gray: a client losing a queue has its consumed offset committed",
-                     extra=ctx(group=group, queue=key[1:], offset=offset, client=session.client_addr))
+            log.info("gray: consumed offset of the queue's last owner committed", extra=ctx(
+                group=group, queue=key[1:], offset=offset, losing=losing, client=session.client_addr))
             return rewrite(encode(commit))
         if self.metrics is not None:
             self.metrics.held.labels(group).inc()
+        return self._hold(session, frame, cmd, group)
+
+    def _hold(self, session: Session, frame: Frame, pull: RemotingCommand, group: str) -> Verdict:
         if frame.is_oneway:
             return divert("gray: one-way pull during a hand-over")
-        if self.handover.hold(group, session, held_answer(cmd), early=losing):
-            return divert("gray: pull held until the hand-over fence ends")
+        if self.handover.hold(group, session, held_answer(pull)):
+            return divert("gray: pull held during a hand-over")
         remark = "rmqfast gray: queues changing hands (too many pulls held)"
-        return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
+        return reply(encode(make_response(pull, C.SYSTEM_BUSY, remark)))
 
     def _own_subscription(self, session: Session, frame: Frame, cmd: RemotingCommand, group: str, topic: str) -> None:
         """The pull carries this client's own subscription (``FLAG_SUBSCRIPTION``): the broker keeps one
@@ -500,10 +504,13 @@ class GrayFilter(Filter):
         fixes: dict[int, Any] | None = session.state.get("gray_fixes")
         if fixes and frame.opaque in fixes:
             return self._offset_answer(session, frame, *fixes.pop(frame.opaque))
-        last: dict[int, RemotingCommand] | None = session.state.get("gray_last_commits")
-        if last and frame.opaque in last:  # a losing client's last commit went in: its pull waits 3 s
+        last: dict[int, tuple[RemotingCommand, bool]] | None = session.state.get("gray_last_commits")
+        if last and frame.opaque in last:  # its last position is committed: the pull waits
+            pull, losing = last.pop(frame.opaque)
+            if not losing:
+                return self._hold(session, frame, pull, (pull.ext_fields or {}).get("consumerGroup", ""))
             remark = f"rmqfast gray: queue handed over (last position committed: {frame.code})"
-            return rewrite(encode(make_response(last.pop(frame.opaque), C.SYSTEM_BUSY, remark)))
+            return rewrite(encode(make_response(pull, C.SYSTEM_BUSY, remark)))
         pulls: dict[int, Any] | None = session.state.get("gray_pulls")
         if pulls and frame.opaque in pulls:
             return self._pull_answer(session, frame, *pulls.pop(frame.opaque))

@@ -11,19 +11,23 @@ and per group, from the moment the worker sees the change:
    ``PULL_NOT_FOUND`` (its own ``queueOffset`` as ``nextBeginOffset``) when the fence ends; an answer
    the broker gives to a pull relayed before the worker saw the change is turned into the same.  Offset
    commits of the group pass if the old phase or the new one allows them (the old owner's last commits).
-2. **Notify**, a quarter of the fence in (at most :data:`QUIESCE` seconds: what was delivered before
-   the fence is consumed and its offset updated in the client's memory): every connection of the
-   group's consumers on this worker gets the broker's own ``NOTIFY_CONSUMER_IDS_CHANGED`` (40,
-   header ``consumerGroup``), one-way, written at a frame boundary of the stream it is relayed on;
-   the clients rebalance at once: a client drops the queues it no longer owns and commits their
-   offsets as it drops them (Java, Go v2), and takes the new ones.
-   A client that loses a queue without dropping it (the other side takes it: a reset after a promote or
-   an abort; it goes on holding the queue, parked) commits nothing then; so its held pull is answered at
-   the notification already, and its next pull, which carries its consumed offset (``commitOffset``),
-   is turned into an ``UPDATE_CONSUMER_OFFSET`` of that offset and answered ``SYSTEM_BUSY``.  A commit of
-   a client that pulled the queue neither in this phase nor in the last one (a new owner that read its
-   start offset from the broker before the old owner's last commit) is dropped: it would undo that commit.
-3. **After the fence**, each client's first pull of each queue is turned into a query of the group's
+2. **Last positions**, a quarter of the fence in (at most :data:`QUIESCE` seconds: what was delivered
+   before the fence is consumed meanwhile): the pulls held so far are answered (no message), the
+   clients pull again at once, and such a pull of a client that pulled the queue in the phase before,
+   which carries its consumed offset (``commitOffset``, ``FLAG_COMMIT_OFFSET``), is turned into an
+   ``UPDATE_CONSUMER_OFFSET`` of that offset; the pull is then held to the fence's end, or answered
+   ``SYSTEM_BUSY`` if the client loses the queue.  The clients' own commits are not enough: a client
+   that loses a queue without dropping it (the other side takes it: a reset after a promote or an
+   abort) commits nothing then, and the Go client (v2.1.2) drops the other queues' offsets from its
+   table each time it commits a dropped queue's (``persist``), so its later drops commit nothing.  A
+   commit of a client that pulled the queue neither in this phase nor in the last one (a new owner
+   that read its start offset from the broker before the old owner's last commit) is dropped: it
+   would undo that commit.
+3. **Notify**, half the fence in: every connection of the group's consumers on this worker gets the
+   broker's own ``NOTIFY_CONSUMER_IDS_CHANGED`` (40, header ``consumerGroup``), one-way, written at a
+   frame boundary of the stream it is relayed on; the clients rebalance at once: a client drops the
+   queues it no longer owns and takes the new ones.
+4. **After the fence**, each client's first pull of each queue is turned into a query of the group's
    committed offset (:mod:`rmqfast.gray.filter`) and the client starts from
    ``max(committed offset, its own position)``: a new owner starts where the old one stopped (its
    commit came in during the fence); a client that kept its queue goes on from its own position (what
@@ -63,11 +67,13 @@ class Fence:
     epoch: int = 0  # phase changes this worker has seen for the group
     since: float = 0.0  # when this worker saw the last one
     until: float = 0.0  # end of its fence
+    release_at: float = 0.0  # the pulls held so far are answered (the clients pull again with their offsets)
+    released: bool = True
     notify_at: float = 0.0
     notified: bool = True
     cut: bool = True  # the pulls in flight at its start were answered
     held: list[tuple[Any, bytes]] = field(default_factory=list)  # (session, answer) of pulls held
-    early: list[tuple[Any, bytes]] = field(default_factory=list)  # those of clients losing the queue
+    early: list[tuple[Any, bytes]] = field(default_factory=list)  # those held until ``release_at``
 
 
 class Handover:
@@ -92,8 +98,9 @@ class Handover:
         if self.fence > 0:  # 0: as before hand-overs (no fence, no notification, positions kept)
             f.epoch += 1
             f.until = now + self.fence
-            f.notify_at = now + min(QUIESCE, self.fence / 4)
-            f.notified = f.cut = False
+            f.release_at = now + min(QUIESCE, self.fence / 4)
+            f.notify_at = now + self.fence / 2
+            f.released = f.notified = f.cut = False
         return f, True
 
     def fenced(self, group: str, now: float) -> bool:
@@ -104,18 +111,18 @@ class Handover:
         f = self.groups.get(group)
         return 0 if f is None else f.epoch
 
-    def hold(self, group: str, session: Any, answer: bytes, early: bool = False) -> bool:
-        """Keep a pull's answer until the fence ends (``early``: until the notification, a client losing
-        the queue); False when too many are held already."""
+    def hold(self, group: str, session: Any, answer: bytes) -> bool:
+        """Keep a pull's answer until ``release_at`` (before it) or the fence's end; False when too many
+        are held already."""
         f = self.groups[group]
         if sum(len(g.held) + len(g.early) for g in self.groups.values()) >= MAX_HELD:
             return False
-        (f.early if early and not f.notified else f.held).append((session, answer))
+        (f.held if f.released else f.early).append((session, answer))
         return True
 
     def due(self, now: float) -> tuple[list[str], list[str], list[tuple[str, list[tuple[Any, bytes]]]]]:
         """(groups whose fence started: their pulls in flight are to be answered, groups whose consumers are
-        to be notified now, (group, held answers to write) of fences that ended or notified)."""
+        to be notified now, (group, held answers to write) of fences at ``release_at`` or their end)."""
         started: list[str] = []
         notify: list[str] = []
         release: list[tuple[str, list[tuple[Any, bytes]]]] = []
@@ -123,12 +130,13 @@ class Handover:
             if not f.cut:
                 f.cut = True
                 started.append(group)
+            if not f.released and now >= f.release_at:
+                f.released = True
+                release.append((group, f.early))
+                f.early = []
             if not f.notified and now >= f.notify_at:
                 f.notified = True
                 notify.append(group)
-            if f.early and f.notified:
-                release.append((group, f.early))
-                f.early = []
             if f.held and now >= f.until:
                 release.append((group, f.held))
                 f.held = []
