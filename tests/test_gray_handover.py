@@ -271,3 +271,21 @@ def test_a_new_owners_commit_before_its_first_pull_does_not_undo_the_old_owners(
     f.tick([normal, gray, other])
     owning(f, normal, 3, 64, 180)  # its first pull starts it at the committed 180; from then on it commits
     assert f.on_request(normal, commit(3, 185, opaque=66)) is None
+
+
+def test_the_workers_view_of_the_command_file_runs_a_lead_behind_it(tmp_path: Any) -> None:
+    import os
+    import time
+
+    from rmqfast.gray.state import Commands, write_command
+
+    path = tmp_path / "gray.json"
+    write_command(path, G, "abort", now=100.0)
+    os.utime(path, (time.time() - 10, time.time() - 10))  # written 10 s ago
+    c = Commands(path, interval=0.0, lead=0.5)
+    assert c.command(G) == {"action": "abort", "at": 100.0}
+    write_command(path, G, "promote", now=200.0)  # just written: not yet in effect for any worker
+    assert c.command(G) == {"action": "abort", "at": 100.0}
+    os.utime(path, (time.time() - 0.6, time.time() - 0.6))  # as if written 0.6 s ago: in effect everywhere
+    assert c.command(G) == {"action": "promote", "at": 200.0}
+    assert Commands(path, interval=0.0).command(G) == {"action": "promote", "at": 200.0}  # no lead: at once

@@ -153,9 +153,9 @@ class GrayFilter(Filter):
 
     def phase(self, group: str) -> Phase:
         c = self.commands.command(group)
-        action, at = (c["action"], c["at"]) if c else (None, 0.0)
-        ph = phase(action, at, self.clock(), self.cfg.settle, c.get("drained_at") if c else None,
-                   self.cfg.drain_timeout)
+        action, at, drained = (c["action"], c["at"], c.get("drained_at")) if c else (None, 0.0, None)
+        lag = getattr(self.commands, "lead", 0.0)  # the workers' common view runs that far behind the file
+        ph = phase(action, at, self.clock() - lag, self.cfg.settle, drained, self.cfg.drain_timeout)
         if self._phases.get(group) is not ph:
             self._phases[group] = ph
             log.info("gray: phase", extra=ctx(group=group, phase=ph.value, action=action))

@@ -298,7 +298,10 @@ class Worker:
             return self.book.broker_name_of(addr)
 
         g = self.cfg.gray
-        commands = Commands(state_path(g.state_file, self.cfg.proxy.state_dir), interval=0.25)
+        # every worker reads the file within 0.35 s (0.25 s + its 0.1 s tick) and switches 0.5 s after it was
+        # written: all at the same instant (a client rebalancing meanwhile sees one phase everywhere)
+        commands = Commands(state_path(g.state_file, self.cfg.proxy.state_dir), interval=0.25,
+                            lead=0.5 if g.handover > 0 else 0.0)
         gray = GrayFilter(g, queues, commands, gray_metrics(), broker_name=broker_name)
         old = getattr(self, "gray", None)
         gray.handover.carry(old.handover if old is not None else None)  # a reload keeps the fences under way
