@@ -206,7 +206,9 @@ def _cycles(proxy: ProxyProcess, group: str, producers: list[Producer], consumer
         at = command("promote")
         changes.append(("promote", at))
         sent(10)
-        st = wait_until(lambda: (g := _status(proxy, group))["drain"] != "draining" and g, BOUND, "promote drained")
+        # the status computes the phase at its own clock from the drain's time (the watch's): wait for both
+        st = wait_until(lambda: (g := _status(proxy, group))["drain"] != "draining" and g["phase"] != "promoting"
+                        and g, BOUND, "promote drained")
         assert st["drain"] == "drained" and st["phase"] == "promoted", st
         changes.append(("promoted", st["since"] + st["drained_after"]))
         past(changes[-1][1])
