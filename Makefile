@@ -38,10 +38,11 @@ install: $(PYTHON) system-deps
 demo: install
 	$(PYTHON) -m rmqfast demo
 
-# Unit tests with the compiled codec, then again with the pure-Python reference the tests that
-# touch a twin (marker "twin"); at the same time, in a second lane, the
-# integration tests against a real RocketMQ name server + broker and real clients
-# (tests/run_suite.sh says why and how).
+# Unit tests with the compiled codec (the Spark report tests among them, local and on a
+# standalone cluster), the benchmark suite once with --benchmark-disable, then again with the
+# pure-Python reference the tests that touch a twin (marker "twin"); at the same time, in a
+# second lane, the integration tests against a real RocketMQ name server + broker and real
+# clients (tests/run_suite.sh says why and how).
 test: install lint docs
 	PYTHON=$(PYTHON) bash tests/run_suite.sh
 
@@ -51,8 +52,11 @@ test-unit: install
 test-integration: install
 	$(PYTHON) -m pytest -q -m integration
 
+# ruff, then the import layers of rmqfast (the contract in pyproject.toml [tool.importlinter]:
+# a module never imports from a layer above its own; docs/architecture.md).
 lint:
-	$(PYTHON) -m ruff check rmqfast tests bench spark
+	$(PYTHON) -m ruff check rmqfast tests bench spark tools
+	$(VENV)/bin/lint-imports --no-cache
 
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, a missing anchor or a page
 # left out of the nav. Built into site/ (ignored by git); `$(VENV)/bin/mkdocs serve` to read it.

@@ -64,14 +64,13 @@ from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, 
 from rmqfast.codec.tables import result_index
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
-from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
+from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics, local_shortage
 from rmqfast.proxy.policy import Filter, Frame, Kind, Verdict, slots_of
 
 log = logging.getLogger("rmqfast.failover")
 
 _I32 = struct.Struct(">i")
 
-SEND_CODES = frozenset({C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE})
 SERVICE_NOT_AVAILABLE = 14
 #: Answers after which the next live master is tried (the producer would retry them too).
 TRY_NEXT_CODES = frozenset({C.SYSTEM_ERROR, C.SYSTEM_BUSY, SERVICE_NOT_AVAILABLE, C.NO_PERMISSION,
@@ -169,7 +168,7 @@ def send_info(cmd: RemotingCommand) -> SendInfo | None:
     V1 or V2 field names by request code, as the broker decides (``SEND_MESSAGE`` reads
     ``topic``, ``queueId``...; the others ``b``, ``e``...), never by which keys are present.
     """
-    if cmd.code not in SEND_CODES or cmd.is_response:
+    if cmd.code not in C.SEND_CODES or cmd.is_response:
         return None
     f = send_fields(cmd.code, cmd.ext_fields)
     topic = f.get("b")
@@ -273,13 +272,13 @@ class KeepSendsInFlight(Filter):
         self.held = 0  # bytes kept by every connection of the worker's chain
 
     def request_slots(self) -> set[int]:
-        return slots_of(SEND_CODES) if self.everything else set()
+        return slots_of(C.SEND_CODES) if self.everything else set()
 
     def passive_slots(self) -> set[int]:
-        return slots_of(SEND_CODES)
+        return slots_of(C.SEND_CODES)
 
     def on_request(self, session: Any, frame: Any) -> None:
-        if frame.is_oneway or frame.code not in SEND_CODES:
+        if frame.is_oneway or frame.code not in C.SEND_CODES:
             return None
         st = session.state
         kept: dict[int, bytes] | None = st.get("kept")
@@ -359,7 +358,7 @@ def answer_in_flight(session: Any, remark: str,
     for opaque, slot in inflight.waiting(0):
         if inflight.take(0, opaque) is None:
             continue
-        is_send = slot_code(slot) in SEND_CODES
+        is_send = slot_code(slot) in C.SEND_CODES
         sends += is_send
         data = keeper.release(session, opaque) if keeper is not None and is_send else None
         if data is not None:
@@ -456,7 +455,7 @@ def stalled_sends(sessions: Collection[Any], now: float) -> dict[str, float]:
         inflight = s.inflight
         if s.role != "broker" or s.closed or inflight is None or not len(inflight) or not s.upstream_addr:
             continue
-        oldest = next((o for o, slot in inflight.waiting(0) if slot_code(slot) in SEND_CODES), None)
+        oldest = next((o for o, slot in inflight.waiting(0) if slot_code(slot) in C.SEND_CODES), None)
         if oldest is None:
             s.stall_mark = None
             continue
@@ -517,6 +516,10 @@ class FailoverService:
         #: [clouds] / [replicate] (set by the worker, and on reload): its rmqfast.replicate.ReplicateFilter; a
         #: moved send is copied to the remote clouds its topic and tag select, released when a broker stores it
         self.replicate: Any = None
+        #: policy.message_addresses = "all" (set by the worker, and on reload): the answer of a moved send
+        #: never passes the relay's scanner, so the offset ids in its msgId are mapped to proxy endpoints
+        #: here (rmqfast.proxy.addresses.RewriteMessageAddresses.map_offset_ids; None: left as they are)
+        self.offset_ids: Callable[[str], str | None] | None = None
 
     # One send -----------------------------------------------------------------------------------
 
@@ -563,7 +566,7 @@ class FailoverService:
                 return taken
         seqs: list[int] = []
         if not relayed and self.replicate is not None:
-            from rmqfast.replicate.replicator import SpillFull
+            from rmqfast.spill.commit import SpillFull
 
             try:
                 seqs = self.replicate.take_send(cmd, cmd.is_oneway)
@@ -594,7 +597,8 @@ class FailoverService:
                 answer = self._request(addr, out)
             except Exception as exc:  # RemoteError: connect refused, closed, no answer in time
                 errors.append(f"{addr}: {exc}")
-                self.health.suspect(addr, f"a moved send failed: {exc}")
+                if not local_shortage(exc):  # out of descriptors ourselves: nothing to suspect the broker of
+                    self.health.suspect(addr, f"a moved send failed: {exc}")
                 continue
             if answer.code in TRY_NEXT_CODES:
                 last = answer
@@ -603,6 +607,11 @@ class FailoverService:
             self.moved += 1
             if self.metrics is not None:
                 self.metrics.failovers.labels(dead_addr, addr).inc()
+            fields = answer.ext_fields or {}
+            if self.offset_ids is not None and fields.get("msgId"):
+                mapped = self.offset_ids(fields["msgId"])
+                if mapped is not None:
+                    answer = replace(answer, ext_fields={**fields, "msgId": mapped})
             return replace(answer, opaque=cmd.opaque), addr
         if last is not None:
             return replace(last, opaque=cmd.opaque), "refused:other_broker_error"
@@ -638,14 +647,7 @@ class FailoverService:
         return None
 
     def _over_limit(self, out: RemotingCommand, index: int, addr: str) -> Verdict:
-        from rmqfast.limits.filter import busy_answer
-        from rmqfast.proxy.policy import reply
-
-        if self.limits.is_shape(index):
-            from rmqfast.limits.shaper import shape_send  # the spill's modules load only when shaping
-
-            return shape_send(self.limits, Frame(encode(out), out.code, out.flag, out.opaque, index), index, addr)
-        return reply(busy_answer(out, f"rmqfast: {self.limits.rule_description(index)}; retry later"))
+        return self.limits.answer(Frame(encode(out), out.code, out.flag, out.opaque, index), index, addr, out)
 
     def _taken(self, cmd: RemotingCommand, v: Verdict, dead_addr: str, what: str) -> tuple[RemotingCommand, str]:
         """The answer of a moved send the proxy answered itself (limit, shaping, hold): verdict ``v``."""
@@ -693,7 +695,7 @@ class FailoverService:
 
         def handle(cmd: RemotingCommand, size: int) -> None:
             try:
-                if cmd.code in SEND_CODES and send_info(cmd) is not None:
+                if cmd.code in C.SEND_CODES and send_info(cmd) is not None:
                     if self.place is None:
                         answer, to = self.move(cmd, dead_addr, nbytes=size)
                     else:  # [gray] markers may name client networks
