@@ -212,10 +212,11 @@ class FakeCommands:
         return None if c is None else {"action": c[0], "at": c[1], **self.extra.get(group, {})}
 
 
-def make_filter(k: int = 1, queues: int = 4) -> tuple[GrayFilter, Clock, FakeCommands]:
+def make_filter(k: int = 1, queues: int = 4, handover: float = 0.0) -> tuple[GrayFilter, Clock, FakeCommands]:
+    """No hand-over fence unless asked (tests/test_gray_handover.py tests it)."""
     clock = Clock()
     cmds = FakeCommands()
-    cfg = GraySection(settle=5, grace=20, groups=[group(gray_queues=k)])
+    cfg = GraySection(settle=5, grace=20, handover=handover, groups=[group(gray_queues=k)])
     f = GrayFilter(cfg, lambda topic, broker: queues if broker == "broker-a" else None, cmds,  # type: ignore[arg-type]
                    broker_name=lambda addr, topic: "broker-a", clock=clock)
     return f, clock, cmds
