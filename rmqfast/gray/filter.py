@@ -64,7 +64,7 @@ from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply,
 log = logging.getLogger("rmqfast.gray")
 
 QUERY_NOT_FOUND = 22
-FLAG_SUBSCRIPTION = 1 << 1  # PullSysFlag: the pull names its subscription
+FLAG_SUBSCRIPTION = 1 << 2  # PullSysFlag (commit offset 1, suspend 2, subscription 4, class filter 8)
 # reply messages carry a send header, and the broker stores them in its topic and queue
 _MAX_TRACKED = 10000
 RETRY_PREFIX = "%RETRY%"
