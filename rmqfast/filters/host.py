@@ -27,6 +27,7 @@ class ChainHost(Protocol):
     failover: FailoverService
     limits: WorkerLimits | None  # [limits]: the shared buckets, None without rules
     delay: Any  # [delay]: the DelayService, None when nothing is held by the proxy
+    gray: Any  # [gray]: the GrayFilter of the chains built last (a reload's carries its hand-over on), or None
     replication: Any  # cross-cloud copies: the ReplicationService (set when [clouds] has remotes)
 
     def on_denied(self, session: Session, code: int) -> None: ...

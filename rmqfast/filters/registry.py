@@ -13,10 +13,11 @@ fails when the two disagree.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from rmqfast.codec import is_compiled
 from rmqfast.filters.api import Filter, FilterChain
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ ACL = Entry("acl", "rmqfast.filters.acl", lambda h: h.cfg.acl.enabled, "`[acl]` 
             "before the filters that copy or hold sends")
 LIMITS = Entry("limits", "rmqfast.filters.limits", lambda h: h.limits is not None, "`[limits]` rules",
                "a refused send is answered SYSTEM_BUSY or shaped, neither held nor copied")
-GRAY = Entry("gray", "rmqfast.filters.gray", lambda h: h.cfg.gray.enabled, "`[gray]` groups",
+GRAY = Entry("gray", "rmqfast.filters.gray_factory", lambda h: h.cfg.gray.enabled, "`[gray]` groups",
              "after the limits, before the filters that hold or copy sends")
 DELAY = Entry("delay", "rmqfast.filters.delay", lambda h: h.delay is not None, "`[delay]` topics (or a held backlog)",
               "a held send is answered here and not copied")
@@ -81,6 +82,21 @@ def build_chains(host: ChainHost) -> tuple[dict[str, FilterChain], dict[str, Fil
                 built[entry.name] = made
         chains[role] = FilterChain(filters)
     return chains, built
+
+
+def adopt_chains(sessions: Iterable[Any], chains: dict[str, FilterChain]) -> None:
+    """A reload: every live session onto its role's new chain, its scanners onto what the chain asks
+    (the request actions, delay and policy topics; the answers' store-host map)."""
+    for s in list(sessions):
+        chain = chains[s.role]
+        if s.c2u is not None:
+            s.c2u.set_actions(chain.request_actions)
+            s.c2u.delay_topics = chain.delay_topics
+            s.c2u.policy_topics = chain.policy_topics
+        u2c = getattr(s, "u2c", None)
+        if u2c is not None:  # the new chain's store-host map (a records answer's other half)
+            u2c.address_map = chain.address_map(is_compiled(u2c))
+        s.chain = chain
 
 
 def order_table() -> str:

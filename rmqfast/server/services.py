@@ -1,6 +1,7 @@
 """A worker's feature services behind the filters: cross-cloud replication, proxy-held delay, peak
 shaving, and the worker's own spill they share (one writer per RocksDB), opened at start and on
-reload before the filter chains are built, and closed in order when the worker drains.
+reload before the filter chains are built, and closed in order when the worker drains; the gray
+filter's hand-over tick.
 
 Functions of the worker (``w``: :class:`rmqfast.server.worker.Worker`), which keeps the services as
 its attributes (``replication``, ``delay``, ``shaper``, ``own_spill``).
@@ -11,6 +12,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
+
+import gevent
 
 from rmqfast.log import ctx
 
@@ -102,6 +105,20 @@ def setup_shaper(w: Any) -> None:
     shaper.pool.wrap = w.tls.wrapper("broker", w.cfg.proxy.connect_timeout)  # [tls.upstream]
     if getattr(w, "_started", False):
         shaper.start()
+
+
+def gray_loop(w: Any) -> None:
+    """[gray]: phase changes seen within 0.1 s, consumers notified, held pulls answered
+    (:meth:`rmqfast.filters.gray.GrayFilter.tick`)."""
+    while not w.draining:
+        gevent.sleep(0.1)
+        gray = getattr(w, "gray", None)
+        if gray is None or not w.cfg.gray.enabled:
+            continue
+        try:
+            gray.tick(w.sessions)
+        except Exception:
+            log.exception("gray hand-over tick failed")
 
 
 def close_services(w: Any) -> None:

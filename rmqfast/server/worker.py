@@ -22,14 +22,14 @@ import gevent.event
 from gevent import socket
 
 from rmqfast import log as log_mod
-from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, is_compiled, slot_code
+from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, slot_code
 from rmqfast.codec.command import decode_frame
 from rmqfast.codec.tables import result_index
 from rmqfast.config import Config, HostPort
 from rmqfast.filters.api import Session as PolicySession
 from rmqfast.filters.goaway import build as goaway_filter
 from rmqfast.filters.goaway import go_away_from_now_on, may_close
-from rmqfast.filters.registry import build_chains
+from rmqfast.filters.registry import adopt_chains, build_chains
 from rmqfast.log import ctx
 from rmqfast.proxy.connect import to_gevent
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
@@ -182,8 +182,8 @@ class Worker:
         fo.replicate = self.replication.filter if self.cfg.replication_enabled else None
         self.message_addresses = built["addresses"]
         fo.offset_ids = self.message_addresses.map_offset_ids
-        gray = built.get("gray")
-        fo.place = gray.place if gray is not None else None
+        self.gray = built.get("gray")  # [gray]: its hand-over ticks (_gray_loop); a reload's carries the fences on
+        fo.place = self.gray.place if self.gray is not None else None
 
     def on_denied(self, session: PolicySession, code: int) -> None:
         self.metrics.denied.labels(session.role, str(code)).inc()
@@ -218,6 +218,7 @@ class Worker:
         gevent.spawn(self._publish_loop)
         gevent.spawn(self._idle_loop)
         gevent.spawn(self._stall_loop)
+        gevent.spawn(services.gray_loop, self)
         if self.cfg.failover.enabled:
             self._watch_brokers()
         self.metrics.workers_up.set(1)
@@ -561,15 +562,7 @@ class Worker:
         services.setup_shaper(self)
         if self.shaper is not None:
             self.shaper.reconfigure()  # holds follow the new shape rules
-        for s in list(self.sessions):
-            if s.c2u is not None:
-                s.c2u.set_actions(self.chains[s.role].request_actions)
-                s.c2u.delay_topics = self.chains[s.role].delay_topics
-                s.c2u.policy_topics = self.chains[s.role].policy_topics
-            u2c = getattr(s, "u2c", None)
-            if u2c is not None:  # the new chain's store-host map (a records answer's other half)
-                u2c.address_map = self.chains[s.role].address_map(is_compiled(u2c))
-            s.chain = self.chains[s.role]
+        adopt_chains(self.sessions, self.chains)  # live sessions: their scanners read the new chains
         wanted = {cfg.namesrv.listen} | {ep.listen for ep in self.registry.endpoints()}
         for hp in list(self.listeners):
             if hp not in wanted:
