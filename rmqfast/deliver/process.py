@@ -27,6 +27,7 @@ from rmqfast import config as config_mod
 from rmqfast import log as log_mod
 from rmqfast.config import Config
 from rmqfast.deliver import protocol as P
+from rmqfast.deliver.hold import OrderHold
 from rmqfast.deliver.sender import Item, RemoteSender
 from rmqfast.log import ctx
 from rmqfast.spill.record import CopyRecord
@@ -62,6 +63,15 @@ class DeliverMetrics:
         self.remote_up = Gauge(
             "rmqfast_remote_up", "1 when the deliver process reaches the remote cloud", ["remote"],
             multiprocess_mode="livemin",
+        )
+        self.order_holds = Counter(
+            "rmqfast_deliver_order_holds_total",
+            "Holds of the other workers' copies after a worker's link broke, by how they ended "
+            "(released: its replay was handed over; timed_out: replicate.order_hold_max passed)", ["outcome"],
+        )
+        self.parked = Gauge(
+            "rmqfast_deliver_parked", "Copies a deliver process holds back while a crashed worker replays",
+            multiprocess_mode="livesum",
         )
 
     def delivered(self, remote: str, rec: CopyRecord) -> None:
@@ -111,6 +121,7 @@ class Deliverer:
             )
             for r in cfg.clouds.remotes
         }
+        self.hold = OrderHold(rp.order_hold_max, lambda sender, item: sender.submit(item), metrics, index=index)
         self.path = P.socket_path(cfg.proxy.state_dir, index)
         P.check_socket_path(self.path)
         self.server: StreamServer | None = None
@@ -162,13 +173,21 @@ class Deliverer:
                     if kind == P.COPY:
                         self._on_copy(link, payload)
                     elif kind == P.HELLO:
-                        link.worker = int(json.loads(payload).get("worker", -1))
-                        log.info("worker connected", extra=ctx(deliver=self.index, worker=link.worker))
+                        hello = json.loads(payload)
+                        link.worker = int(hello.get("worker", -1))
+                        replaying = bool(hello.get("replaying", False))
+                        log.info("worker connected", extra=ctx(deliver=self.index, worker=link.worker,
+                                                               replaying=replaying))
+                        self.hold.hello(link.worker, replaying)
+                    elif kind == P.REPLAYED:
+                        log.info("worker replayed its spill", extra=ctx(deliver=self.index, worker=link.worker))
+                        self.hold.replayed(link.worker)
         except (OSError, ValueError) as exc:
             log.warning("worker link failed", extra=ctx(deliver=self.index, worker=link.worker, error=str(exc)))
         finally:
             link.alive = False
             self.links.discard(link)
+            self.hold.lost(link.worker)
             try:
                 sock.close()
             except OSError:
@@ -187,7 +206,8 @@ class Deliverer:
             log.error("undecodable copy; giving it up", extra=ctx(remote=remote, error=str(exc)))
             link.send(P.ack_frame(seq, P.ACK_GAVE_UP))
             return
-        sender.submit(Item(seq, rec, raw, lambda s, st: link.send(P.ack_frame(s, st)), lambda: link.alive))
+        item = Item(seq, rec, raw, lambda s, st: link.send(P.ack_frame(s, st)), lambda: link.alive)
+        self.hold.admit(link.worker, sender, item)
 
     def stop(self) -> None:
         if self.server is not None:

@@ -7,9 +7,16 @@ the ``TBW102`` route with ``defaultTopic`` set, like the Java client does, so a 
 
 Queue: the writable queues of the route, sorted by (broker name, queue id) as the Java client
 sorts them; the copy goes to queue ``original_queue_id mod count``, so every message of one
-original queue (one sharding key of an ordered producer) lands in one remote queue.  Each
-remote queue is a lane served by one greenlet that sends one copy at a time and waits for its
-answer: order per queue is kept, retries included.
+original queue (one sharding key of an ordered producer) lands in one remote queue.
+
+Lanes: one per *source* queue (topic, A's broker name, A's queue id), whatever the route says
+and whether or not there is a route at all: the remote queue is chosen when a copy is sent, not
+when it is submitted.  One greenlet per lane sends one copy at a time and waits for its answer
+before the next, so the copies of one source queue are stored in B in the order they were
+submitted, retries, a remote outage and a missing route included.  (Lanes used to be keyed by
+the remote queue, with copies submitted while B had no route parked in a lane of their own;
+after B came back both lanes sent at once and B stored later copies of a key before earlier
+ones.)  A lane keeps the remote queue it chose while that broker stays a master of the route.
 
 Request: ``SEND_MESSAGE_V2`` (310), or ``SEND_BATCH_MESSAGE`` (320) for batches, to the master
 of the chosen queue's broker, header fields ``a``..``n`` of ``SendMessageRequestHeaderV2``.
@@ -166,6 +173,12 @@ class _Lane:
     items: deque[Item] = field(default_factory=deque)
     wake: Event = field(default_factory=Event)
     greenlet: Any = None
+    dest: tuple[str, int] | None = None  # the remote (broker name, queue id) it sends to
+
+
+def lane_key(rec: CopyRecord) -> tuple[str, str, int]:
+    """The unit of order: the source queue (topic, A's broker name, A's queue id) of a copy."""
+    return rec.topic, rec.broker_name, rec.queue_id
 
 
 class RemoteSender:
@@ -236,13 +249,9 @@ class RemoteSender:
     # Lanes ----------------------------------------------------------------------------------
 
     def submit(self, item: Item) -> None:
-        try:
-            bname, qid = self.target(item.record)
-        except Exception as exc:
-            # No route yet (remote away): park in a lane of its own; it re-routes when sending.
-            self._set_up(False, str(exc))
-            bname, qid = "", -1
-        key = (item.record.topic, bname, qid)
+        """Queue a copy behind the earlier copies of its source queue (no network here: the
+        remote queue is chosen when it is sent, so a missing route cannot split a lane)."""
+        key = lane_key(item.record)
         lane = self.lanes.get(key)
         if lane is None:
             lane = self.lanes[key] = _Lane()
@@ -263,16 +272,16 @@ class RemoteSender:
             if not item.alive():  # the worker that sent it went away; it sends again
                 lane.items.popleft()
                 continue
-            status = self._send_until_done(item, key)
+            status = self._send_until_done(item, lane)
             lane.items.popleft()
             item.done(item.seq, status)
 
-    def _send_until_done(self, item: Item, key: tuple[str, str, int]) -> int:
+    def _send_until_done(self, item: Item, lane: _Lane) -> int:
         delay = self.retry_initial
         rec = item.record
         while True:
             try:
-                bname, qid = self._destination(rec, key)
+                bname, qid = self._destination(rec, lane)
                 addr = self.route(rec.topic).masters[bname]
                 code, ext, body = build_request(rec, bname, qid, self.origin)
                 resp = self.pool.request(addr, code, ext, body, timeout=self.timeout)
@@ -297,14 +306,13 @@ class RemoteSender:
             if not item.alive():
                 return 1  # the worker will send it again; nothing to acknowledge
 
-    def _destination(self, rec: CopyRecord, key: tuple[str, str, int]) -> tuple[str, int]:
-        """(broker name, queue id) a copy goes to: its lane's queue while that broker is a master
-        of the topic's route, else the target the route gives."""
-        if key[2] < 0:
-            return self.target(rec)
-        if key[1] not in self.route(rec.topic).masters:
-            return self.target(rec)
-        return key[1], key[2]
+    def _destination(self, rec: CopyRecord, lane: _Lane) -> tuple[str, int]:
+        """(broker name, queue id) a copy goes to: the lane's remote queue while that broker is a
+        master of the topic's route, else the target the route gives (kept for the next ones)."""
+        route = self.route(rec.topic)  # RemoteError when there is none: the caller retries
+        if lane.dest is None or lane.dest[0] not in route.masters:
+            lane.dest = self.target(rec)
+        return lane.dest
 
     def _answered(self, rec: CopyRecord, addr: str, resp: Any) -> tuple[int | None, str]:
         """The remote's answer: (0, "") stored, (1, "") refused for good, (None, error) retry."""
