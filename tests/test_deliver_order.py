@@ -258,3 +258,14 @@ def test_a_worker_with_an_inherited_spill_announces_its_replay() -> None:
         finally:
             rep3.close()
             fake.close()
+
+
+def test_order_hold_max_is_checked_and_travels_to_the_deliver_processes() -> None:
+    from rmqfast.errors import ConfigError
+
+    base = {"namesrv": {"upstreams": ["127.0.0.1:9876"]}}
+    with pytest.raises(ConfigError, match=r"replicate.order_hold_max: -1 is not allowed; expected a number of seconds"):
+        config_mod.from_dict({**base, "replicate": {"order_hold_max": -1}})
+    assert config_mod.from_dict(base).replicate.order_hold_max == 30.0
+    cfg = config_mod.from_dict({**base, "replicate": {"order_hold_max": 5}})
+    assert config_mod.from_json(cfg.to_json()).replicate.order_hold_max == 5.0

@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     jars = ensure_jars()
     with ExitStack() as stack:
         jr = stack.enter_context(JavaRuns(args, "clouds", "clouds"))
-        print(f"{LABEL}: starting two RocketMQ clusters and three proxies; results -> {jr.path}",
+        print(f"{LABEL}: starting two RocketMQ clusters and {4 if args.baseline else 3} proxies; results -> {jr.path}",
               file=sys.stderr, flush=True)
         a = stack.enter_context(RocketMQCluster(jars=jars, cluster_name="CloudA", broker_name="broker-a",
                                                 broker_heap_mb=512))
