@@ -20,7 +20,7 @@ from rmqfast.clouds.remoting import RemoteError
 from rmqfast.codec.command import RemotingCommand
 from rmqfast.deliver import protocol as P
 from rmqfast.deliver.hold import OrderHold
-from rmqfast.deliver.sender import Item, RemoteSender, _Route
+from rmqfast.deliver.sender import QUERY_MESSAGE, QUERY_NOT_FOUND, Item, RemoteSender, _Route, uniq_key
 from rmqfast.replicate.filter import ReplicateFilter
 from rmqfast.replicate.replicator import Replicator
 from rmqfast.spill.record import CopyRecord
@@ -42,6 +42,8 @@ class FakeRemote:
         self.no_route = False
         self.stored: list[tuple[int, int]] = []  # (remote queue id, index) in B's order
         self.fail_once: set[int] = set()
+        self.lose_answer: set[int] = set()  # stored, but the answer is lost (broker killed after storing)
+        self.queries = 0
         self.requests = 0
         self.away = 0  # attempts while away
 
@@ -57,16 +59,25 @@ class FakeRemote:
         if self.down:
             self.away += 1
             raise RemoteError(f"connection to {addr} refused (test)")
+        if code == QUERY_MESSAGE:
+            self.queries += 1
+            assert ext["_UNIQUE_KEY_QUERY"] == "true" and ext["topic"] == "T1"
+            found = any(f"U{i}" == ext["key"] for _, i in self.stored)
+            return RemotingCommand(code=0 if found else QUERY_NOT_FOUND, opaque=0, flag=1)
         idx = int(body.decode().split("-")[1])
         if idx in self.fail_once:
             self.fail_once.discard(idx)
             raise RemoteError(f"connection to {addr} reset (test)")
         self.stored.append((int(ext["e"]), idx))
+        if idx in self.lose_answer:
+            self.lose_answer.discard(idx)
+            raise RemoteError(f"{addr}: connection closed before the answer (test)")
         return RemotingCommand(code=0, opaque=0, flag=1)
 
 
 def record(idx: int, queue: int) -> CopyRecord:
-    return CopyRecord(topic="T1", body=f"body-{idx}".encode(), queue_id=queue, broker_name="broker-a")
+    return CopyRecord(topic="T1", body=f"body-{idx}".encode(), queue_id=queue, broker_name="broker-a",
+                      properties=f"KEYS\x01k{idx}\x02UNIQ_KEY\x01U{idx}\x02")
 
 
 @pytest.fixture
@@ -187,6 +198,7 @@ class HelloRecorder:
         self.sock.bind(str(path))
         self.sock.listen(8)
         self.events: list[Any] = []
+        self.kinds: list[int] = []
         self.server = StreamServer(self.sock, self._handle)
         self.server.start()
 
@@ -204,9 +216,10 @@ class HelloRecorder:
                     self.events.append(("hello", json.loads(payload)["replaying"]))
                 elif kind == P.REPLAYED:
                     self.events.append(("replayed",))
-                elif kind == P.COPY:
+                elif kind in (P.COPY, P.RESEND):
                     seq, _remote, raw = P.parse_copy(memoryview(payload))
                     self.events.append(("copy", CopyRecord.decode(raw).body))
+                    self.kinds.append(kind)
                     s.sendall(P.ack_frame(seq, P.ACK_DELIVERED))
 
     def close(self) -> None:
@@ -246,6 +259,8 @@ def test_a_worker_with_an_inherited_spill_announces_its_replay() -> None:
             r = fake.events.index(("replayed",))
             assert [e[1] for e in fake.events[:r] if e[0] == "copy"][:5] == [f"body-{i}".encode() for i in range(5)]
             assert not rep2.replaying
+            # the inherited copies may have reached B before the crash: B is asked before sending them
+            assert fake.kinds == [P.RESEND] * 5 + [P.COPY] * 3
         finally:
             rep2.close()
             fake.close()
@@ -269,3 +284,28 @@ def test_order_hold_max_is_checked_and_travels_to_the_deliver_processes() -> Non
     assert config_mod.from_dict(base).replicate.order_hold_max == 30.0
     cfg = config_mod.from_dict({**base, "replicate": {"order_hold_max": 5}})
     assert config_mod.from_json(cfg.to_json()).replicate.order_hold_max == 5.0
+
+
+def test_a_copy_stored_without_an_answer_is_not_stored_twice(remote_sender: Any) -> None:
+    """B's broker killed after storing a copy, before answering: the retry asks B for the copy's
+    UNIQ_KEY first and does not send it again; a copy handed over again after a crash (RESEND)
+    is looked up too, and sent when B does not have it."""
+    sender, fake = remote_sender
+    acked: list[tuple[int, int]] = []
+    fake.lose_answer = {1}
+    for i in range(4):
+        sender.submit(Item(i, record(i, 0), b"", lambda s, st: acked.append((s, st)), lambda: True))
+    wait_for(lambda: len(acked) == 4)
+    assert [i for _, i in fake.stored] == [0, 1, 2, 3]  # 1 once
+    assert sender.skipped == 1 and fake.queries == 1 and acked == [(i, 0) for i in range(4)]
+    sender.submit(Item(9, record(2, 0), b"", lambda s, st: acked.append((s, st)), lambda: True, maybe_stored=True))
+    sender.submit(Item(10, record(7, 0), b"", lambda s, st: acked.append((s, st)), lambda: True, maybe_stored=True))
+    wait_for(lambda: len(acked) == 6)
+    assert [i for _, i in fake.stored] == [0, 1, 2, 3, 7] and sender.skipped == 2 and fake.queries == 3
+
+
+def test_uniq_key_is_read_from_the_properties_only_as_a_whole_key() -> None:
+    assert uniq_key("a\x01b\x02UNIQ_KEY\x01ABC\x02") == "ABC"
+    assert uniq_key("UNIQ_KEY\x01ABC") == "ABC"
+    assert uniq_key("XUNIQ_KEY\x01ABC\x02") is None
+    assert uniq_key("") is None

@@ -69,6 +69,11 @@ class DeliverMetrics:
             "Holds of the other workers' copies after a worker's link broke, by how they ended "
             "(released: its replay was handed over; timed_out: replicate.order_hold_max passed)", ["outcome"],
         )
+        self.already_stored_total = Counter(
+            "rmqfast_deliver_already_stored_total",
+            "Copies that may have been stored without an answer and were found in the remote by UNIQ_KEY "
+            "(not sent again), by remote", ["remote"],
+        )
         self.parked = Gauge(
             "rmqfast_deliver_parked", "Copies a deliver process holds back while a crashed worker replays",
             multiprocess_mode="livesum",
@@ -79,6 +84,9 @@ class DeliverMetrics:
         lag = max(0.0, time.time() - rec.created_ms / 1000)
         self.lag.labels(remote).observe(lag)
         self.last_lag.labels(remote).set(lag)
+
+    def already_stored(self, remote: str) -> None:
+        self.already_stored_total.labels(remote).inc()
 
     def retried(self, remote: str) -> None:
         self.retries_total.labels(remote).inc()
@@ -170,8 +178,8 @@ class Deliverer:
                 if not data:
                     break
                 for kind, payload in reader.feed(data):
-                    if kind == P.COPY:
-                        self._on_copy(link, payload)
+                    if kind == P.COPY or kind == P.RESEND:
+                        self._on_copy(link, payload, kind == P.RESEND)
                     elif kind == P.HELLO:
                         hello = json.loads(payload)
                         link.worker = int(hello.get("worker", -1))
@@ -193,7 +201,7 @@ class Deliverer:
             except OSError:
                 pass
 
-    def _on_copy(self, link: WorkerLink, payload: bytes) -> None:
+    def _on_copy(self, link: WorkerLink, payload: bytes, maybe_stored: bool = False) -> None:
         seq, remote, raw = P.parse_copy(memoryview(payload))
         sender = self.senders.get(remote)
         if sender is None:
@@ -206,7 +214,8 @@ class Deliverer:
             log.error("undecodable copy; giving it up", extra=ctx(remote=remote, error=str(exc)))
             link.send(P.ack_frame(seq, P.ACK_GAVE_UP))
             return
-        item = Item(seq, rec, raw, lambda s, st: link.send(P.ack_frame(s, st)), lambda: link.alive)
+        item = Item(seq, rec, raw, lambda s, st: link.send(P.ack_frame(s, st)), lambda: link.alive,
+                    maybe_stored=maybe_stored)
         self.hold.admit(link.worker, sender, item)
 
     def stop(self) -> None:

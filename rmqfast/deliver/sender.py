@@ -53,6 +53,8 @@ from rmqfast.spill.record import ORIGIN_PROPERTY, CopyRecord
 
 log = logging.getLogger("rmqfast.deliver")
 
+QUERY_MESSAGE = 12
+QUERY_NOT_FOUND = 22
 SEND_MESSAGE_V2 = 310
 SEND_BATCH_MESSAGE = 320
 STORED_CODES = frozenset({0, 10, 11, 12})
@@ -158,6 +160,19 @@ class Item:
     done: Callable[[int, int], None]  # (seq, status)
     alive: Callable[[], bool]
     attempts: int = 0
+    #: it may already be stored in B (sent before a crash, or a send whose answer was lost):
+    #: B is asked for its UNIQ_KEY before it is sent (again)
+    maybe_stored: bool = False
+
+
+def uniq_key(properties: str) -> str | None:
+    """The ``UNIQ_KEY`` of a properties string (None: none)."""
+    i = properties.find("UNIQ_KEY\x01")
+    if i < 0 or (i > 0 and properties[i - 1] != "\x02"):
+        return None
+    i += 9
+    j = properties.find("\x02", i)
+    return properties[i:] if j < 0 else properties[i:j]
 
 
 @dataclass
@@ -212,6 +227,7 @@ class RemoteSender:
         self.delivered = 0
         self.retries = 0
         self.failures = 0
+        self.skipped = 0  # copies found already stored in B (not sent again)
 
     # Routing --------------------------------------------------------------------------------
 
@@ -283,8 +299,13 @@ class RemoteSender:
             try:
                 bname, qid = self._destination(rec, lane)
                 addr = self.route(rec.topic).masters[bname]
+                if item.maybe_stored and self._already_stored(rec, addr):
+                    return 0
+                item.maybe_stored = False
                 code, ext, body = build_request(rec, bname, qid, self.origin)
+                item.maybe_stored = True  # until the answer says otherwise: it may be stored unanswered
                 resp = self.pool.request(addr, code, ext, body, timeout=self.timeout)
+                item.maybe_stored = False
                 done, err = self._answered(rec, addr, resp)
                 if done is not None:
                     return done
@@ -305,6 +326,29 @@ class RemoteSender:
             delay = min(self.retry_max, delay * 2)
             if not item.alive():
                 return 1  # the worker will send it again; nothing to acknowledge
+
+    def _already_stored(self, rec: CopyRecord, addr: str) -> bool:
+        """Whether the broker ``addr`` already holds this copy, by its ``UNIQ_KEY`` (QUERY_MESSAGE,
+        12, with ``_UNIQUE_KEY_QUERY``): a copy that may have been stored without an answer is not
+        stored twice.  A batch or a copy without UNIQ_KEY cannot be looked up: False (sent again,
+        at least once).  RemoteError when B cannot answer (the caller retries)."""
+        key = None if rec.is_batch else uniq_key(rec.properties)
+        if key is None:
+            return False
+        ext = {"topic": rec.topic, "key": key, "maxNum": "32", "beginTimestamp": "0",
+               "endTimestamp": str(2**63 - 1), "_UNIQUE_KEY_QUERY": "true"}
+        resp = self.pool.request(addr, QUERY_MESSAGE, ext, b"", timeout=self.timeout)
+        if resp.code == QUERY_NOT_FOUND:
+            return False
+        if resp.code != 0:
+            raise RemoteError(f"{addr} answered code {resp.code} to the look-up of a copy by UNIQ_KEY: {resp.remark}")
+        self.skipped += 1
+        self._set_up(True, "")
+        log.info("copy already stored in the remote; not sent again", extra=ctx(remote=self.name, topic=rec.topic,
+                                                                               uniq_key=key))
+        if self.metrics is not None:
+            self.metrics.already_stored(self.name)
+        return True
 
     def _destination(self, rec: CopyRecord, lane: _Lane) -> tuple[str, int]:
         """(broker name, queue id) a copy goes to: the lane's remote queue while that broker is a

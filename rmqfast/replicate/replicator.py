@@ -145,6 +145,9 @@ class Replicator:
         # deliver process lets the other workers' newer copies pass (rmqfast.deliver.hold)
         self.replay_upto = self.store.next_seq() - 1
         self.replaying = bool(self.lanes)
+        # copies up to this sequence may have reached the remote already (handed over by the
+        # previous run, or before a link broke): sent as RESEND, looked up in B before sending
+        self.maybe_sent_upto = self.replay_upto
         if self.store.messages:
             log.info("resuming spilled copies", extra=ctx(worker=index, messages=self.store.messages,
                                                            bytes=self.store.bytes))
@@ -343,6 +346,8 @@ class Replicator:
         for r in self.remote_up:
             self.remote_up[r] = True
         back: dict[tuple[str, str], list[_Copy]] = {}
+        if self.inflight:
+            self.maybe_sent_upto = max(self.maybe_sent_upto, max(self.inflight))
         for f in self.inflight.values():
             back.setdefault((f.lane.remote, f.lane.topic), []).append(f.copy)
             f.lane.inflight -= 1
@@ -484,7 +489,8 @@ class Replicator:
                     ln.cursor = max(ln.cursor, c.seq)
                     ln.inflight += 1
                     self.inflight[c.seq] = _InFlight(ln, c, now)
-                    out.append(P.copy_frame(c.seq, ln.remote, c.value))
+                    out.append(P.copy_frame(c.seq, ln.remote, c.value,
+                                            P.RESEND if c.seq <= self.maybe_sent_upto else P.COPY))
                     n += 1
                 if n:
                     progress = True
