@@ -3,7 +3,7 @@ RocketMQ 5.3.3 clusters on loopback, rmqfast in front of A in durable mode, the 
 client producing in order (``MessageQueueSelector`` by sharding key) through rmqfast and an
 orderly consumer in B.  Each fault is triggered by progress (messages stored in A), never by
 the clock; order is judged on B's queue offsets, losses on the acknowledged sends, duplicates
-on what B stores beyond one copy per distinct message.
+on what B stores beyond one copy per distinct message (must be 0), and no order hold may time out.
 
 Rounds per fault: ``RMQFAST_ORDER_ROUNDS`` (default 2; the issue's bar is 5 on a loaded machine).
 """
@@ -186,7 +186,10 @@ def run_round(cloud_a: RocketMQCluster, cloud_b: RocketMQCluster, proxy: ProxyPr
                      only_run=run, timeout_ms=60000, settle_ms=2000, check=False, timeout=180)
     distinct, dups = judge(res, sent, run, in_b)
     print(f"{label}: acknowledged={len(sent)} of {COUNT} distinct_in_b={distinct} duplicates_in_b={dups} "
-          f"holds={metric_sum(proxy, 'rmqfast_deliver_order_holds_total')}")
+          f"holds={metric_sum(proxy, 'rmqfast_deliver_order_holds_total')} "
+          f"found_in_b={metric_sum(proxy, 'rmqfast_deliver_already_stored_total')}", flush=True)
+    assert metric_sum(proxy, "rmqfast_deliver_order_holds_total", outcome="timed_out") == 0
+    assert dups == 0, f"{label}: B stores {dups} copies twice (by UNIQ_KEY)"
 
 
 @contextmanager
