@@ -309,3 +309,45 @@ def test_uniq_key_is_read_from_the_properties_only_as_a_whole_key() -> None:
     assert uniq_key("UNIQ_KEY\x01ABC") == "ABC"
     assert uniq_key("XUNIQ_KEY\x01ABC\x02") is None
     assert uniq_key("") is None
+
+
+def test_a_copy_read_before_a_dead_workers_end_of_file_is_still_held() -> None:
+    """The race seen on a loaded machine: the deliver process serves the surviving worker's socket
+    before the dead worker's end-of-file.  The copy must be parked all the same."""
+    from rmqfast.deliver.process import Deliverer
+
+    with tempfile.TemporaryDirectory(prefix="rd") as d:
+        cfg = config_mod.from_dict({
+            "proxy": {"state_dir": d},
+            "namesrv": {"upstreams": ["127.0.0.1:9876"]},
+            "clouds": {"local": "cloud-a", "remote": [{"name": "cloud-b", "namesrv": ["127.0.0.1:1"]}]},
+            "replicate": {"durability": "durable", "topic": [{"name": "T1", "replicate": "always"}]},
+        })
+        dl = Deliverer(cfg, 0)
+        queued: list[Any] = []
+        dl.hold.submit = lambda sender, item: queued.append(item)  # type: ignore[method-assign]
+        dl.start()
+        try:
+            w0 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            w1 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            for i, w in enumerate((w0, w1)):
+                w.connect(str(P.socket_path(d, 0)))
+                w.sendall(P.json_frame(P.HELLO, {"worker": i, "pid": 1, "replaying": False}))
+            wait_for(lambda: sorted(x.worker for x in dl.links) == [0, 1])
+            # worker 0 dies; worker 1's copy is already waiting when the deliver process next runs
+            real_lost = dl.hold.lost
+            seen: list[int] = []
+            dl.hold.lost = lambda w: (seen.append(w), real_lost(w))  # type: ignore[method-assign]
+            w0.close()
+            w1.sendall(P.copy_frame(7, "cloud-b", record(7, 0).encode()))
+            wait_for(lambda: len(dl.hold.parked) + len(queued) == 1 and seen)
+            assert [it.seq for _, it in dl.hold.parked] == [7] and queued == [] and seen[0] == 0
+            w2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            w2.connect(str(P.socket_path(d, 0)))
+            w2.sendall(P.json_frame(P.HELLO, {"worker": 0, "pid": 3, "replaying": False}))
+            wait_for(lambda: [it.seq for it in queued] == [7])
+            assert seen.count(0) == 1  # the end-of-file of the dead link is not a second loss
+            w1.close()
+            w2.close()
+        finally:
+            dl.stop()

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -103,6 +104,7 @@ class WorkerLink:
         self.lock = Semaphore()
         self.alive = True
         self.worker = -1
+        self.lost = False  # its end was already reported to the order hold
 
     def send(self, data: bytes) -> None:
         if not self.alive:
@@ -177,6 +179,8 @@ class Deliverer:
                 data = sock.recv(262144)
                 if not data:
                     break
+                if len(self.links) > 1:
+                    self._peers_gone(link)
                 for kind, payload in reader.feed(data):
                     if kind == P.COPY or kind == P.RESEND:
                         self._on_copy(link, payload, kind == P.RESEND)
@@ -195,11 +199,38 @@ class Deliverer:
         finally:
             link.alive = False
             self.links.discard(link)
-            self.hold.lost(link.worker)
+            if not link.lost:
+                link.lost = True
+                self.hold.lost(link.worker)
             try:
                 sock.close()
             except OSError:
                 pass
+
+    def _peers_gone(self, link: WorkerLink) -> None:
+        """Hold for every other worker whose link the kernel already saw close, before this
+        worker's copies are admitted.  A copy this worker took after another one crashed (its
+        producer moved here) reaches us after that crash; without this look, the event loop may
+        serve this socket before the dead worker's end-of-file (seen on a loaded machine)."""
+        poller = select.poll()
+        others = {}
+        for other in self.links:
+            if other is not link and other.alive and other.worker >= 0 and other.worker not in self.hold.held:
+                try:
+                    fd = other.sock.fileno()
+                except OSError:
+                    continue
+                if fd >= 0:
+                    poller.register(fd, select.POLLRDHUP)
+                    others[fd] = other
+        if not others:
+            return
+        for fd, events in poller.poll(0):
+            if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) and fd in others:
+                other = others[fd]
+                other.lost = True
+                other.alive = False  # its copies will come again from its replacement
+                self.hold.lost(other.worker)
 
     def _on_copy(self, link: WorkerLink, payload: bytes, maybe_stored: bool = False) -> None:
         seq, remote, raw = P.parse_copy(memoryview(payload))
