@@ -38,10 +38,11 @@ install: $(PYTHON) system-deps
 demo: install
 	$(PYTHON) -m rmqfast demo
 
-# Unit tests with the compiled codec, then again with the pure-Python reference the tests that
-# touch a twin (marker "twin"); at the same time, in a second lane, the
-# integration tests against a real RocketMQ name server + broker and real clients
-# (tests/run_suite.sh says why and how).
+# Unit tests with the compiled codec (the Spark report tests among them, local and on a
+# standalone cluster), the benchmark suite once with --benchmark-disable, then again with the
+# pure-Python reference the tests that touch a twin (marker "twin"); at the same time, in a
+# second lane, the integration tests against a real RocketMQ name server + broker and real
+# clients (tests/run_suite.sh says why and how).
 test: install lint docs
 	PYTHON=$(PYTHON) bash tests/run_suite.sh
 

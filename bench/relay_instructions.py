@@ -28,6 +28,11 @@ Scenarios (``--scenario``, repeatable; default all):
   worker's message-address filter (``policy.message_addresses = "records"``, the default): every
   record's store host is rewritten to a proxy endpoint (checked on the answers read);
 * ``pull-off``: the same pulls with ``message_addresses = "off"`` (relayed untouched).
+* ``send-ids``: ``send`` with the message-address filter as configured by default
+  (``message_addresses = "all"``): the offset msgId of every send answer mapped to the proxy
+  endpoint by the scanner, in C (checked on the answers read);
+* ``send-ids-records``: the same with ``message_addresses = "records"`` (the default before: send
+  answers relayed untouched).
 
     .venv/bin/python bench/relay_instructions.py [--frames 2000 12000] [--batch 32] [--scenario send]
 
@@ -56,7 +61,7 @@ import tempfile
 from pathlib import Path
 
 SCENARIOS = ("send", "send-limited", "send-busy", "denied", "send-kept", "send-kept-policy", "send-delay-on",
-             "send-delay-topic", "pull", "pull-off")
+             "send-delay-topic", "pull", "pull-off", "send-ids", "send-ids-records")
 PULL = 11
 STORE_HOST = "127.0.0.1:10911"  # what the null broker writes in its records
 ENDPOINT = "127.0.0.1:40001"  # the proxy endpoint the pull scenario maps it to
@@ -127,10 +132,11 @@ def serve(upstream_port: int, scenario: str, runtime: Path, conns: int = 1) -> N
         from rmqfast.proxy.failover import KeepSendsInFlight
 
         filters.append(KeepSendsInFlight(everything=scenario == "send-kept"))
-    if scenario.startswith("pull"):  # last but one, as in the worker's broker chain
+    if scenario.startswith(("pull", "send-ids")):  # last but one, as in the worker's broker chain
         from rmqfast.proxy.addresses import RewriteMessageAddresses
 
-        filters.append(RewriteMessageAddresses(_Registry(), "off" if scenario == "pull-off" else "records"))  # type: ignore[arg-type]
+        mode = {"pull-off": "off", "pull": "records", "send-ids": "all", "send-ids-records": "records"}[scenario]
+        filters.append(RewriteMessageAddresses(_Registry(), mode))  # type: ignore[arg-type]
     chain = FilterChain(filters)
     settings = RelaySettings(65536, 16 << 20, 1 << 16, 5.0, 600.0)
     listener = gsocket.socket(gsocket.AF_INET, gsocket.SOCK_STREAM)
@@ -198,6 +204,8 @@ def drive(port: int, scenario: str, n: int, batch: int, conns: int = 1) -> dict[
                     codes[cmd.code] = codes.get(cmd.code, 0) + 1
                     if first == 0 and scenario.startswith("pull"):
                         _check_store_hosts(cmd.body, STORE_HOST if scenario == "pull-off" else ENDPOINT)
+                    if first == 0 and scenario.startswith("send-ids"):
+                        _check_offset_id(cmd, ENDPOINT if scenario == "send-ids" else STORE_HOST)
     finally:
         for s in socks:
             s.close()
@@ -210,6 +218,15 @@ def _check_store_hosts(body: bytes, want: str) -> None:
     hosts = {r.store_host for r in decode_records(body)}
     if hosts != {want}:
         raise RuntimeError(f"pull answers carry store hosts {sorted(hosts)}, expected {want}")
+
+
+def _check_offset_id(cmd: object, want: str) -> None:
+    from rmqfast.codec.msgaddr import format_host
+
+    fields = getattr(cmd, "ext_fields", None) or {}
+    got = format_host(bytes.fromhex(fields.get("msgId", "")[:16]))
+    if got != want:
+        raise RuntimeError(f"send answers' offset msgId names {got}, expected {want}")
 
 
 def instructions(out_file: Path) -> int:

@@ -194,3 +194,170 @@ def walk_store_hosts(buf, Py_ssize_t start, Py_ssize_t end, AddressMap amap not 
         return (st, seen, changed)
     finally:
         PyBuffer_Release(&view)
+
+
+# Send answers (SEND_MESSAGE 10, V2 310, batch 320, reply 324/325) carry the offset message id in
+# their ``msgId`` header field (a batch: comma-separated ids): 32 hex digits, of which the first 16
+# are the store host's IPv4 address and int32 port (MessageDecoder.createMessageId).  The same map
+# gives the endpoint; the 16 digits are rewritten in upper case (as createMessageId writes them), at
+# the same length.  A header with the field twice, or an escaped value, goes to policy.
+
+cdef int8_t HEX_VALUE[256]   # a hex digit's value, -1 for any other byte
+cdef const char* HEX_UPPER = b"0123456789ABCDEF"
+
+
+cdef void _init_hex() noexcept:
+    cdef int c
+    for c in range(256):
+        HEX_VALUE[c] = -1
+    for c in range(10):
+        HEX_VALUE[48 + c] = <int8_t>c
+    for c in range(6):
+        HEX_VALUE[65 + c] = <int8_t>(10 + c)
+        HEX_VALUE[97 + c] = <int8_t>(10 + c)
+
+
+_init_hex()
+
+
+cdef inline bint hex16(const uint8_t* s, uint64_t* out) noexcept nogil:
+    """The 16 hex digits at ``s`` as 8 bytes (big-endian), False when one is not a hex digit."""
+    cdef uint64_t v = 0
+    cdef int i
+    cdef int8_t d
+    for i in range(16):
+        d = HEX_VALUE[s[i]]
+        if d < 0:
+            return False
+        v = (v << 4) | <uint64_t>d
+    out[0] = v
+    return True
+
+
+cdef inline void wr_hex16(uint8_t* s, uint64_t v) noexcept nogil:
+    cdef int i
+    for i in range(16):
+        s[i] = <uint8_t>HEX_UPPER[(v >> (60 - 4 * i)) & 15]
+
+
+cdef inline Py_ssize_t find_msgid_key(const uint8_t* h, Py_ssize_t n, Py_ssize_t start) noexcept nogil:
+    """Where the 9 bytes ``"msgId":"`` first are in ``h[start:n]``, or -1: found by its 'I' (rare in
+    a header) with memchr, then compared; cheaper than memmem, which builds a table per call."""
+    cdef const uint8_t* at
+    cdef Py_ssize_t i = start + 4  # the 'I' is the needle's 5th byte
+    while i < n - 4:
+        at = <const uint8_t*>memchr(h + i, 73, <size_t>(n - 4 - i))
+        if at == NULL:
+            return -1
+        i = at - h
+        if memcmp(h + i - 4, b'"msgId":"', 9) == 0:
+            return i - 4
+        i += 1
+    return -1
+
+
+cdef int msgid_span(const uint8_t* h, Py_ssize_t hlen, int stype, Py_ssize_t* vs, Py_ssize_t* ve) noexcept nogil:
+    """Where the value of the ``msgId`` field is in the header ``h``: RS_OK with ``vs`` = -1 when it
+    has none; RS_BAD when it is there twice, escaped, or the header cannot be walked."""
+    cdef Py_ssize_t at, s, e, pos, klen, vlen, rlen
+    vs[0] = -1
+    ve[0] = -1
+    if stype == 0:
+        at = find_msgid_key(h, hlen, 0)
+        if at < 0:
+            return RS_OK
+        s = at + 9
+        e = s
+        while e < hlen and h[e] != 34:  # '"'
+            if h[e] == 92:  # '\\': an escaped value is not an id
+                return RS_BAD
+            e += 1
+        if e >= hlen or find_msgid_key(h, hlen, e) >= 0:
+            return RS_BAD
+        vs[0] = s
+        ve[0] = e
+        return RS_OK
+    # ROCKETMQ: code 2, language 1, version 2, opaque 4, flag 4, remark (i32 length), ext fields
+    # (i32 length), then per field: key (i16 length), value (i32 length)
+    if hlen < 21:
+        return RS_BAD
+    rlen = rd_i32(h + 13)
+    if rlen < 0 or 17 + rlen + 4 > hlen:
+        return RS_BAD
+    pos = 17 + rlen + 4
+    while pos + 2 <= hlen:
+        klen = rd_i16(h + pos)
+        if klen < 0 or pos + 2 + klen + 4 > hlen:
+            return RS_BAD
+        vlen = rd_i32(h + pos + 2 + klen)
+        if vlen < 0 or pos + 2 + klen + 4 + vlen > hlen:
+            return RS_BAD
+        if klen == 5 and memcmp(h + pos + 2, b"msgId", 5) == 0:
+            if vs[0] >= 0:
+                return RS_BAD
+            vs[0] = pos + 2 + klen + 4
+            ve[0] = vs[0] + vlen
+        pos += 2 + klen + 4 + vlen
+    return RS_OK
+
+
+cdef int walk_ids(uint8_t* v, Py_ssize_t n, AddressMap amap, bint patch, bint* changed) noexcept:
+    """The comma-separated ids of ``v[:n]``: RS_OK (each offset id's host known; patched when
+    ``patch``) or RS_MISS.  An id that is not 32 characters starting with 16 hex digits is left."""
+    cdef Py_ssize_t i = 0, j
+    cdef uint64_t raw, new
+    changed[0] = False
+    while i <= n:
+        j = i
+        while j < n and v[j] != 44:  # ','
+            j += 1
+        if j - i == 32 and hex16(v + i, &raw):
+            if not amap.lookup(raw, &new):
+                return RS_MISS
+            if patch and new != raw:
+                wr_hex16(v + i, new)
+                changed[0] = True
+        i = j + 1
+    return RS_OK
+
+
+cdef int map_header_ids(uint8_t* h, Py_ssize_t hlen, int stype, AddressMap amap) noexcept:
+    """The offset ids of a send answer's header, checked, then patched: RS_OK (nothing to do counts
+    as OK), RS_MISS (a store host the map does not know) or RS_BAD (see :func:`msgid_span`)."""
+    cdef Py_ssize_t vs, ve
+    cdef bint changed = False
+    cdef uint64_t raw, new
+    cdef int st = msgid_span(h, hlen, stype, &vs, &ve)
+    if st != RS_OK or vs < 0:
+        return st
+    if ve - vs == 32 and memchr(h + vs + 16, 44, 16) == NULL:  # one id (every send but a batch's): one pass
+        if hex16(h + vs, &raw):  # (a ',' in the first 16 is not a hex digit either)
+            if not amap.lookup(raw, &new):
+                return RS_MISS
+            if new != raw:
+                wr_hex16(h + vs, new)
+                changed = True
+    else:
+        st = walk_ids(h + vs, ve - vs, amap, False, &changed)
+        if st != RS_OK:
+            return st
+        walk_ids(h + vs, ve - vs, amap, True, &changed)
+    amap.walked += 1
+    if changed:
+        amap.rewritten += 1
+    return RS_OK
+
+
+def map_send_ids(buf, Py_ssize_t start, Py_ssize_t end, int stype, AddressMap amap not None):
+    """REC_OK, REC_MISS or REC_BAD for the send-answer header in ``buf[start:end]`` (writable), its
+    offset ids patched in place when REC_OK.  A test aid: the scanner maps the answers it tracks."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    try:
+        if start < 0 or end > view.len or start > end:
+            raise ValueError(f"header range [{start}:{end}] outside a buffer of {view.len} bytes")
+        if stype != 0 and stype != 1:
+            raise ValueError(f"serialize type must be 0 (JSON) or 1 (ROCKETMQ), got {stype}")
+        return map_header_ids(<uint8_t*>view.buf + start, end - start, stype, amap)
+    finally:
+        PyBuffer_Release(&view)

@@ -265,6 +265,13 @@ cdef class FrameScanner:
                 if self.address_map is None or not writable or \
                         map_records(p, pos + 8 + hlen, pos + total, self.address_map) != RS_OK:
                     policy = True
+            elif rec and is_response and not policy and 8 + hlen == total and 0 <= info.code <= 12 and \
+                    (info.code == 0 or info.code >= 10):
+                # a send answer (SUCCESS, or stored with FLUSH_DISK_TIMEOUT 10, SLAVE_NOT_AVAILABLE 11,
+                # FLUSH_SLAVE_TIMEOUT 12): the offset ids in its header mapped in place, or to policy
+                if self.address_map is None or not writable or \
+                        map_header_ids(p + pos + 8, hlen, stype, self.address_map) != RS_OK:
+                    policy = True
             if self.inflight is not None:
                 self._time(slot, info.code, info.flag, info.opaque, now, policy, total, topic_idx,
                            ACTION_RECORDS_C if rec and not is_response else 0)

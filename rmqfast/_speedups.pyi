@@ -157,6 +157,7 @@ class AddressMap:
 
 def walk_store_hosts(buf: ReadableBuffer, start: int, end: int, amap: AddressMap,
                      patch: bool = False) -> tuple[int, int, bool]: ...
+def map_send_ids(buf: WriteableBuffer, start: int, end: int, stype: int, amap: AddressMap) -> int: ...
 
 class Limiter:
     @property

@@ -9,6 +9,7 @@ from typing import Any
 from rmqfast import __version__
 from rmqfast import config as config_mod
 from rmqfast import log as log_mod
+from rmqfast.checkconfig import summary
 from rmqfast.errors import ConfigError
 
 DESCRIPTION = """\
@@ -107,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check-config",
         help="validate a config file (and flags): every error at once, or a short summary of what it sets up",
+        description="Validate a config file given as FILE or --config FILE (and the flags, as `serve` reads "
+                    "them): every error at once, or a summary of every part it sets up.",
     )
-    check.add_argument("file", metavar="FILE")
+    check.add_argument("file", metavar="FILE", nargs="?", help="the TOML config file (or --config FILE)")
     check.add_argument("--json", action="store_true", help="on success print the validated configuration as JSON")
     _add_serve_flags(check)
 
@@ -188,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "spill":
         return _spill(args)
 
-    path = args.file if args.command == "check-config" else args.config
+    ok, path = _config_path(args)
+    if not ok:
+        return 2
 
     def load() -> config_mod.Config:
         return config_mod.load(path, _overrides(args))
@@ -222,67 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def summary(path: str, cfg: config_mod.Config) -> str:
-    """What a valid configuration sets up, in a few lines (``rmqfast check-config``)."""
-    from rmqfast.proxy.tls import describe_tls
-
-    p, b = cfg.proxy, cfg.brokers
-    ups = ", ".join(str(u) for u in cfg.namesrv.upstreams)
-    workers = f"{p.workers}" if p.workers else f"one per usable CPU ({cfg.worker_count} here)"
-    if b.port_range is not None:
-        brokers = (f"ports {b.port_range[0]}-{b.port_range[1]} on {cfg.broker_listen_host} for the brokers "
-                   f"the routes name, advertised as {cfg.advertise_host}")
-    else:
-        brokers = "no automatic endpoints"
-    if b.static:
-        brokers += f"; {len(b.static)} static (" + ", ".join(f"{s.listen} -> {s.upstream}" for s in b.static) + ")"
-    if cfg.admin.listen is None:
-        admin = "off"
-    else:
-        changes = "need the admin.token" if cfg.admin.token else "from loopback only (no admin.token)"
-        admin = f"http://{cfg.admin.listen}/ (/metrics /healthz /readyz /limits; limit changes {changes})"
-    policy = "admin request codes denied"
-    if cfg.policy.allow_codes:
-        policy += f"; also allowed: {', '.join(map(str, cfg.policy.allow_codes))}"
-    if cfg.policy.deny_codes:
-        policy += f"; also denied: {', '.join(map(str, cfg.policy.deny_codes))}"
-    rules = cfg.limits.all_rules()
-    limits = f"{len(rules)} rule(s)" if rules else "none"
-    records = (f"on, every {cfg.records.rotate_seconds:g} s into {cfg.records.dir} ({cfg.records.format})"
-               if cfg.records.enabled else "off")
-    clouds = "off"
-    if cfg.replication_enabled:
-        clouds = (f"{cfg.replicate.durability}, to " + ", ".join(r.name for r in cfg.clouds.remotes)
-                  + f"; {len(cfg.replicate.topics)} topic rule(s), default {cfg.replicate.default}")
-    acl = "off (signed requests pass through unchanged)"
-    if cfg.acl.enabled:
-        acl = (f"{len(cfg.acl.topics)} AccessKey(s) listed; unsigned requests: {cfg.acl.unsigned}, "
-               f"other AccessKeys: {cfg.acl.other_keys}")
-        if cfg.grpc.enabled:  # the gRPC front verifies signatures itself
-            acl += (f"; gRPC calls verified with {len(cfg.acl.secret_keys)} secret key(s)" if cfg.acl.secret_keys
-                    else "; gRPC: no acl.secret_keys, so only unsigned calls can pass (acl.unsigned)")
-    fo = cfg.failover
-    failover = "off (clients of a dead broker get SYSTEM_ERROR)"
-    if fo.enabled:
-        failover = (f"probes every {fo.probe_interval:g} s (timeout {fo.probe_timeout:g} s); sends to a dead broker "
-                    f"moved; routes healed: {'yes' if fo.heal_routes else 'no'}; GO_AWAY on drain: "
-                    f"{'yes' if fo.go_away else 'no'}; ordered topics: {', '.join(fo.ordered_topics) or 'none listed'}")
-    rows = [
-        ("name servers", f"clients connect to {cfg.namesrv.listen}, relayed to {ups}"),
-        ("brokers", brokers),
-        ("workers", workers),
-        ("admin endpoint", admin),
-        ("policy", policy),
-        ("topic allowlist", acl),
-        ("send limits", limits),
-        ("traffic records", records),
-        ("cross-cloud", clouds),
-        ("broker failover", failover),
-        ("TLS", describe_tls(cfg.tls)),
-        ("logs", f"{cfg.log.format}, level {cfg.log.level}; state in {p.state_dir}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join([f"{path or '(flags only)'}: ok"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+def _config_path(args: argparse.Namespace) -> tuple[bool, str | None]:
+    """(False, None) when two different files are named, else (True, the config file or None);
+    ``check-config`` takes FILE or --config FILE."""
+    path: str | None = args.config
+    if args.command == "check-config" and args.file is not None:
+        if path is not None and path != args.file:
+            print(f"rmqfast check-config: two config files given ({args.file} and --config {path}); "
+                  "name one, as FILE or as --config FILE", file=sys.stderr)
+            return False, None
+        path = args.file
+    return True, path
 
 
 def _spill(args: argparse.Namespace) -> int:

@@ -68,6 +68,12 @@ class ProxySection:
     frame_timeout: float = 30.0
     # bytes per worker for frames held whole (policy, limited sends, batches) beyond the base buffers
     buffer_budget: int = 64 * 1024 * 1024
+    # client connections per worker on the Remoting listeners (0: from the open-files limit)
+    max_connections: int = 0
+    # ... per client address, IPv6 by /64 (0: half of the worker's cap)
+    max_connections_per_client: int = 0
+    # seconds a new Remoting connection may take to send its first frame (0: no deadline)
+    first_frame_timeout: float = 10.0
 
 
 @dataclass
@@ -90,10 +96,10 @@ class PolicySection:
     deny_codes: list[int] = field(default_factory=list)
     # "read-only-admin": also let through the read-only admin codes (rmqfast.codec.admincodes)
     preset: str = ""
-    # broker addresses inside messages (rmqfast.proxy.addresses): "records" (store hosts in pull,
-    # pop, query and view answers), "all" (also the offset msgId of send answers: sends then leave
-    # the compiled path), "off"
-    message_addresses: str = "records"
+    # broker addresses inside messages (rmqfast.proxy.addresses): "all" (store hosts in pull, pop,
+    # query and view answers and the offset msgId of send answers, both mapped in C), "records"
+    # (not the send answers: queryMsgById then reaches the real broker), "off"
+    message_addresses: str = "all"
 
 
 @dataclass
@@ -338,13 +344,22 @@ def parse_hostport(key: str, value: Any) -> HostPort:
     if not 1 <= p <= 65535:
         raise ConfigError(f"{key}: {_t(value)} is not allowed; the port must be from 1 to 65535")
     if not host:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing (use 0.0.0.0 for all)")
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing ({_missing_host_hint(key, p)})")
     if not valid_host(host):
         raise ConfigError(
             f"{key}: {_t(value)} is not allowed; {_t(host)} is neither an IP address nor a host name "
             "(IPv6 addresses are written [addr]:port)"
         )
     return HostPort(host, p)
+
+
+def _missing_host_hint(key: str, port: int) -> str:
+    """What to write instead of a bare ":port", for the kind of field ``key`` is."""
+    if key.rpartition(".")[2].startswith("listen"):
+        return f"where to listen: \"0.0.0.0:{port}\" for every address, \"127.0.0.1:{port}\" for this machine only"
+    server = ("a real RocketMQ name server" if key.startswith("namesrv.upstreams")
+              else "the real broker" if key.endswith(".upstream") else "the server rmqfast connects to")
+    return f"write the address of {server}, e.g. \"10.0.0.1:{port}\"; 0.0.0.0 is for listen addresses only"
 
 
 def parse_hostport_list(key: str, value: Any) -> list[HostPort]:
@@ -442,6 +457,9 @@ _KNOWN = {
         "state_dir",
         "frame_timeout",
         "buffer_budget",
+        "max_connections",
+        "max_connections_per_client",
+        "first_frame_timeout",
     },
     "namesrv": {"listen", "upstreams"},
     "brokers": {"port_range", "listen_host", "vip_channel", "static"},
@@ -684,6 +702,19 @@ def _parse_proxy(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
                 raise ConfigError(f"proxy.frame_timeout: {p.frame_timeout!r} is not allowed; use 0 (no deadline) "
                                   "or at least 1 second")
     _set(errs, px, p, "proxy", "buffer_budget", lambda key, v: _int(key, v, 1 << 20, 1 << 40, " (1 MiB)"))
+    for k in ("max_connections", "max_connections_per_client"):  # 0: automatic (rmqfast.server.accept)
+        _set(errs, px, p, "proxy", k, lambda key, v: _int(key, v, 0, 1 << 24, " (0: automatic)"))
+    with errs.check():
+        if "first_frame_timeout" in px:
+            p.first_frame_timeout = _float("proxy.first_frame_timeout", px["first_frame_timeout"], 0, 3600)
+            if 0 < p.first_frame_timeout < 1:
+                raise ConfigError(f"proxy.first_frame_timeout: {p.first_frame_timeout!r} is not allowed; use 0 "
+                                  "(no deadline) or at least 1 second")
+    if 0 < p.max_connections < p.max_connections_per_client:
+        errs.messages.append(
+            f"proxy.max_connections_per_client: {p.max_connections_per_client} is not allowed; it must not "
+            f"exceed proxy.max_connections ({p.max_connections})"
+        )
     if p.max_header_size > p.max_frame_size:
         errs.messages.append(
             f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "

@@ -13,10 +13,12 @@ import csv
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rmqfast.codec import codes
+from rmqfast.progress import Stages
 from rmqfast.testing import RocketMQCluster, ensure_jars
 from rmqfast.testing.javaclient import run_driver
 from rmqfast.testing.proxy import ProxyProcess
@@ -48,11 +50,11 @@ def _spark_report(records_dir: Path) -> dict[str, Any] | None:
     inputs = [str(records_dir)]
     if Path("results/bench").is_dir():
         inputs.append("results/bench")
-    _say(f"Spark (local mode) report from the proxy's traffic records in {records_dir}")
+    _say(f"Spark report over {', '.join(inputs)} (a status line every 5 s while a step runs)")
     try:
         from rmqfast.analytics import analyze
 
-        s = analyze(inputs, out, quiet=True)
+        s = analyze(inputs, out, quiet=True, progress=Stages("demo: spark", every=5.0))
     except Exception as exc:  # the traffic part of the demo stands on its own
         _say(f"Spark report FAILED: {exc}")
         return None
@@ -114,9 +116,11 @@ def print_traffic(results: list[tuple[str, str, str, dict[str, Any], float]],
     return ok
 
 
-def print_metrics(metrics: dict) -> None:
+def print_metrics(metrics: dict, summary: dict[str, Any] | None = None) -> bool:
+    """The scraped figures; the route figures beside the report's (``summary``); True: they add up."""
     print()
-    print("Scraped from rmqfast /metrics (all workers):")
+    print("Scraped from rmqfast /metrics (all workers), in one scrape after the traffic stopped and every")
+    print("worker had published its counters twice since (so every number below is of the same moment):")
     for name, labels, what in (
         ("rmqfast_requests_total", {"role": "broker", "code": "310"}, "SEND_MESSAGE_V2 requests"),
         ("rmqfast_requests_total", {"role": "broker", "code": "320"}, "SEND_BATCH_MESSAGE requests"),
@@ -128,83 +132,176 @@ def print_metrics(metrics: dict) -> None:
         ("rmqfast_protocol_errors_total", {}, "protocol errors"),
     ):
         print(f"  {what:<42}{_metric_sum(metrics, name, **labels):>14,.0f}")
-    queries = _metric_sum(metrics, "rmqfast_requests_total", role="namesrv", code=str(codes.GET_ROUTEINFO_BY_TOPIC))
-    rewritten = _metric_sum(metrics, "rmqfast_route_rewrites_total", code=str(codes.GET_ROUTEINFO_BY_TOPIC))
-    absent = _metric_sum(metrics, "rmqfast_responses_total", role="namesrv", code=str(codes.TOPIC_NOT_EXIST))
-    print()
-    print("Route queries (GET_ROUTEINFO_BY_TOPIC 105) to the name server, through rmqfast:")
-    print(f"  {'route queries':<42}{queries:>14,.0f}")
-    print(f"  {'  rewritten (brokers -> rmqfast endpoints)':<42}{rewritten:>14,.0f}")
-    print(f"  {'  answered TOPIC_NOT_EXIST (17), unchanged':<42}{absent:>14,.0f}")
-    print("  Fewer rewrites than queries is expected: only an answer that carries a route is rewritten.")
-    print("  A client asks for a topic's route before the topic exists (a producer before its first send")
-    print("  creates it; a consumer for its group's %RETRY% topic), and the name server answers")
-    print("  TOPIC_NOT_EXIST, which rmqfast passes on as it is. These are normal, not errors; the report")
-    print("  plots them apart from errors.")
+    ok = print_route_counts(route_counts(metrics), report_route_counts(summary))
+    results = route_results(metrics)
+    if results:
+        print("  The same queries by result (the result label of rmqfast_requests_total): "
+              + ", ".join(f"{r} {n:,.0f}" for r, n in sorted(results.items())))
     print()
     print("Per topic:")
     for (n, lbls), v in sorted(metrics.items()):
         if n == "rmqfast_topic_messages_total":
             print(f"  {dict(lbls)['topic']:<30}{v:>10,.0f} messages")
+    return ok
+
+
+#: The route figures: (what, counter and labels in /metrics, the report table and row it is checked against)
+ROUTE_COUNTERS = (
+    ("route queries", "rmqfast_requests_total", {"role": "namesrv", "code": str(codes.GET_ROUTEINFO_BY_TOPIC)},
+     ("agg_requests_by_code", "namesrv", codes.GET_ROUTEINFO_BY_TOPIC)),
+    ("rewritten (brokers -> rmqfast endpoints)", "rmqfast_route_rewrites_total",
+     {"code": str(codes.GET_ROUTEINFO_BY_TOPIC)}, None),
+    ("answered TOPIC_NOT_EXIST (17), unchanged", "rmqfast_responses_total",
+     {"role": "namesrv", "code": str(codes.TOPIC_NOT_EXIST)},
+     ("agg_responses_by_code", "namesrv", codes.TOPIC_NOT_EXIST)),
+)
+
+
+def route_counts(metrics: dict) -> dict[str, float]:
+    """The route figures of one scrape, by their ROUTE_COUNTERS name."""
+    return {what: _metric_sum(metrics, name, **labels) for what, name, labels, _ in ROUTE_COUNTERS}
+
+
+def route_results(metrics: dict) -> dict[str, float]:
+    """Route queries by the result label of rmqfast_requests_total (what the other answers were)."""
+    out: dict[str, float] = {}
+    for (n, lbls), v in metrics.items():
+        d = dict(lbls)
+        if n == "rmqfast_requests_total" and d.get("role") == "namesrv" and \
+                d.get("code") == str(codes.GET_ROUTEINFO_BY_TOPIC) and v:
+            out[d.get("result", "?")] = out.get(d.get("result", "?"), 0.0) + v
+    return out
+
+
+def report_route_counts(summary: dict[str, Any] | None) -> dict[str, float]:
+    """The same figures from the Spark report's tables (those it has), by ROUTE_COUNTERS name."""
+    if summary is None:
+        return {}
+    tables = Path(summary["report"]).parent / "tables"
+    out: dict[str, float] = {}
+    for what, _, _, where in ROUTE_COUNTERS:
+        if where is None:
+            continue
+        table, role, code = where
+        try:
+            with open(tables / f"{table}.csv", newline="", encoding="utf-8") as f:
+                out[what] = sum(float(r["count"]) for r in csv.DictReader(f)
+                                if r["role"] == role and r["code"] and int(float(r["code"])) == code)
+        except (OSError, KeyError, ValueError) as exc:
+            _say(f"report figure unavailable: {tables / table}.csv: {exc}")
+    return out
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+
+
+def print_route_counts(counts: dict[str, float], report: dict[str, float]) -> bool:
+    """The route figures, each with the counter it comes from and the report's figure; True when
+    rewritten + TOPIC_NOT_EXIST + other answers add up to the queries and the report agrees."""
+    names = [r[0] for r in ROUTE_COUNTERS]
+    queries, rewritten, absent = (counts[n] for n in names)
+    other = queries - rewritten - absent
+    print()
+    print("Route queries (GET_ROUTEINFO_BY_TOPIC 105) to the name server, through rmqfast:")
+    print(f"  {'':<42}{'count':>8}   {'report':>7}   from")
+    for what, name, labels, _ in ROUTE_COUNTERS:
+        rep = f"{report[what]:>7,.0f}" if what in report else f"{'-':>7}"
+        print(f"  {what:<42}{counts[what]:>8,.0f}   {rep}   {name}{_labels(labels)}")
+    print(f"  {'other answers (not rewritten, not 17)':<42}{other:>8,.0f}   {'-':>7}   "
+          "route queries - rewritten - TOPIC_NOT_EXIST")
+    agree = all(abs(report[w] - counts[w]) < 0.5 for w in report)
+    if report and not agree:
+        print("  THE REPORT DISAGREES with the scrape above (it reads the traffic records the workers flushed at stop)")
+    elif report:
+        print("  The report column is the Spark report's agg_requests_by_code / agg_responses_by_code tables.")
+    print("  Fewer rewrites than queries is expected: only an answer that carries a route is rewritten.")
+    print("  A client asks for a topic's route before the topic exists (a producer before its first send")
+    print("  creates it; a consumer for its group's %RETRY% topic), and the name server answers")
+    print("  TOPIC_NOT_EXIST, which rmqfast passes on as it is. These are normal, not errors; the report")
+    print("  plots them apart from errors.")
+    return other >= 0 and agree
+
+
+def settled_metrics(scrape: Callable[[], dict], timeout: float = 30.0, poll: float = 0.1) -> dict:
+    """One scrape taken once every worker has published its counters twice since the call (the
+    traffic has stopped: each publish writes every counter, ``rmqfast_worker_publishes_total``
+    last), so the figures read from it are of one moment.  After ``timeout`` the last scrape."""
+    first = scrape()
+    base = {dict(lbls).get("worker"): v for (n, lbls), v in first.items() if n == "rmqfast_worker_publishes_total"}
+    deadline = time.monotonic() + timeout
+    while True:
+        now = scrape()
+        pubs = {dict(lbls).get("worker"): v for (n, lbls), v in now.items() if n == "rmqfast_worker_publishes_total"}
+        if base and all(pubs.get(w, 0) >= v + 2 for w, v in base.items()):
+            return now
+        if time.monotonic() >= deadline:
+            _say(f"workers did not publish twice within {timeout:g} s; the figures are of the last scrape")
+            return now
+        time.sleep(poll)
 
 
 def run_demo(messages: int = 2000, workers: int = 2, keep_running: bool = False) -> int:
     t_start = time.monotonic()
-    _say("building/locating the RocketMQ jars (Maven Central; first run downloads ~130 MB)")
-    jars = ensure_jars()
+    st = Stages("demo", total=4)
+    with st.stage("building/locating the RocketMQ jars (Maven Central; first run downloads ~130 MB)"):
+        jars = ensure_jars()
     # kept after the demo, so that `rmqfast analyze results/demo-records -o DIR` can be re-run
     records_dir = (Path("results") / "demo-records").resolve()
     shutil.rmtree(records_dir, ignore_errors=True)
     # every request recorded (sample_rate 1): exact send latencies; the demo's traffic is small
     records = {"dir": str(records_dir), "sample_rate": 1.0, "rotate_seconds": 10}
     results: list[tuple[str, str, str, dict[str, Any], float]] = []
-    _say("starting RocketMQ 5.3.3 name server + broker on loopback")
-    with RocketMQCluster(jars=jars) as cluster:
-        _say(f"RocketMQ up: name server {cluster.namesrv_addr}, broker {cluster.broker_addr}")
-        with ProxyProcess([cluster.namesrv_addr], workers=workers, log_format="human", records=records) as proxy:
-            _say(f"rmqfast up: name server proxy {proxy.namesrv_addr}, admin {proxy.admin_url}")
-            for client, mode, count in (
-                ("5", "sync", messages),
-                ("5", "batch", messages),
-                ("4", "async", messages // 2),
-            ):
-                topic = f"DemoTopic{client}{mode.capitalize()}"
-                _say(f"client {client}.x: {mode} send of {count} messages to {topic}, push consumer, via rmqfast")
-                t0 = time.monotonic()
-                r = run_driver(
-                    "roundtrip",
-                    proxy.namesrv_addr,
-                    client,
-                    topic=topic,
-                    group=f"DemoGroup{client}{mode}",
-                    count=count,
-                    mode=mode,
-                    timeout=300,
-                    check=False,
-                    jars=jars,
-                )
-                results.append((client, mode, topic, r, time.monotonic() - t0))
-            metrics = proxy.metrics()
-            if keep_running:
-                _say(f"still running: point a client at {proxy.namesrv_addr}; Ctrl-C to stop")
-                try:
-                    while True:
-                        time.sleep(3600)
-                except KeyboardInterrupt:
-                    pass
-            proxy.stop()  # workers close (rename) their last record files
-    _say("RocketMQ and rmqfast stopped")
+    with st.stage("RocketMQ 5.3.3 name server + broker, rmqfast in front, real traffic (loopback)"):
+        with RocketMQCluster(jars=jars) as cluster:
+            _say(f"RocketMQ up: name server {cluster.namesrv_addr}, broker {cluster.broker_addr}")
+            with ProxyProcess([cluster.namesrv_addr], workers=workers, log_format="human", records=records) as proxy:
+                _say(f"rmqfast up: name server proxy {proxy.namesrv_addr}, admin {proxy.admin_url}")
+                for client, mode, count in (
+                    ("5", "sync", messages),
+                    ("5", "batch", messages),
+                    ("4", "async", messages // 2),
+                ):
+                    topic = f"DemoTopic{client}{mode.capitalize()}"
+                    _say(f"client {client}.x: {mode} send of {count} messages to {topic}, push consumer, via rmqfast")
+                    t0 = time.monotonic()
+                    r = run_driver(
+                        "roundtrip",
+                        proxy.namesrv_addr,
+                        client,
+                        topic=topic,
+                        group=f"DemoGroup{client}{mode}",
+                        count=count,
+                        mode=mode,
+                        timeout=300,
+                        check=False,
+                        jars=jars,
+                    )
+                    results.append((client, mode, topic, r, time.monotonic() - t0))
+                # the traffic has stopped: one scrape once every worker published twice since
+                metrics = settled_metrics(proxy.metrics)
+                if keep_running:
+                    _say(f"still running: point a client at {proxy.namesrv_addr}; Ctrl-C to stop")
+                    try:
+                        while True:
+                            time.sleep(3600)
+                    except KeyboardInterrupt:
+                        pass
+                proxy.stop()  # workers close (rename) their last record files
+        _say("RocketMQ and rmqfast stopped")
     traffic_s = time.monotonic() - t_start
     t_spark = time.monotonic()
-    summary = _spark_report(records_dir)  # after RocketMQ stopped: its JVMs no longer compete for the cores
+    with st.stage("Spark (local mode) report from the proxy's traffic records", tick=False):  # it ticks itself
+        summary = _spark_report(records_dir)  # after RocketMQ stopped: its JVMs no longer compete for the cores
     spark_s = time.monotonic() - t_spark
-    ok = print_traffic(results, send_latency(summary))
-    print_metrics(metrics)
-    ok = ok and summary is not None
+    with st.stage("figures"):
+        ok = print_traffic(results, send_latency(summary))
+        counts_ok = print_metrics(metrics, summary)
+    ok = ok and summary is not None and counts_ok
     print()
     _say(f"demo took {time.monotonic() - t_start:.0f} s: RocketMQ, rmqfast and traffic {traffic_s:.0f} s, "
          f"Spark step {spark_s:.0f} s")
-    _say("everything stopped" + ("" if ok else "; SOME RUNS FAILED (see above)"))
+    _say("everything stopped" + ("" if ok else "; SOME RUNS FAILED OR FIGURES DISAGREE (see above)"))
     return 0 if ok else 1
 
 

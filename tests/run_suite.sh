@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test phases of `make test`, in two lanes that run at the same time:
-#   lane "unit": the unit tests with the compiled codec, then again with the pure-Python
+#   lane "unit": the unit tests with the compiled codec, the benchmark suite (bench/) once
+#                with --benchmark-disable, then again with the pure-Python
 #                twins (RMQFAST_NO_EXTENSIONS=1) the tests that touch a twin (marker "twin":
 #                the twin fixtures' tests and the files tests/twins.py lists; config,
 #                deploy, encoder and Spark tests never touch one and run once);
@@ -17,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 logdir="$(mktemp -d "${TMPDIR:-/tmp}/rmqfast-suite.XXXXXX")"
-durations=(--durations=15 --durations-min=5 "$@")  # extra arguments go to every pytest run
+durations=(--durations=15 --durations-min=5 "$@")  # extra arguments go to every pytest run of tests/
 
 mmss() { printf '%dm%02ds' $(( $1 / 60 )) $(( $1 % 60 )); }
 
@@ -31,6 +32,10 @@ timed() {  # lane phase command...: run the command, note the phase's time in th
 
 lane_unit() {
     timed unit "compiled pass" "$PYTHON" -m pytest -q -m "not integration" "${durations[@]}" || return 1
+    # the pytest-benchmark suite, each benchmark run once and not timed, so it cannot rot (~10 s;
+    # the extra arguments are not passed: a -k or -m meant for tests/ could select nothing here)
+    timed unit "benchmark suite (--benchmark-disable)" \
+        "$PYTHON" -m pytest -q bench/ --benchmark-disable --durations=5 --durations-min=5 || return 1
     timed unit "pure-Python pass (twin tests)" env RMQFAST_NO_EXTENSIONS=1 \
         "$PYTHON" -m pytest -q -m "twin and not integration and not spark" "${durations[@]}"
 }

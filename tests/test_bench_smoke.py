@@ -139,7 +139,11 @@ def test_bench_main_writes_results(tools: Tools, tmp_path: Path, capsys: pytest.
     assert run["loadgen"]["responses"] > 0 and run["loadgen"]["errors"] == 0
     assert run["machine"]["cores"] and run["machine"]["kernel"] and run["machine"]["python"]
     assert len({r["run_id"] for r in records}) == 1
-    assert "send-64x1" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "send-64x1" in captured.out
+    # what stage the bench is in and how long each took (stderr, beside the per-run lines)
+    assert "[bench] stage 4/4 round 1/1 send-64x1 against direct (0.1 s warm-up + 0.3 s) ..." in captured.err
+    assert "[bench]   round 1/1 send-64x1 against direct (0.1 s warm-up + 0.3 s): done in " in captured.err
     assert bench_cli.main(["--report", str(path)]) == 0  # re-reads the results file
     assert "send-64x1" in capsys.readouterr().out
 

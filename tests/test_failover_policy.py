@@ -232,3 +232,24 @@ def test_worker_gives_the_failover_service_its_limits_and_delay(tmp_path: Path, 
         w.health.close()
         if w.delay is not None:
             w.delay.close()
+
+
+def test_a_moved_send_s_answer_has_its_offset_ids_mapped(moved: Any) -> None:
+    """The answer of a moved send comes from another broker through Python, never through the relay's
+    scanner: with message_addresses = "all" its msgId is mapped here (what the worker hooks in)."""
+    live, dead, svc = moved
+    seen: list[str] = []
+
+    def offset_ids(value: str) -> str | None:
+        seen.append(value)
+        return "7F000001000075310000000000000007"
+
+    svc.offset_ids = offset_ids
+    answer, where = svc.move(_send_v2(opaque=5), dead)
+    assert answer.code == C.SUCCESS and where == live.addr and answer.opaque == 5
+    assert seen == ["AB"]  # the fake broker's msgId, handed to the mapping
+    assert (answer.ext_fields or {})["msgId"] == "7F000001000075310000000000000007"
+    assert (answer.ext_fields or {})["queueOffset"] == "7"  # the rest as the broker answered
+    svc.offset_ids = lambda value: None  # nothing to map: the answer as it came
+    answer, _ = svc.move(_send_v2(opaque=6), dead)
+    assert (answer.ext_fields or {})["msgId"] == "AB"

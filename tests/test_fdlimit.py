@@ -7,7 +7,8 @@ import resource
 
 import pytest
 
-from rmqfast.server.fdlimit import RESERVED_FDS, raise_nofile
+from rmqfast.server.accept import auto_max_connections
+from rmqfast.server.fdlimit import raise_nofile
 
 
 def test_soft_limit_raised_to_hard_and_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -23,6 +24,6 @@ def test_soft_limit_raised_to_hard_and_logged(caplog: pytest.LogCaptureFixture) 
         assert soft == hard if hard != resource.RLIM_INFINITY else soft >= 512
         rec = [r for r in caplog.records if r.getMessage() == "open-files limit raised to the hard limit"]
         assert rec and rec[0].ctx["soft_before"] == 512 and rec[0].ctx["soft"] == soft
-        assert rec[0].ctx["max_client_connections"] == (soft - RESERVED_FDS) // 2
+        assert rec[0].ctx["max_client_connections"] == auto_max_connections(soft)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft0, hard))

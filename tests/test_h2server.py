@@ -268,17 +268,31 @@ def test_server_setting() -> None:
 
 
 def test_connections_past_max_connections_are_closed_and_counted(pb: Any) -> None:
+    """``max_connections`` counts connections that finished their handshake (preface and SETTINGS):
+    one more is closed once it has shaken hands, and served again when one of them closes."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + SETTINGS
+
     async def go() -> None:
         svc = Service(pb)
         server = h2server.H2Server(svc, 1 << 20, None, max_connections=2)
         port = await server.start("127.0.0.1", 0)
         held = []
-        for _ in range(2):  # two connections the server keeps (they said nothing yet: within the 30 s)
-            held.append(await asyncio.open_connection("127.0.0.1", port))
-        while len(server.conns) < 2:
+        for _ in range(2):  # two connections the server keeps (handshaken, then silent)
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(preface)
+            held.append((r, w))
+        while len(server.gate.established) < 2:
             await asyncio.sleep(0.01)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        assert await asyncio.wait_for(reader.read(100), 30) == b"", "the third connection was not closed"
+        writer.write(preface)
+        got = b""
+        while chunk := await asyncio.wait_for(reader.read(1000), 30):  # SETTINGS, GOAWAY, then closed
+            got += chunk
+        types, pos = [], 0
+        while pos + 9 <= len(got):  # the frames it sent: its SETTINGS, ..., GOAWAY (7)
+            types.append(got[pos + 3])
+            pos += 9 + int.from_bytes(got[pos:pos + 3], "big")
+        assert types[0] == 4 and types[-1] == 7, types
         writer.close()
         assert server.refused == 1 and len(server.conns) == 2
         held[0][1].close()  # one closes: a new connection is served again

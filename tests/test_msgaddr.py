@@ -218,9 +218,10 @@ def test_config_keys_parse_roundtrip_and_refuse_unknown_values() -> None:
 
     base = {"namesrv": {"listen": "127.0.0.1:19876", "upstreams": ["10.0.0.1:9876"]}}
     cfg = config.from_dict(base)
-    assert (cfg.policy.preset, cfg.policy.message_addresses) == ("", "records")
-    cfg = config.from_dict({**base, "policy": {"preset": "read-only-admin", "message_addresses": "all"}})
-    assert (cfg.policy.preset, cfg.policy.message_addresses) == ("read-only-admin", "all")
+    # the safe default: every broker address a client sees names the proxy, send answers' offset ids too
+    assert (cfg.policy.preset, cfg.policy.message_addresses) == ("", "all")
+    cfg = config.from_dict({**base, "policy": {"preset": "read-only-admin", "message_addresses": "records"}})
+    assert (cfg.policy.preset, cfg.policy.message_addresses) == ("read-only-admin", "records")
     again = config.from_json(cfg.to_json())  # what the supervisor hands its workers
     assert again.policy == cfg.policy
     with pytest.raises(config.ConfigError, match="policy.preset.*read-only-admin"):

@@ -263,6 +263,43 @@ def test_idle_sessions_are_closed_and_busy_ones_kept(proxy):
     busy.close()
 
 
+def test_a_connection_with_no_first_frame_is_closed_after_first_frame_timeout(proxy, caplog):
+    """Half-open and slowloris clients cannot hold a connection (and a cap's slot): no frame
+    within ``first_frame_timeout``, closed; a client that sent one is kept."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO)
+    port, _, _, _, _, sessions = proxy
+    talker, silent, partial = connect(port), connect(port), connect(port)
+    talker.sendall(send_frame(1))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(talker)).opaque == 1
+    partial.sendall(send_frame(2)[:3])  # not even a frame's length word
+    wait_until(lambda: len(sessions) == 3 and all(s.c2u is not None for s in sessions))
+    settings = next(iter(sessions)).settings
+    assert settings.first_frame_timeout == 10.0  # RelaySettings' default
+    assert relay.close_idle(sessions, 1000, now=time.monotonic() + 9) == 0
+    assert relay.close_idle(sessions, 1000, now=time.monotonic() + 11) == 2
+    for c in (silent, partial):
+        with gevent.Timeout(5):
+            try:
+                assert c.recv(10) == b""
+            except ConnectionResetError:  # closed with the partial frame's bytes unread: a reset
+                pass
+        c.close()
+    assert any("no first frame in time" in r.getMessage() for r in caplog.records)
+    talker.sendall(send_frame(3))
+    with gevent.Timeout(5):
+        assert decode_frame(read_frame(talker)).opaque == 3
+    settings.first_frame_timeout = 0  # no deadline
+    late = connect(port)
+    wait_until(lambda: len(sessions) == 2 and all(s.c2u is not None for s in sessions))
+    assert relay.close_idle(sessions, 1000, now=time.monotonic() + 100) == 0
+    late.close()
+    talker.close()
+
+
 def test_slow_upstream_reader_backpressure_keeps_every_byte(proxy):
     """The upstream stops reading: the relay must wait for buffer space, not drop or reorder."""
     port, _, _, _, upstreams, sessions = proxy
@@ -686,6 +723,7 @@ def test_a_frame_that_stops_arriving_is_closed_after_frame_timeout(proxy, caplog
     wait_until(lambda: sum(s.stalled_for(time.monotonic_ns())[1] > 0 for s in sessions) == 2)
     settings = next(iter(sessions)).settings
     later = time.monotonic() + 31
+    settings.first_frame_timeout = 0  # a first frame never finished: this test looks at frame_timeout
     settings.frame_timeout = 0  # no deadline
     assert relay.close_idle(sessions, 1000, now=later) == 0
     settings.frame_timeout = 30

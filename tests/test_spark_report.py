@@ -239,3 +239,38 @@ def test_real_records_from_proxy_run(tmp_path: Path, spark: Any) -> None:  # noq
     assert client["client"].startswith("127.0.0.1:")
     (lat,) = [r for r in t["latency_by_code"] if r["code"] == 101]
     assert 0 < lat["p50_us"] <= lat["p99_us"] < 1_000_000
+
+
+def test_spark3_semantics_kept_on_spark4(spark: Any) -> None:  # noqa: F811
+    """Spark 4 turned ANSI mode on by default, under which one overflowing value in a damaged
+    file aborts the whole job; the session keeps Spark 3's semantics (the value does not raise)."""
+    from pyspark.sql import functions as F
+
+    from rmqfast.analytics.jobs import _bucket_col
+
+    df = spark.createDataFrame([(float("inf"),), (7.0,)], "ts double")
+    rows = df.select(_bucket_col(F.col("ts"), 5).alias("b")).collect()  # raised ARITHMETIC_OVERFLOW
+    assert len(rows) == 2 and rows[1]["b"] == 5
+
+
+@pytest.mark.parametrize("percentiles", ["hist", "approx"])  # hist: the small-input path; approx: the general one
+def test_records_whose_timestamp_is_not_a_time_are_reported_and_skipped(
+        tmp_path: Path, spark: Any, percentiles: str) -> None:  # noqa: F811
+    from rmqfast.analytics.synth import sample_columns
+    from rmqfast.records.parquet import write_table
+    from rmqfast.records.schema import SAMPLE_COLUMNS, SAMPLE_VERSION, schema_tag
+
+    d = tmp_path / "records"
+    write_samples(d, 2000, per_file=2000, span_s=60)
+    cols = sample_columns(10, seed=9, span_s=60)
+    cols["ts"][:4] = [float("inf"), float("nan"), -float("inf"), 1e300]  # a damaged file's values
+    write_table(d / "sample" / f"sample-v{SAMPLE_VERSION}-bad-w0-00001.parquet", SAMPLE_COLUMNS, cols,
+                codec="gzip", metadata={"rmqfast.schema": schema_tag("sample")})
+    s = analyze([str(d)], tmp_path / "report", spark=spark, quiet=True, percentiles=percentiles)
+    assert s["problems"] == [{"file": "sampled records", "problem": "4 sampled record(s) whose timestamp is not a "
+                              "time (NaN, infinite, negative or past 1e+10 s) skipped"}]
+    assert s["counts"]["sample_records"] == 2006
+    t = {p.stem: pq.read_table(p).to_pylist() for p in (tmp_path / "report" / "tables").glob("*.parquet")}
+    assert sum(r["records"] for r in t["sample_throughput_topic"]) == 2006
+    assert all(0 <= r["bucket"] <= 2e9 for r in t["sample_throughput_topic"])
+    assert sum(r["records"] for r in t["latency_by_code"]) <= 2006

@@ -70,8 +70,10 @@ def run_serve(config: Path, *, patch: str = "", timeout: float = 60) -> subproce
     """``rmqfast serve`` in a supervisor whose rmqfast was patched by ``patch`` (Python code)."""
     code = (f"import sys, rmqfast, rmqfast.codec\n{patch}\n"
             f"from rmqfast.cli import main\nsys.exit(main(['serve', '--config', {str(config)!r}]))\n")
+    tmp = config.parent / "tmp"  # its own temporary directory: what it leaves there is seen
+    tmp.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=timeout,
-                          cwd=config.parent)
+                          cwd=config.parent, env=dict(os.environ, TMPDIR=str(tmp)))
 
 
 def test_hostile_rmqfast_in_the_start_directory_is_never_imported(tmp_path: Path, namesrv) -> None:
@@ -145,3 +147,5 @@ def test_admin_listen_in_use_names_the_address(tmp_path: Path, namesrv) -> None:
         done = run_serve(cfg)
     assert done.returncode == 2
     assert f"admin.listen: cannot listen on 127.0.0.1:{port} (Address already in use)" in done.stderr
+    # a start that failed still removes the supervisor's runtime folder (rmqfast-run-*)
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -151,3 +151,23 @@ def _walk_hadoop(inp: Inputs, root: str, spark: Any) -> None:
         if any(x.startswith((".", "_")) for x in parts[:-1] if x):
             continue
         _classify(inp, str(p), p.getName(), reader_for(int(st.getLen())))
+
+
+#: A sampled record's ``ts`` must lie in [0, TS_MAX] (1970 to 2286). One that is not a time (NaN,
+#: infinite, negative, absurdly far: a damaged file) would stretch the time buckets over
+#: centuries and overflow the tables' 64-bit integers, so it is left out of every table and
+#: counted as an input problem.
+TS_MAX = 1e10
+
+
+def ts_ok() -> Any:
+    """True for a usable ``ts`` (Spark orders NaN above every number; a null gives null)."""
+    from pyspark.sql import functions as F
+
+    return F.col("ts").between(0, TS_MAX)
+
+
+def bad_ts_problem(problems: list[tuple[str, str]], bad: int) -> None:
+    if bad:
+        problems.append(("sampled records", f"{bad} sampled record(s) whose timestamp is not a time "
+                                            f"(NaN, infinite, negative or past {TS_MAX:.0e} s) skipped"))

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rmqfast.analytics.inputs import Inputs
+from rmqfast.analytics.inputs import Inputs, bad_ts_problem, ts_ok
 from rmqfast.analytics.spark import struct_type
 from rmqfast.records.schema import AGG_COLUMNS, LAT_BOUNDS_US, LAT_COLUMNS, SAMPLE_COLUMNS
 
@@ -151,9 +151,14 @@ def sample_jobs(spark: Any, df: Any, res: Result, method: str = "hist", small: b
     if small and method == "hist":
         _sample_jobs_small(df, res)
         return
-    st = df.agg(F.count(F.lit(1)).alias("n"), F.min("ts").alias("t0"), F.max("ts").alias("t1"),
-                F.sum("w").alias("est")).collect()[0]
-    n = int(st["n"])
+    ok = ts_ok()
+    st = df.agg(F.count(F.lit(1)).alias("n"), F.sum(F.when(ok, 0).otherwise(1)).alias("bad"),
+                F.min(F.when(ok, F.col("ts"))).alias("t0"), F.max(F.when(ok, F.col("ts"))).alias("t1"),
+                F.sum(F.when(ok, F.col("w"))).alias("est")).collect()[0]
+    bad = int(st["bad"] or 0)
+    bad_ts_problem(res.problems, bad)
+    df = df.where(ok)
+    n = int(st["n"]) - bad
     res.counts["sample_records"] = n
     if n == 0:
         res.notes.append("sampled records: none")
@@ -226,7 +231,8 @@ def _sample_jobs_small(df: Any, res: Result) -> None:
 
     lbin = F.when(F.col("latency_us") >= 0, F.floor(
         F.log(F.greatest(F.col("latency_us"), F.lit(1)).cast("double")) * LOG_BINS).cast("int"))
-    rows = _rows(df.groupBy(F.floor(F.col("ts")).cast("long").alias("sec"), "topic", "host", "worker", "result",
+    sec = F.when(ts_ok(), F.floor(F.col("ts")).cast("long"))  # null: not a time, left out below
+    rows = _rows(df.groupBy(sec.alias("sec"), "topic", "host", "worker", "result",
                             "code", "client", lbin.alias("lbin")).agg(
         F.count(F.lit(1)).alias("records"), F.sum("w").alias("est_requests"),
         F.sum(F.col("w") * F.col("req_size")).alias("est_req_bytes"),
@@ -234,6 +240,8 @@ def _sample_jobs_small(df: Any, res: Result) -> None:
         F.sum(F.col("w") * F.col("is_error")).alias("est_errors"), F.sum("latency_us").alias("ls"),
         F.max("latency_us").alias("mx"), F.min("latency_us").alias("mn"),
         F.min("ts").alias("t0"), F.max("ts").alias("t1")))
+    bad_ts_problem(res.problems, sum(r["records"] for r in rows if r["sec"] is None))
+    rows = [r for r in rows if r["sec"] is not None]
     n = sum(r["records"] for r in rows)
     res.counts["sample_records"] = n
     if n == 0:

@@ -25,6 +25,7 @@ from rmqfast.analytics.inputs import find_inputs, is_local
 from rmqfast.analytics.jobs import ACCURACY, EXPECTED_ANSWERS, HIST_REL_ERROR, Result, Rows, run_all
 from rmqfast.analytics.names import request_label, response_label
 from rmqfast.analytics.spark import SMALL_INPUT_BYTES
+from rmqfast.progress import Stages, spark_status, stage
 from rmqfast.records.parquet import Column, write_table
 
 
@@ -401,8 +402,10 @@ def render_html(res: Result, made: dict[str, Chart], meta: dict[str, Any]) -> st
 
 def analyze(records: list[str], out_dir: str | os.PathLike[str], *, master: str | None = None,
             spark: Any = None, driver_memory: str = "2g", quiet: bool = False,
-            percentiles: str = "hist") -> dict[str, Any]:
-    """Run the jobs and write the report; returns a summary (also written as summary.json)."""
+            percentiles: str = "hist", progress: Stages | None = None) -> dict[str, Any]:
+    """Run the jobs and write the report; returns a summary (also written as summary.json).
+    ``progress``: each step (JVM start, Spark jobs, tables, charts) reported as a stage, with a
+    status line every few seconds while it runs (the Spark jobs' tasks included)."""
     t0 = time.monotonic()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -417,7 +420,8 @@ def analyze(records: list[str], out_dir: str | os.PathLike[str], *, master: str 
     if own:
         from rmqfast.analytics.spark import get_spark
 
-        spark = get_spark(master, driver_memory=driver_memory, small=small)
+        with stage(progress, f"starting Spark ({master or 'local mode'})"):
+            spark = get_spark(master, driver_memory=driver_memory, small=small)
         timings["spark_start"] = time.monotonic() - t0
     try:
         if inputs is None:
@@ -425,13 +429,16 @@ def analyze(records: list[str], out_dir: str | os.PathLike[str], *, master: str 
         tracker = spark.sparkContext.statusTracker()
         jobs_before = len(tracker.getJobIdsForGroup())
         t1 = time.monotonic()
-        res = run_all(spark, inputs, percentiles)
+        with stage(progress, "Spark jobs over the records", lambda: spark_status(spark)):
+            res = run_all(spark, inputs, percentiles)
         timings["spark_jobs"] = time.monotonic() - t1
         spark_jobs = len(tracker.getJobIdsForGroup()) - jobs_before
         jobs_s = time.monotonic() - t0
-        counts = write_tables(res.tables, out / "tables")
+        with stage(progress, "tables (Parquet, CSV)"):
+            counts = write_tables(res.tables, out / "tables")
         t1 = time.monotonic()
-        made = charts(res, out / "charts")
+        with stage(progress, "charts"):
+            made = charts(res, out / "charts")
         timings["charts"] = time.monotonic() - t1
         meta = {
             "inputs": records,
@@ -487,7 +494,7 @@ def main(argv: list[str] | None = None, prog: str = "rmqfast analyze") -> int:
 def run_cli(args: argparse.Namespace) -> int:
     try:
         s = analyze(args.records, args.out, master=args.master, driver_memory=args.driver_memory,
-                    percentiles=args.percentiles)
+                    percentiles=args.percentiles, progress=Stages("analyze", every=5.0))
     except FileNotFoundError as exc:
         print(f"rmqfast analyze: {exc}", file=sys.stderr)
         return 2

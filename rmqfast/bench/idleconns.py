@@ -273,7 +273,10 @@ def _targets(args: argparse.Namespace, broker: NullBroker) -> list[Target]:
         if name == "direct":
             out.append(DirectTarget(broker))
         elif name == "rmqfast":
-            out.append(RmqfastTarget(broker.port, workers=1, pure=False, name="rmqfast"))
+            # its worker takes every connection the open-files limit fits (the default cap keeps a
+            # tenth of the limit in reserve, and would refuse some of them)
+            out.append(RmqfastTarget(broker.port, workers=1, pure=False, name="rmqfast",
+                                     max_connections=args.conns + 16))
         elif name.startswith("haproxy"):
             exe = ensure_haproxy(install=not args.no_install)
             if exe is None:

@@ -30,6 +30,7 @@ per proxy core (msg/s over the cores the proxy used) compares the proxies' own c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from rmqfast.bench.common import guarded
 from rmqfast.bench.javarun import JavaRuns, java_args, rounds_text
 from rmqfast.bench.procfs import machine_cpu, total_cpu, wait_idle
 from rmqfast.codec.codes import GET_MAX_OFFSET, SUCCESS
+from rmqfast.progress import Stages
 from rmqfast.testing import RocketMQCluster, ensure_jars, run_driver
 from rmqfast.testing.apacheproxy import APACHE_PROXY_VERSION, ApacheProxy
 from rmqfast.testing.proxy import ProxyProcess
@@ -62,42 +64,48 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    jars = ensure_jars()
+    # what stage the bench is in and for how long (stderr): a status line every 10 s within a stage
+    st = Stages(LABEL, every=10.0, out=sys.stderr)
+    with st.stage("building/locating the RocketMQ jars"):
+        jars = ensure_jars()
     backlog = 4000 if args.short else 10000
-    with JavaRuns(args, "real", "real-broker") as jr:
+    with JavaRuns(args, "real", "real-broker") as jr, contextlib.ExitStack() as up:
         print(f"{LABEL}: starting RocketMQ, rmqfast and Apache RocketMQ Proxy {APACHE_PROXY_VERSION}; "
               f"results -> {jr.path}", file=sys.stderr, flush=True)
-        with RocketMQCluster(jars=jars, broker_heap_mb=1024, fast_start=False) as cluster, \
-                ProxyProcess([cluster.namesrv_addr], workers=args.workers) as proxy, \
-                ApacheProxy(cluster.namesrv_addr, cluster_name=cluster.cluster_name, heap_mb=1024,
-                            fast_start=False) as apx:
-            cluster.create_topic(TOPIC, queues=QUEUES)
-            cluster.create_topic(CONSUME_TOPIC, queues=QUEUES)
-            addrs = {"direct": cluster.namesrv_addr, "rmqfast": proxy.namesrv_addr, "apache-proxy": apx.remoting_addr}
-            pids: dict[str, Callable[[], list[int]]] = {
-                "direct": lambda: [],
-                "rmqfast": lambda: ([proxy.proc.pid] if proxy.proc else []) + proxy.worker_pids(),
-                "apache-proxy": lambda: [apx.pid] if apx.pid else [],
-            }
-            print(f"{LABEL}: storing {backlog:,} messages for the consumer runs", file=sys.stderr, flush=True)
+        with st.stage(f"starting RocketMQ, rmqfast and Apache RocketMQ Proxy {APACHE_PROXY_VERSION}"):
+            cluster = up.enter_context(RocketMQCluster(jars=jars, broker_heap_mb=1024, fast_start=False))
+            proxy = up.enter_context(ProxyProcess([cluster.namesrv_addr], workers=args.workers))
+            apx = up.enter_context(ApacheProxy(cluster.namesrv_addr, cluster_name=cluster.cluster_name,
+                                               heap_mb=1024, fast_start=False))
+        cluster.create_topic(TOPIC, queues=QUEUES)
+        cluster.create_topic(CONSUME_TOPIC, queues=QUEUES)
+        addrs = {"direct": cluster.namesrv_addr, "rmqfast": proxy.namesrv_addr, "apache-proxy": apx.remoting_addr}
+        pids: dict[str, Callable[[], list[int]]] = {
+            "direct": lambda: [],
+            "rmqfast": lambda: ([proxy.proc.pid] if proxy.proc else []) + proxy.worker_pids(),
+            "apache-proxy": lambda: [apx.pid] if apx.pid else [],
+        }
+        with st.stage(f"storing {backlog:,} messages for the consumer runs"):
             # async sends may time out on a loaded machine: the consumers expect what the broker stored
             run_driver("produce", cluster.namesrv_addr, "5", topic=CONSUME_TOPIC, count=backlog, mode="async",
                        body_size=args.body_size, max_body_print=0, timeout=600, heap_mb=512, check=False,
                        allow_failures=True)
-            consume_count = _stored(cluster, CONSUME_TOPIC)
-            if consume_count < backlog // 2:
-                raise RuntimeError(f"the broker stored {consume_count} of {backlog} messages for the consumer runs")
+        consume_count = _stored(cluster, CONSUME_TOPIC)
+        if consume_count < backlog // 2:
+            raise RuntimeError(f"the broker stored {consume_count} of {backlog} messages for the consumer runs")
+        with st.stage("warm-up produce runs (until each target's throughput stops climbing)"):
             _warm_up(jr, addrs)
-            consumes: list[dict[str, Any]] = []
-            for rnd in range(args.rounds):
-                for i, target in enumerate(_order(rnd)):
-                    all_pids = [p for f in pids.values() for p in f()]
+        consumes: list[dict[str, Any]] = []
+        for rnd in range(args.rounds):
+            for i, target in enumerate(_order(rnd)):
+                all_pids = [p for f in pids.values() for p in f()]
+                with st.stage(f"round {rnd + 1}/{args.rounds} {target}: produce, then consume"):
                     wait_idle(all_pids)
                     _produce_run(jr, cluster, rnd, target, addrs[target], pids[target]())
                     wait_idle(all_pids)
                     _consume_run(jr, consumes, rnd, target, addrs[target], pids[target](), consume_count, i)
-            summary = jr.summary(TARGETS, cpu_s="proxy_cpu_s", requests="proxy_requests")
-            summary = [{**r, **_consume_summary(consumes, r["target"])} for r in summary]
+        summary = jr.summary(TARGETS, cpu_s="proxy_cpu_s", requests="proxy_requests")
+        summary = [{**r, **_consume_summary(consumes, r["target"])} for r in summary]
     print()
     print(render(summary, args, consume_count))
     print(f"\nresults: {jr.path}")

@@ -22,6 +22,7 @@ from rmqfast.bench.procfs import machine_cpu, memory_kib, wait_idle
 from rmqfast.bench.report import NOISE_CORES, checks, fmt_rate, headline, render, summarize
 from rmqfast.bench.scenarios import SCENARIOS, Scenario
 from rmqfast.bench.targets import DirectTarget, RmqfastTarget, Target
+from rmqfast.progress import Stages, stage
 
 
 @contextlib.contextmanager
@@ -45,13 +46,17 @@ def started(targets: list[Target]) -> Iterator[list[Target]]:
 
 def run(args: argparse.Namespace) -> int:
     """One whole run with the options ``rmqfast.bench.cli`` parsed; the exit status."""
-    tools = build_tools(args.build_dir)
+    scenarios = [SCENARIOS[s] for s in args.scenario_list]
+    # what stage the bench is in and for how long: a line per run, a status line every 5 s within it
+    st = Stages("bench", total=3 + args.rounds * len(scenarios) * len(args.target_list), every=5.0, out=sys.stderr)
+    with st.stage("building the load generator and the null broker (C)"):
+        tools = build_tools(args.build_dir)
     haproxy_exe = _haproxy(args)
-    machine = _machine(tools, haproxy_exe)
+    with st.stage("reading the machine (and how busy it is)"):
+        machine = _machine(tools, haproxy_exe)
     run_id, out_path, common = results_file(args.results, (machine["git_commit"] or "nogit")[:8],
                                             "short" if args.short else "full")
     common["machine"] = machine
-    scenarios = [SCENARIOS[s] for s in args.scenario_list]
     print(f"bench: {len(args.target_list)} targets x {len(scenarios)} scenarios x {args.rounds} rounds, "
           f"{args.warmup:g} s warm-up + {args.duration:g} s each; results -> {out_path}", file=sys.stderr)
 
@@ -63,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
             out.flush()
 
         targets = _targets(args, tools, broker, haproxy_exe)
-        with started(targets):
-            runs, failed = _rounds(args, tools, broker, targets, scenarios, emit)
+        with contextlib.ExitStack() as up:
+            with st.stage(f"starting {len(targets)} target(s)"):
+                up.enter_context(started(targets))
+            runs, failed = _rounds(args, tools, broker, targets, scenarios, emit, st)
             for t in targets:
                 if isinstance(t, RmqfastTarget):
                     rss[t.name] = [{"pid": pid, **memory_kib(pid)} for pid in t.worker_pids()]
@@ -122,7 +129,7 @@ def _targets(args: argparse.Namespace, tools: Any, broker: NullBroker, haproxy_e
 
 
 def _rounds(args: argparse.Namespace, tools: Any, broker: NullBroker, targets: list[Target],
-            scenarios: list[Scenario], emit: Any) -> tuple[list[dict[str, Any]], int]:
+            scenarios: list[Scenario], emit: Any, st: Stages | None = None) -> tuple[list[dict[str, Any]], int]:
     """Every scenario against every target, round after round (the target order rotates);
     the run records and how many runs failed."""
     runs: list[dict[str, Any]] = []
@@ -133,10 +140,12 @@ def _rounds(args: argparse.Namespace, tools: Any, broker: NullBroker, targets: l
             order = targets[step % len(targets):] + targets[: step % len(targets)]
             step += 1
             for t in order:
-                wait_idle([pid for x in targets for pid in x.pids()] + broker.pids)
                 try:
-                    res = run_loadgen(tools, t.port, sc, warmup=args.warmup, duration=args.duration,
-                                      cpu_groups={"target": t.pids(), "nullbroker": broker.pids})
+                    with stage(st, f"round {rnd + 1}/{args.rounds} {sc.name} against {t.name} "
+                                   f"({args.warmup:g} s warm-up + {args.duration:g} s)"):
+                        wait_idle([pid for x in targets for pid in x.pids()] + broker.pids)
+                        res = run_loadgen(tools, t.port, sc, warmup=args.warmup, duration=args.duration,
+                                          cpu_groups={"target": t.pids(), "nullbroker": broker.pids})
                 except BenchError as exc:
                     failed += 1
                     print(f"bench: {sc.name} {t.name}: {exc}", file=sys.stderr)

@@ -49,6 +49,10 @@ class DirectTarget:
         pass
 
 
+#: the largest value ``proxy.max_connections_per_client`` takes (it is then the worker's cap)
+MAX_CAP = 1 << 24
+
+
 class BenchProxy(ProxyProcess):
     """``rmqfast serve`` with one static broker endpoint (``--broker``) to the null broker.
 
@@ -57,9 +61,14 @@ class BenchProxy(ProxyProcess):
     disabled, so no name-server traffic is needed.
     """
 
-    def __init__(self, broker_port: int, *, workers: int, pure: bool, uring: bool = True) -> None:
+    def __init__(self, broker_port: int, *, workers: int, pure: bool, uring: bool = True,
+                 max_connections: int = 0) -> None:
         env = {"RMQFAST_NO_EXTENSIONS": "1" if pure else "0", "RMQFAST_URING": "1" if uring else "0"}
-        super().__init__([f"127.0.0.1:{broker_port}"], workers=workers, range_size=3, env=env)
+        # every benchmark client connects from 127.0.0.1: no per-address cap below the worker's
+        # (``max_connections``: 0 from the open-files limit, else this many per worker)
+        caps = (f"max_connections = {max_connections}\nmax_connections_per_client = {max_connections}\n"
+                if max_connections else f"max_connections_per_client = {MAX_CAP}\n")
+        super().__init__([f"127.0.0.1:{broker_port}"], workers=workers, range_size=3, env=env, proxy_settings=caps)
         self.upstream = f"127.0.0.1:{broker_port}"
 
     @property
@@ -79,8 +88,10 @@ class BenchProxy(ProxyProcess):
 class RmqfastTarget:
     """rmqfast (compiled, or pure Python with ``pure=True``) in front of the null broker."""
 
-    def __init__(self, broker_port: int, *, workers: int, pure: bool, name: str, uring: bool = True) -> None:
+    def __init__(self, broker_port: int, *, workers: int, pure: bool, name: str, uring: bool = True,
+                 max_connections: int = 0) -> None:
         self.name = name
+        self.max_connections = max_connections  # per worker; 0: from the open-files limit
         self.pure = pure
         self.uring = uring  # False: the reactor makes plain recv/send calls (RMQFAST_URING=0)
         self.broker_port = broker_port
@@ -96,7 +107,8 @@ class RmqfastTarget:
     def start(self) -> None:
         # Created here, not in __init__: ProxyProcess picks its port block when constructed,
         # and two proxies constructed before either binds would get the same block.
-        self.proxy = BenchProxy(self.broker_port, workers=self.workers, pure=self.pure, uring=self.uring)
+        self.proxy = BenchProxy(self.broker_port, workers=self.workers, pure=self.pure, uring=self.uring,
+                                max_connections=self.max_connections)
         self.proxy.start()
         deadline = time.monotonic() + 10
         codecs: set[str] = set()

@@ -40,6 +40,7 @@ from rmqfast.codec.tables import (  # noqa: F401 - re-exported
 
 _HEAD = struct.Struct(">iI")
 _I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
 
 
 def _key(raw: object) -> bytes:
@@ -143,3 +144,97 @@ def walk_store_hosts(
     if st == REC_OK and patch:
         st, seen, changed = _walk(mv, start, end, amap, True)
     return st, seen, changed
+
+
+# Send answers: the offset ids in the ``msgId`` header field (ext/records.pxi's map_header_ids) -----
+
+_MSGID_JSON = b'"msgId":"'
+_HEX = frozenset(b"0123456789ABCDEFabcdef")
+
+
+def _msgid_span(h: bytes, stype: int) -> tuple[int, int, int]:
+    """(status, start, end) of the ``msgId`` value in header ``h``; start -1: no such field."""
+    hlen = len(h)
+    if stype == 0:
+        at = h.find(_MSGID_JSON)
+        if at < 0:
+            return REC_OK, -1, -1
+        s = at + len(_MSGID_JSON)
+        e = h.find(b'"', s)
+        if e < 0 or h.find(b"\\", s, e) >= 0 or h.find(_MSGID_JSON, e) >= 0:
+            return REC_BAD, -1, -1
+        return REC_OK, s, e
+    if hlen < 21:
+        return REC_BAD, -1, -1
+    rlen = _I32.unpack_from(h, 13)[0]
+    if rlen < 0 or 17 + rlen + 4 > hlen:
+        return REC_BAD, -1, -1
+    pos = 17 + rlen + 4
+    vs = ve = -1
+    while pos + 2 <= hlen:
+        klen = _I16.unpack_from(h, pos)[0]
+        if klen < 0 or pos + 2 + klen + 4 > hlen:
+            return REC_BAD, -1, -1
+        vlen = _I32.unpack_from(h, pos + 2 + klen)[0]
+        if vlen < 0 or pos + 2 + klen + 4 + vlen > hlen:
+            return REC_BAD, -1, -1
+        if h[pos + 2 : pos + 2 + klen] == b"msgId":
+            if vs >= 0:
+                return REC_BAD, -1, -1
+            vs = pos + 2 + klen + 4
+            ve = vs + vlen
+        pos += 2 + klen + 4 + vlen
+    return REC_OK, vs, ve
+
+
+def _offset_id_spans(v: bytes) -> list[tuple[int, bytes]]:
+    """(offset, 8 raw address bytes) of each offset id among the comma-separated ids of ``v``."""
+    out = []
+    i = 0
+    for tok in v.split(b","):
+        if len(tok) == 32 and all(c in _HEX for c in tok[:16]):
+            out.append((i, bytes.fromhex(tok[:16].decode("ascii"))))
+        i += len(tok) + 1
+    return out
+
+
+def map_header_ids(mv: memoryview, start: int, end: int, stype: int, amap: AddressMap) -> int:
+    """The offset ids of the send-answer header ``mv[start:end]``, checked, then patched (``mv``
+    writable): REC_OK (no ``msgId`` counts as OK), REC_MISS or REC_BAD."""
+    h = bytes(mv[start:end])
+    st, vs, ve = _msgid_span(h, stype)
+    if st != REC_OK or vs < 0:
+        return st
+    ids = _offset_id_spans(h[vs:ve])
+    get = amap._map.get
+    news = []
+    for off, raw in ids:
+        new = get(raw)
+        if new is None:
+            return REC_MISS
+        if new != raw:
+            news.append((off, new))
+    for off, new in news:
+        at = start + vs + off
+        mv[at : at + 16] = new.hex().upper().encode("ascii")
+    amap.walked += 1
+    if news:
+        amap.rewritten += 1
+    return REC_OK
+
+
+def map_send_ids(buf: bytes | bytearray | memoryview, start: int, end: int, stype: int, amap: AddressMap) -> int:
+    """REC_OK, REC_MISS or REC_BAD for the send-answer header in ``buf[start:end]`` (writable), its
+    offset ids patched in place when REC_OK.  A test aid: the scanner maps the answers it tracks."""
+    start, end, stype = c_int("start", start, "ssize"), c_int("end", end, "ssize"), c_int("stype", stype, "int")
+    if not isinstance(amap, AddressMap):
+        raise TypeError(f"Argument 'amap' has incorrect type (expected {__name__}.AddressMap, "
+                        f"got {type(amap).__name__})")
+    mv = memoryview(buf)
+    if mv.readonly:
+        raise BufferError("Object is not writable.")
+    if start < 0 or end > len(mv) or start > end:
+        raise ValueError(f"header range [{start}:{end}] outside a buffer of {len(mv)} bytes")
+    if stype != 0 and stype != 1:
+        raise ValueError(f"serialize type must be 0 (JSON) or 1 (ROCKETMQ), got {stype}")
+    return map_header_ids(mv, start, end, stype, amap)

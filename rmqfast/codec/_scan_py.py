@@ -88,6 +88,8 @@ from rmqfast.codec.tables import (  # noqa: F401 - re-exported
 
 AddressMap = _records_py.AddressMap
 map_records = _records_py.map_records
+map_header_ids = _records_py.map_header_ids
+map_send_ids = _records_py.map_send_ids
 walk_store_hosts = _records_py.walk_store_hosts
 
 # Request codes whose topic is counted, and where the topic sits in extFields.
@@ -592,6 +594,13 @@ class FrameScanner:
                 # a records answer: its store hosts mapped in place, or the frame to policy
                 amap = self._address_map
                 if amap is None or mv.readonly or map_records(mv, pos + 8 + hlen, pos + total, amap) != REC_OK:
+                    policy = True
+            elif rec and is_response and not policy and 8 + hlen == total and (code == 0 or 10 <= code <= 12):
+                # a send answer (SUCCESS, or stored with FLUSH_DISK_TIMEOUT 10, SLAVE_NOT_AVAILABLE 11,
+                # FLUSH_SLAVE_TIMEOUT 12): the offset ids in its header mapped in place, or to policy
+                amap = self._address_map
+                if amap is None or mv.readonly or \
+                        map_header_ids(mv, pos + 8, pos + 8 + hlen, stype, amap) != REC_OK:
                     policy = True
             if self.inflight is not None:
                 self._time(slot, code, info.flag, info.opaque, now_ns, policy, total, topic_name,

@@ -45,6 +45,7 @@ _MIN_RECORD = 64 + 8 + 4 + 8 + 4 + 1 + 2
 _BIN_FIXED = 2 + 1 + 2 + 4 + 4 + 4
 
 OFFSET_ID_HEX = 32  # IPv4 offset message id: 16 bytes in hex
+_HEX_DIGITS = frozenset("0123456789ABCDEFabcdef")
 
 
 def host_bytes(host: str, port: int) -> bytes:
@@ -132,12 +133,9 @@ def patch_offset_ids(value: str, mapping: Mapping) -> str | None:
     ids = value.split(",")
     changed = False
     for i, mid in enumerate(ids):
-        if len(mid) != OFFSET_ID_HEX:
-            continue
-        try:
-            raw = bytes.fromhex(mid[:16])
-        except ValueError:
-            continue
+        if len(mid) != OFFSET_ID_HEX or not all(c in _HEX_DIGITS for c in mid[:16]):
+            continue  # as the scanner (ext/records.pxi): 16 hex digits of address, nothing else
+        raw = bytes.fromhex(mid[:16])
         new = mapping(raw)
         if new is not None:
             ids[i] = new.hex().upper() + mid[16:]

@@ -2,11 +2,12 @@
 its callbacks in C, for :mod:`rmqfast.grpcfront.h2server`.
 
 nghttp2 does HPACK, flow control, SETTINGS/PING/GOAWAY and RST_STREAM.  The callbacks here collect
-what Python needs into one event buffer per ``nghttp2_session_mem_recv`` (request headers of a
-stream as one record, DATA chunks, end of stream, stream closed, buffer drained), so Python makes
-one call per read and walks the records, never one callback per header.  Responses are gRPC-framed
-here (5-byte prefix) into a per-stream buffer that nghttp2's data source drains as the peer's
-flow-control windows allow; the trailers (``grpc-status``, ``grpc-message``) follow the last byte.
+what Python needs into one event buffer per ``nghttp2_session_mem_recv`` (the client's first
+SETTINGS, request headers of a stream as one record, DATA chunks, end of stream, stream closed,
+buffer drained), so Python makes one call per read and walks the records, never one callback per
+header.  Responses are gRPC-framed here (5-byte prefix) into a per-stream buffer that nghttp2's data
+source drains as the peer's flow-control windows allow; the trailers (``grpc-status``,
+``grpc-message``) follow the last byte.
 
 Built by ``setup.py`` (``build_ext``, also ``pip install -e .``) when ``nghttp2/nghttp2.h`` is
 found (Debian: ``libnghttp2-dev``); ``python -m rmqfast.grpcfront._h2build`` builds it in place.
@@ -80,7 +81,7 @@ struct h2conn {
     h2stream *streams;
     buf_t ev, wr;
     size_t max_header_list;
-    int oom;
+    int oom, settings_seen;
 };
 
 /* event record: type (1 byte), stream id (4, big endian), payload length (4, big endian), payload */
@@ -150,6 +151,10 @@ static int on_frame_recv(nghttp2_session *s, const nghttp2_frame *f, void *ud) {
     h2conn *c = ud;
     h2stream *st;
     int32_t sid = f->hd.stream_id;
+    if (f->hd.type == NGHTTP2_SETTINGS && !(f->hd.flags & NGHTTP2_FLAG_ACK) && !c->settings_seen) {
+        c->settings_seen = 1;  /* the client's preface and first SETTINGS: its handshake is done */
+        return ev_put(c, 'S', 0, NULL, 0) ? NGHTTP2_ERR_CALLBACK_FAILURE : 0;
+    }
     if (f->hd.type != NGHTTP2_HEADERS && f->hd.type != NGHTTP2_DATA) return 0;
     st = nghttp2_session_get_stream_user_data(s, sid);
     if (!st) return 0;

@@ -50,28 +50,77 @@ class BadRequest(ValueError):
         self.code = code
 
 
+_NO_BREAK = "\u00a0\u2007\u202f"  # spaces Java's Character.isWhitespace does not count
+
+
+def _control(s: str) -> bool:
+    """A character Java's ``Character.isISOControl`` (Apache's ``containControlCharacter``) refuses:
+    U+0000-U+001F, U+007F-U+009F."""
+    return any(c < " " or "\x7f" <= c <= "\x9f" for c in s)
+
+
+def _blank(s: str) -> bool:
+    """Commons-lang's ``StringUtils.isBlank`` of a non-empty string: whitespace only."""
+    return all(c.isspace() and c not in _NO_BREAK for c in s)
+
+
+def _check(value: str, code: str, what: str) -> None:
+    """Apache's proxy checks of a tag, key or message group (non-empty): not blank, no control character."""
+    if _blank(value):
+        raise BadRequest(code, f"{what} cannot be the char sequence of whitespace")
+    if _control(value):
+        raise BadRequest(code, f"{what} cannot contain control character")
+
+
 def _millis(ts: Any) -> int:
     return ts.seconds * 1000 + ts.nanos // 1_000_000
 
 
-def send_properties(pb: Any, msg: Any, producer_group: str, peer: str) -> tuple[dict[str, str], int]:
-    """The Remoting properties and sysFlag of a v2 message (as the Java proxy builds them)."""
+def check_send(msg: Any) -> None:
+    """Raise :class:`BadRequest` (its code and message as Apache's proxy answers) for what the proxy
+    refuses in a message to send: control characters in properties, tags, keys and message groups,
+    blank ones, a '|' in a tag, a system property name; and what RocketMQ's property string cannot
+    carry (an empty property name or value, a control character in the message id, trace context or
+    born host), so nothing the broker would read differently gets through."""
     sp = msg.system_properties
-    props: dict[str, str] = {}
     for k, v in msg.user_properties.items():
         if k in SYSTEM_KEYS:
             raise BadRequest("ILLEGAL_MESSAGE_PROPERTY_KEY", f"property is used by system: {k}")
-        if any(c in k + v for c in "\x01\x02"):
-            raise BadRequest("ILLEGAL_MESSAGE_PROPERTY_KEY", "a property cannot contain control characters")
-        props[k] = v
+        if not k or _control(k):
+            raise BadRequest("ILLEGAL_MESSAGE_PROPERTY_KEY", "the key of property cannot be empty or contain "
+                             "control character")
+        if not v or _control(v):
+            raise BadRequest("ILLEGAL_MESSAGE_PROPERTY_KEY", f"the value of property {k} cannot be empty or "
+                             "contain control character")
     if sp.tag:
-        if "|" in sp.tag or any(c in sp.tag for c in "\x01\x02"):
-            raise BadRequest("ILLEGAL_MESSAGE_TAG", f"bad tag {sp.tag!r}")
-        props[TAGS] = sp.tag
-    if sp.keys:
-        props[KEYS] = " ".join(sp.keys)
-    if not sp.message_id:
+        _check(sp.tag, "ILLEGAL_MESSAGE_TAG", "tag")
+        if "|" in sp.tag:
+            raise BadRequest("ILLEGAL_MESSAGE_TAG", "tag cannot contain '|'")
+    for key in sp.keys:
+        if key:
+            _check(key, "ILLEGAL_MESSAGE_KEY", "key")
+    if _blank(sp.message_id):
         raise BadRequest("ILLEGAL_MESSAGE_ID", "message id cannot be empty")
+    if _control(sp.message_id):
+        raise BadRequest("ILLEGAL_MESSAGE_ID", "message id cannot contain control character")
+    if sp.message_group:
+        _check(sp.message_group, "ILLEGAL_MESSAGE_GROUP", "message group")
+    if _control(sp.trace_context):
+        raise BadRequest("BAD_REQUEST", "trace context cannot contain control character")
+    if _control(sp.born_host):
+        raise BadRequest("BAD_REQUEST", "born host cannot contain control character")
+
+
+def send_properties(pb: Any, msg: Any, producer_group: str, peer: str) -> tuple[dict[str, str], int]:
+    """The Remoting properties and sysFlag of a v2 message (as the Java proxy builds them); raises
+    :class:`BadRequest` for what :func:`check_send` refuses."""
+    check_send(msg)
+    sp = msg.system_properties
+    props: dict[str, str] = dict(msg.user_properties)
+    if sp.tag:
+        props[TAGS] = sp.tag
+    if any(sp.keys):
+        props[KEYS] = " ".join(sp.keys)
     props[UNIQ_KEY] = sp.message_id
     sys_flag = 0
     if sp.message_type == pb.MessageType.TRANSACTION:

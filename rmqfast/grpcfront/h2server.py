@@ -11,9 +11,10 @@ handlers run unchanged: the context they get (:class:`Call`) has ``peer()``,
 ``invocation_metadata()`` and ``time_remaining()``.
 
 Bounds (clients are untrusted): SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_HEADER_LIST_SIZE
-(checked in C while the headers arrive), ``max_connections`` open connections per process (a
-connection past it is closed at once, counted and logged at most every 10 s), a message longer
-than ``max_body_size`` ends its call with
+(checked in C while the headers arrive); the connection bounds of :mod:`rmqfast.grpcfront.gate`
+(``max_connections`` handshaken connections per process, ``max_connections_per_client`` per client
+address, the handshake deadline, the idle timeout; a connection past one is closed, counted and
+logged at most every 10 s per reason); a message longer than ``max_body_size`` ends its call with
 ``RESOURCE_EXHAUSTED``; the connection's flow-control window is given back only when a message is
 handed to its handler (bidi: when the handler takes it), so the bytes a connection has buffered in
 Python are bounded by that window; a handler streaming answers waits while its stream holds more
@@ -28,8 +29,25 @@ import contextlib
 import logging
 import ssl
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
+
+from rmqfast.grpcfront.gate import Gate, client_key, closed_counter
+from rmqfast.grpcfront.h2wire import (
+    BIDI,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    OK_TRAILER,
+    RESOURCE_EXHAUSTED,
+    UNARY,
+    UNIMPLEMENTED,
+    UNKNOWN,
+    Method,
+    methods_of,
+    parse_timeout,
+    trailer,
+)
+from rmqfast.grpcfront.heap import Trimmer
 
 log = logging.getLogger("rmqfast.grpc")
 
@@ -41,22 +59,17 @@ except ImportError as _exc:  # pragma: no cover - depends on the build
 else:
     _IMPORT_ERROR = None
 
-UNARY, SERVER_STREAM, BIDI = 0, 1, 2
 MAX_STREAMS = 256  # SETTINGS_MAX_CONCURRENT_STREAMS per connection
 MAX_HEADER_LIST = 16 * 1024  # SETTINGS_MAX_HEADER_LIST_SIZE
 STREAM_WINDOW = 1 << 20
 _WRITE_MARK = 1 << 20  # bytes queued on a stream past which a streaming handler waits
-_PREFACE_WITHIN = 30.0  # s: a connection that sends nothing is closed
 _QUEUE = 32  # client messages of a bidi stream waiting for its handler
-_REFUSAL_LOG_EVERY = 10.0  # s between two log lines about refused connections
+_CLOSE_GRACE = 5.0  # s a connection closed by a bound has to take its GOAWAY before it is cut
 
-# gRPC status codes
-OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 1, 2, 4, 8, 12, 13
 _NGHTTP2_CANCEL = 0x8
 
 _EV = struct.Struct(">cII")
 _PREFIX = struct.Struct(">BI")
-_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _EOF = object()
 
 
@@ -70,51 +83,6 @@ def available() -> None:
         raise H2Unavailable(f'[grpc] server = "h2" needs rmqfast.grpcfront._h2, which is not built ({_IMPORT_ERROR}); '
                             'install libnghttp2-dev (Debian) and rebuild (make install, or '
                             'python -m rmqfast.grpcfront._h2build), or set [grpc] server = "grpcio"')
-
-
-def parse_timeout(v: bytes) -> float | None:
-    """``grpc-timeout`` (at most 8 digits and a unit) in seconds; None if absent or malformed."""
-    if not v or len(v) > 9 or not v[:-1].isdigit():
-        return None
-    unit = _UNITS.get(v[-1:])
-    return None if unit is None else int(v[:-1]) * unit
-
-
-def _pct(message: str) -> bytes:
-    """``grpc-message``'s percent-encoding (bytes outside 0x20-0x7E, and '%')."""
-    raw = message.encode("utf-8", "replace")
-    if all(0x20 <= b <= 0x7E and b != 0x25 for b in raw):
-        return raw
-    return b"".join(bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in raw)
-
-
-def _trailer(code: int, message: str = "") -> bytes:
-    return b"%d\0%s" % (code, _pct(message[:1024]))
-
-
-_OK_TRAILER = b"0\0"
-
-
-class Method:
-    __slots__ = ("fn", "kind", "deser", "ser")
-
-    def __init__(self, fn: Callable[..., Any], kind: int, deser: Callable[[bytes], Any],
-                 ser: Callable[[Any], bytes]) -> None:
-        self.fn, self.kind, self.deser, self.ser = fn, kind, deser, ser
-
-
-def methods_of(svc: Any) -> dict[bytes, Method]:
-    """``/package.Service/Name`` -> the handler of every served method of ``svc`` (a MessagingService)."""
-    pb = svc.pb
-    out = {}
-    for m in pb.service.methods:
-        if m.name not in svc.SERVED:
-            continue
-        kind = BIDI if m.client_streaming else SERVER_STREAM if m.server_streaming else UNARY
-        out[f"/{pb.service.full_name}/{m.name}".encode()] = Method(
-            getattr(svc, m.name), kind, getattr(pb, m.input_type.name).FromString,
-            getattr(pb, m.output_type.name).SerializeToString)
-    return out
 
 
 class Call:
@@ -185,7 +153,8 @@ class H2Protocol(asyncio.Protocol):
         self._paused = False
         self._consume = 0
         self.closed = False
-        self._idle: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None  # the handshake deadline
+        self.idle_since = 0.0  # loop time the connection last had no open stream (see H2Server._sweep)
 
     # --- asyncio.Protocol -----------------------------------------------------------------
 
@@ -194,34 +163,53 @@ class H2Protocol(asyncio.Protocol):
         addr = transport.get_extra_info("peername")
         if isinstance(addr, tuple) and len(addr) >= 2:
             self.peer = f"ipv6:[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"ipv4:{addr[0]}:{addr[1]}"
-        if len(self.server.conns) >= self.server.max_connections:
-            self.server.refuse(self.peer)
+        gate = self.server.gate
+        if not gate.admit(self, client_key(addr)):
+            self.closed = True
             transport.abort()
             return
         c = lib.h2_new(MAX_STREAMS, MAX_HEADER_LIST, STREAM_WINDOW, self.server.conn_window)
         if c == ffi.NULL:
             log.warning("gRPC connection from %s: cannot make an HTTP/2 session", self.peer)
+            gate.release(self)
+            self.closed = True
             transport.abort()
             return
         self.c = ffi.gc(c, lib.h2_free)
         self.server.conns.add(self)
-        self._idle = self.loop.call_later(_PREFACE_WITHIN, self._silent)
+        self._idle = self.loop.call_later(gate.handshake_timeout, self.shut, "handshake_timeout")
         if self.server.stopping:
             lib.h2_goaway(self.c)
         self._flush()
 
-    def _silent(self) -> None:
-        self._idle = None
-        log.debug("gRPC connection from %s sent nothing in %.0f s: closed", self.peer, _PREFACE_WITHIN)
-        if self.transport is not None:
-            self.transport.abort()
+    def _handshaken(self) -> None:
+        """The client's preface and first SETTINGS arrived: the connection counts in max_connections."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self.idle_since = self.loop.time()
+        if not self.server.gate.handshaken(self):
+            self.shut("max_connections")
+
+    def shut(self, reason: str) -> None:
+        """Closed by a bound of the gate (``reason``): GOAWAY, then closed; cut if the client does not
+        take it within _CLOSE_GRACE s."""
+        if reason == "handshake_timeout" and self in self.server.gate.pending:  # connection_made's deadline
+            self.server.gate.refused(reason, self.peer, 1, self.server.gate.handshake_timeout)
+        self.server.gate.release(self)
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return
+        log.debug("gRPC connection from %s: closing (%s)", self.peer, reason)
+        if self.c is not None:
+            lib.h2_goaway(self.c)
+            self._flush()
+        transport.close()
+        self.loop.call_later(_CLOSE_GRACE, transport.abort)
 
     def data_received(self, data: bytes) -> None:
         if self.c is None or self.closed:
             return
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
         rv = lib.h2_recv(self.c, data, len(data), self._pp, self._pn)
         n = self._pn[0]
         if n:
@@ -241,6 +229,7 @@ class H2Protocol(asyncio.Protocol):
         if c is not None:
             ffi.release(c)
         self.server.conns.discard(self)
+        self.server.gate.release(self)
         for call in self.calls.values():
             self._drop(call)
         self.calls.clear()
@@ -282,17 +271,22 @@ class H2Protocol(asyncio.Protocol):
                 call = calls.pop(sid, None)
                 if call is not None:
                     self._closed(call)
+                    if not calls:
+                        self.idle_since = self.loop.time()
             elif typ == b"W":
                 call = calls.get(sid)
                 if call is not None and call.writable is not None:
                     call.writable.set()
+            elif typ == b"S":
+                self._handshaken()
             pos += n
 
     def _headers(self, sid: int, rec: bytes) -> None:
+        self.idle_since = self.loop.time()
         path, tmo, md = rec.split(b"\0", 2)
         method = self.methods.get(path)
         if method is None:
-            self._reply(sid, None, _trailer(UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}"))
+            self._reply(sid, None, trailer(UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}"))
             return
         timeout = parse_timeout(tmo) if tmo else None
         deadline = None if timeout is None else self.loop.time() + timeout
@@ -394,7 +388,7 @@ class H2Protocol(asyncio.Protocol):
         self._reply(call.sid, msg, trailer)
 
     def _fail(self, call: Call, code: int, message: str) -> None:
-        self._finish(call, None, _trailer(code, message))
+        self._finish(call, None, trailer(code, message))
         if call.task is not None and not call.task.done():
             call.task.cancel()
 
@@ -460,7 +454,7 @@ class H2Protocol(asyncio.Protocol):
 
     def _error(self, call: Call, exc: BaseException) -> None:
         log.warning("gRPC %s failed: %r", call.method.fn.__name__, exc)
-        self._finish(call, None, _trailer(UNKNOWN, f"Unexpected error: {type(exc).__name__}"))
+        self._finish(call, None, trailer(UNKNOWN, f"Unexpected error: {type(exc).__name__}"))
 
     async def _run_unary(self, call: Call) -> None:
         m = call.method
@@ -474,7 +468,7 @@ class H2Protocol(asyncio.Protocol):
         except Exception as exc:
             self._error(call, exc)
             return
-        self._finish(call, out, _OK_TRAILER)
+        self._finish(call, out, OK_TRAILER)
 
     async def _send(self, call: Call, out: bytes) -> None:
         if call.finished:
@@ -499,7 +493,7 @@ class H2Protocol(asyncio.Protocol):
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-        self._finish(call, None, _OK_TRAILER)
+        self._finish(call, None, OK_TRAILER)
 
     async def _run_stream(self, call: Call) -> None:
         try:
@@ -520,16 +514,18 @@ class H2Protocol(asyncio.Protocol):
 
 
 class H2Server:
-    """Listens on ``host:port`` (SO_REUSEPORT), serving ``svc``'s methods."""
+    """Listens on ``host:port`` (SO_REUSEPORT), serving ``svc``'s methods; ``max_connections``,
+    ``max_connections_per_client``, ``handshake_timeout`` and ``idle_timeout`` bound the connections
+    (:class:`~rmqfast.grpcfront.gate.Gate`)."""
 
     def __init__(self, svc: Any, max_body: int, ssl_context: ssl.SSLContext | None = None, *,
-                 max_connections: int = 10000) -> None:
+                 max_connections: int = 10000, max_connections_per_client: int = 1000,
+                 handshake_timeout: float = 10.0, idle_timeout: float = 300.0) -> None:
         available()
-        self.max_connections = max_connections
-        self.refused = 0
         self._stats = getattr(svc, "stats", None)  # MessagingService.stats, logged when the front stops
-        self._refusal_logged = -_REFUSAL_LOG_EVERY
         self.loop = asyncio.get_running_loop()
+        self.gate = Gate(max_connections, max_connections_per_client, handshake_timeout, idle_timeout,
+                         self.loop.time, closed_counter())
         self.methods = methods_of(svc)
         self.max_body = max_body
         # the connection's window covers one largest message and its prefix, and then some
@@ -541,24 +537,35 @@ class H2Server:
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
         self._gone = asyncio.Event()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.heap = Trimmer()  # the C heap given back after a peak of connections (rmqfast.grpcfront.heap)
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once by ``max_connections`` or ``max_connections_per_client``."""
+        return self.gate.closed["max_connections"] + self.gate.closed["per_client"]
 
     async def start(self, host: str, port: int) -> int:
         """Bind and listen; returns the port (useful with port 0)."""
+        tls_deadline = {"ssl_handshake_timeout": self.gate.handshake_timeout} if self.ssl is not None else {}
         self._server = await self.loop.create_server(lambda: H2Protocol(self), host or None, port,
-                                                     reuse_port=True, ssl=self.ssl, backlog=1024)
+                                                     reuse_port=True, ssl=self.ssl, backlog=1024, **tls_deadline)
+        self._sweep()
         return int(self._server.sockets[0].getsockname()[1])
 
-    def refuse(self, peer: str) -> None:
-        """A connection past ``max_connections``: counted; logged at most every _REFUSAL_LOG_EVERY s."""
-        self.refused += 1
-        if self._stats is not None and hasattr(self._stats, "connections_refused"):
-            self._stats.connections_refused += 1
-        now = self.loop.time()
-        if now - self._refusal_logged >= _REFUSAL_LOG_EVERY:
-            self._refusal_logged = now
-            log.warning("gRPC connection from %s closed: %d connections open, the most this process takes "
-                        "([grpc] max_connections = %d; %d refused so far); raise it, or add workers",
-                        peer, len(self.conns), self.max_connections, self.refused)
+    def _sweep(self) -> None:
+        """Every tenth of ``idle_timeout`` (at most 5 s): established connections with no open stream
+        for ``idle_timeout`` get GOAWAY and are closed; the free C heap is given back once many
+        connections closed since their peak."""
+        gate = self.gate
+        limit = self.loop.time() - gate.idle_timeout
+        idle = [p for p in gate.established if not p.calls and p.idle_since <= limit]  # type: ignore[attr-defined]
+        for p in idle:
+            gate.refused("idle", p.peer, len(gate.established), gate.idle_timeout)  # type: ignore[attr-defined]
+            p.shut("idle")
+        self.heap.maybe_trim(len(self.conns), gate)
+        if not self.stopping:
+            self._sweeper = self.loop.call_later(min(5.0, gate.idle_timeout / 10), self._sweep)
 
     def conn_gone(self) -> None:
         if not self.conns:
@@ -567,6 +574,11 @@ class H2Server:
     async def stop(self, grace: float) -> None:
         """GOAWAY to every connection, then up to ``grace`` seconds for their calls; then they are closed."""
         self.stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._stats is not None and hasattr(self._stats, "connections_refused"):
+            self._stats.connections_refused = self.refused
+            self._stats.connections_closed = {k: v for k, v in self.gate.closed.items() if v}
         if self._server is not None:
             self._server.close()
         for p in list(self.conns):

@@ -70,10 +70,22 @@ async def serve(namesrvs: list[str], settings: Any, lifeline: int | None, limite
 
 async def _serve_grpcio(svc: Any, settings: Any, tls: Any) -> Callable[[float], Awaitable[Any]]:
     """``[grpc] server = "grpcio"``: grpc's asyncio server; returns its graceful stop."""
+    server, _ = await grpcio_server(svc, settings, tls)
+    return lambda grace: server.stop(grace=grace)
+
+
+async def grpcio_server(svc: Any, settings: Any, tls: Any) -> tuple[Any, int]:
+    """grpc's asyncio server on ``settings.listen``, started; and its port.  Its bounds are
+    grpc core's: the TLS and HTTP/2 handshake (preface and SETTINGS) within ``handshake_timeout``, a
+    connection with no call for ``idle_timeout`` gets GOAWAY, at most ``max_connections`` connections
+    (grpc counts them from the accept, handshaken or not); it has no per-address cap."""
     import grpc
 
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length",
-                                                                  settings.max_body_size + (1 << 20))])
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", settings.max_body_size + (1 << 20)),
+        ("grpc.server_handshake_timeout_ms", int(settings.handshake_timeout * 1000)),
+        ("grpc.max_connection_idle_ms", int(settings.idle_timeout * 1000)),
+        ("grpc.max_allowed_incoming_connections", settings.max_connections)])
     server.add_generic_rpc_handlers((svc.handler(),))
     if settings.tls:
         from rmqfast.grpcfront.settings import server_credentials
@@ -84,7 +96,7 @@ async def _serve_grpcio(svc: Any, settings: Any, tls: Any) -> Callable[[float], 
     if port == 0:
         raise OSError(f"cannot bind {settings.listen}")
     await server.start()
-    return lambda grace: server.stop(grace=grace)
+    return server, port
 
 
 async def _serve_h2(svc: Any, settings: Any, tls: Any) -> Callable[[float], Awaitable[Any]]:
@@ -96,7 +108,9 @@ async def _serve_h2(svc: Any, settings: Any, tls: Any) -> Callable[[float], Awai
         from rmqfast.proxy.tls import server_context
 
         ctx = server_context(tls.listen)
-    server = H2Server(svc, settings.max_body_size, ctx, max_connections=settings.max_connections)
+    server = H2Server(svc, settings.max_body_size, ctx, max_connections=settings.max_connections,
+                      max_connections_per_client=settings.max_connections_per_client,
+                      handshake_timeout=settings.handshake_timeout, idle_timeout=settings.idle_timeout)
     host, _, port = settings.listen.rpartition(":")
     await server.start(host.strip("[]"), int(port))
     return server.stop

@@ -123,7 +123,8 @@ class Stats:
         self.empty_after_hit = 0  # hasMsg answered, the pop that followed found nothing
         self.notify_connections = 0  # opened for notifications
         self.notify_dropped = 0  # closed with their notification still parked (its receive had ended)
-        self.connections_refused = 0  # client connections closed at once: grpc.max_connections reached
+        self.connections_refused = 0  # client connections closed: grpc.max_connections(_per_client) reached
+        self.connections_closed: dict[str, int] = {}  # by the gate's bounds, by reason (rmqfast.grpcfront.gate)
 
 
 class MessagingService:
@@ -423,7 +424,11 @@ class MessagingService:
         else:
             broker, qid = r.writable[next(self._rr) % len(r.writable)]
         born = int(time.time() * 1000)
-        ext = send_header(topic, broker, qid, props, sys_flag, born, pgroup, msg.system_properties.delivery_attempt)
+        try:  # send_properties refused what the property string cannot carry: this is the backstop
+            ext = send_header(topic, broker, qid, props, sys_flag, born, pgroup,
+                              msg.system_properties.delivery_attempt)
+        except ValueError as exc:
+            raise BadRequest("BAD_REQUEST", f"the message cannot be written as RocketMQ properties: {exc}") from exc
         resp = await self.broker_call(r.brokers[broker], C.SEND_MESSAGE_V2, ext, bytes(msg.body))
         if resp.code != C.SUCCESS:
             raise Fail(_BROKER_CODES.get(resp.code, "INTERNAL_SERVER_ERROR"),

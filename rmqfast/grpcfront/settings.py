@@ -25,7 +25,10 @@ class GrpcSection:
     route_ttl: float = 5.0  # s a topic's route is cached
     default_invisible: float = 60.0  # s, for receives that name no invisible duration
     max_body_size: int = 4 * 1024 * 1024
-    max_connections: int = 10000  # per gRPC process (server = "h2"); past it new connections are closed
+    max_connections: int = 10000  # per gRPC process (server = "h2"): handshaken connections; past it closed
+    max_connections_per_client: int = 1000  # per client address (IPv6: its /64), handshaken or not (server = "h2")
+    handshake_timeout: float = 10.0  # s from accept to the client's preface and first SETTINGS (and the TLS one)
+    idle_timeout: float = 300.0  # s with no open stream: GOAWAY and closed
     tls: bool = False  # the listener serves TLS only, with [tls.listen]'s cert, key, ca and verify_client
     server: str = "h2"  # "h2": the nghttp2 server (rmqfast.grpcfront.h2server); "grpcio": grpc.aio
 
@@ -34,8 +37,10 @@ class GrpcSection:
 
 
 _FLOATS = {"min_poll": (0.01, 60.0), "long_poll_reserve": (0.0, 10.0), "request_timeout": (0.1, 60.0),
-           "connect_timeout": (0.1, 60.0), "route_ttl": (0.1, 3600.0), "default_invisible": (1.0, 43200.0)}
-_INTS = {"max_fanout": (1, 256), "max_body_size": (1, 1 << 30), "max_connections": (1, 1_000_000)}
+           "connect_timeout": (0.1, 60.0), "route_ttl": (0.1, 3600.0), "default_invisible": (1.0, 43200.0),
+           "handshake_timeout": (0.05, 600.0), "idle_timeout": (0.1, 86400.0)}
+_INTS = {"max_fanout": (1, 256), "max_body_size": (1, 1 << 30), "max_connections": (1, 1_000_000),
+         "max_connections_per_client": (1, 1_000_000)}
 SERVERS = ("h2", "grpcio")
 KEYS = {"enabled", "notify", "tls", "listen", "server", *_FLOATS, *_INTS}
 

@@ -10,7 +10,7 @@ lite pull (361), pop (200050), peek     Java's fallback send it CONSUMER_SEND_MS
 (200052), query (12), view (33)         the offset message id clients compute from it
 answers
 ``msgId`` of send answers (10, 310,     ``SendResult.offsetMsgId``: ``viewMessage`` /      rewritten
-320, 324, 325): the offset message id   ``queryMsgById`` connect to the address in it      with "all"
+320, 324, 325): the offset message id   ``queryMsgById`` connect to the address in it      (default)
 CONSUMER_SEND_MSG_BACK (36) and         sent to the endpoint the client learnt above:     accepted
 VIEW_MESSAGE_BY_ID (33) requests        the 1:1 relay already takes them to that           as they are
                                         endpoint's broker (their headers carry offsets,
@@ -22,18 +22,19 @@ and what consumers see as the message identity (UNIQ_KEY, keys, body, properties
 broker sent them.  Only the answers to the codes above reach Python (the request is marked, the
 scanner hands back only its answer, by opaque, in C); every other frame stays in C.
 
-``policy.message_addresses``: ``"records"`` (the default) rewrites the records; ``"all"`` also
-the send answers; ``"off"`` nothing.  Store records are mapped by the scanner, in C: a records
-request is relayed and tracked there (``ACTION_RECORDS``, :meth:`record_slots`), and its answer,
-held whole, has its store hosts looked up in an :class:`rmqfast.codec.AddressMap` this filter
-fills and patched in place (``ext/records.pxi``, pure twin ``rmqfast/codec/_records_py.py``).
-Only an answer with a store host the map does not know yet (the first from each broker), or a
-body that is not whole store records, reaches :meth:`on_response` (``frame.records``): the
-address is resolved here and remembered in the map, or the answer relayed unchanged and logged.
-Send answers' offset ids (``"all"``) take the policy path (both frames through Python: ~50 us
-of worker CPU per send against ~3 us relayed in C), so they are rewritten only on request; the
-store host (which the Go orderly consumer sends exhausted messages back to, and from which every
-client computes the offset id of what it consumed) is rewritten by default.
+``policy.message_addresses``: ``"all"`` (the default) rewrites the records and the send answers;
+``"records"`` only the records; ``"off"`` nothing.  Both are mapped by the scanner, in C: such a
+request is relayed and tracked there (``ACTION_RECORDS``, :meth:`record_slots`), and its answer
+has its addresses looked up in an :class:`rmqfast.codec.AddressMap` this filter fills and patched
+in place: the store hosts of a records answer, held whole, or the offset ids in a send answer's
+``msgId`` header field (``ext/records.pxi``, pure twin ``rmqfast/codec/_records_py.py``).  Only
+an answer with an address the map does not know yet (the first from each broker), or one the
+scanner cannot walk (a body that is not whole store records, a ``msgId`` field twice or escaped),
+reaches :meth:`on_response` (``frame.records``): the address is resolved here and remembered in
+the map, or the answer relayed unchanged and logged.  A send that reaches Python anyway (a delay,
+limit, gray or ACL filter reads it) has its answer marked and rewritten here.  So a client that
+cannot reach the brokers (another cloud, a container network) can still ``queryMsgById`` the id a
+send returned: the id names a proxy endpoint, which relays VIEW_MESSAGE_BY_ID to its broker.
 
 Pull answers from a 5.x broker may carry records whose STOREHOST is another broker (a slave
 serving reads, a message moved by escape bridging): each address gets its own endpoint, like
@@ -66,7 +67,12 @@ SEND_CODES = frozenset({
     C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2,
 })
 MODES = ("records", "all", "off")
-_RECORD_SLOTS = slots_of(RECORD_CODES)
+#: Answer codes of a send whose message was stored: SUCCESS, FLUSH_DISK_TIMEOUT, SLAVE_NOT_AVAILABLE,
+#: FLUSH_SLAVE_TIMEOUT (the client builds a SendResult with the offset msgId from each).
+SENT_CODES = frozenset({C.SUCCESS, 10, 11, 12})
+#: Slots whose answers the scanner maps in C (ACTION_RECORDS): store hosts in records, offset ids
+#: in send answers' headers.
+_RECORD_SLOTS = slots_of(RECORD_CODES | SEND_CODES)
 
 _PENDING = "msgaddr_opaques"
 _MAX_PENDING = 10000
@@ -92,7 +98,7 @@ class RewriteMessageAddresses(Filter):
     name = "message-addresses"
     wants_marked_responses = True
 
-    def __init__(self, registry: EndpointRegistry, mode: str = "records") -> None:
+    def __init__(self, registry: EndpointRegistry, mode: str = "all") -> None:
         if mode not in MODES:
             raise ValueError(f"policy.message_addresses must be one of {', '.join(MODES)}; got {mode!r}")
         self.registry = registry
@@ -169,6 +175,14 @@ class RewriteMessageAddresses(Filter):
         self._remember(raw, new)
         return new
 
+    def map_offset_ids(self, value: str) -> str | None:
+        """``value`` (a send answer's msgId: comma-separated ids) with each offset id's broker
+        mapped to its endpoint, or None when nothing changes or send answers are not mapped (for
+        answers that never pass the scanner: sends moved by failover)."""
+        if self.ip is None or not self.codes & SEND_CODES:
+            return None
+        return patch_offset_ids(value, self.mapping)
+
     # Filter --------------------------------------------------------------------------------------
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
@@ -190,8 +204,9 @@ class RewriteMessageAddresses(Filter):
         pending: dict[int, int] | None = session.state.get(_PENDING)
         code = pending.pop(frame.opaque, None) if pending else None
         if code is None and frame.records:  # tracked by the scanner, which left the mapping to us
-            code = C.PULL_MESSAGE
-        if code is None or frame.code != C.SUCCESS:
+            # a send answer has no body; a records answer the scanner hands over always has one
+            code = C.SEND_MESSAGE_V2 if len(frame.data) <= 8 + frame.header_length else C.PULL_MESSAGE
+        if code is None or not (frame.code == C.SUCCESS or (code in SEND_CODES and frame.code in SENT_CODES)):
             return None
         data = frame.data
         if code in SEND_CODES:

@@ -14,6 +14,7 @@ others bind it (SO_REUSEPORT) when they next refresh the table.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -142,7 +143,14 @@ class EndpointRegistry:
             raw = json.loads(self.state_file.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):  # the worker's shortage, not the file's
+                raise
+            raise EndpointTableError(
+                f"endpoint table {str(self.state_file)!r} is unreadable ({exc}); fix or delete it "
+                "(clients will then re-learn broker endpoints from fresh routes)"
+            ) from None
+        except ValueError as exc:
             raise EndpointTableError(
                 f"endpoint table {str(self.state_file)!r} is unreadable ({exc}); fix or delete it "
                 "(clients will then re-learn broker endpoints from fresh routes)"

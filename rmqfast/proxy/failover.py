@@ -64,7 +64,7 @@ from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, 
 from rmqfast.codec.tables import result_index
 from rmqfast.errors import RemotingError
 from rmqfast.log import ctx
-from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics
+from rmqfast.proxy.health import BrokerHealth, FailoverSection, HealthMetrics, local_shortage
 from rmqfast.proxy.policy import Filter, Frame, Kind, Verdict, slots_of
 
 log = logging.getLogger("rmqfast.failover")
@@ -517,6 +517,10 @@ class FailoverService:
         #: [clouds] / [replicate] (set by the worker, and on reload): its rmqfast.replicate.ReplicateFilter; a
         #: moved send is copied to the remote clouds its topic and tag select, released when a broker stores it
         self.replicate: Any = None
+        #: policy.message_addresses = "all" (set by the worker, and on reload): the answer of a moved send
+        #: never passes the relay's scanner, so the offset ids in its msgId are mapped to proxy endpoints
+        #: here (rmqfast.proxy.addresses.RewriteMessageAddresses.map_offset_ids; None: left as they are)
+        self.offset_ids: Callable[[str], str | None] | None = None
 
     # One send -----------------------------------------------------------------------------------
 
@@ -594,7 +598,8 @@ class FailoverService:
                 answer = self._request(addr, out)
             except Exception as exc:  # RemoteError: connect refused, closed, no answer in time
                 errors.append(f"{addr}: {exc}")
-                self.health.suspect(addr, f"a moved send failed: {exc}")
+                if not local_shortage(exc):  # out of descriptors ourselves: nothing to suspect the broker of
+                    self.health.suspect(addr, f"a moved send failed: {exc}")
                 continue
             if answer.code in TRY_NEXT_CODES:
                 last = answer
@@ -603,6 +608,11 @@ class FailoverService:
             self.moved += 1
             if self.metrics is not None:
                 self.metrics.failovers.labels(dead_addr, addr).inc()
+            fields = answer.ext_fields or {}
+            if self.offset_ids is not None and fields.get("msgId"):
+                mapped = self.offset_ids(fields["msgId"])
+                if mapped is not None:
+                    answer = replace(answer, ext_fields={**fields, "msgId": mapped})
             return replace(answer, opaque=cmd.opaque), addr
         if last is not None:
             return replace(last, opaque=cmd.opaque), "refused:other_broker_error"

@@ -25,12 +25,19 @@ again now; only the prober decides (one slow connect on a loaded machine must no
 of a healthy broker).  :meth:`BrokerHealth.connect_failed` marks a broker down at once.  A broker
 comes back only through a successful probe.
 
+The proxy's own starvation is never taken for the broker's (issue 30, finding 5): probe deadlines
+are measured in the time the worker's event loop actually ran (:mod:`rmqfast.proxy.looplag`), not
+in wall time, so a probe answered in time while the worker was held is not a failure; a probe that
+failed only by the wall clock, or for the proxy's own lack of descriptors (EMFILE, ENFILE, ENOBUFS),
+proves nothing either way and is asked again (``rmqfast_probes_discounted_total``).
+
 The tracker never blocks a caller: every question is a dict lookup, every report an
 ``Event.set``.
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import logging
 import select
@@ -46,6 +53,7 @@ from gevent.event import Event
 
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
+from rmqfast.proxy.looplag import LoopLag
 
 log = logging.getLogger("rmqfast.health")
 
@@ -53,6 +61,11 @@ _poll = monkey.get_original("select", "poll")  # the real poll(2), also in a mon
 
 #: Request code of the probe: GET_MAX_OFFSET (30) answers from memory, needs no body.
 PROBE_CODE = 30
+#: connect errors that are the proxy's own shortage (descriptors, buffers), never the broker's
+_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: the probe request's own deadline, as a multiple of ``probe_timeout`` (the prober enforces
+#: ``probe_timeout`` itself, in the time the loop ran; this only bounds a lost request)
+_ASK_SLACK = 4
 
 
 @dataclass
@@ -160,6 +173,12 @@ class HealthMetrics:
         self.go_away = Counter(
             "rmqfast_go_away_total", "Requests answered GO_AWAY (1500) by a draining worker", ["role"],
         )
+        self.probes_discounted = Counter(
+            "rmqfast_probes_discounted_total",
+            "Failed probes not counted against a broker: the worker's own loop lag (loop_lag) or lack of "
+            "descriptors (local_shortage)",
+            ["broker", "reason"],
+        )
 
 
 Prober = Callable[[str, float], Any]
@@ -192,8 +211,10 @@ class BrokerHealth:
         metrics: HealthMetrics | None = None,
         *,
         connect: Callable[[str, float], Any] | None = None,
+        lag: LoopLag | None = None,
     ) -> None:
         self.cfg = cfg or FailoverSection()
+        self._lag = lag  # the worker's; else one of its own, started with the first prober
         self.metrics = metrics
         self._connect = connect or _default_connect
         self._watches: dict[str, _Watch] = {}
@@ -225,6 +246,8 @@ class BrokerHealth:
         """Probe these addresses from now on (idempotent)."""
         for a in addrs:
             if a not in self._watches and not self.closed:
+                if self._lag is None:
+                    self._lag = self._own_lag = LoopLag()
                 w = self._watches[a] = _Watch(a)
                 if self.metrics is not None:
                     self.metrics.broker_up.labels(a).set(1)
@@ -292,6 +315,9 @@ class BrokerHealth:
 
     def close(self) -> None:
         self.closed = True
+        own = getattr(self, "_own_lag", None)
+        if own is not None:
+            own.close()
         for w in self._watches.values():
             if w.greenlet is not None:
                 w.greenlet.kill(block=False)
@@ -323,29 +349,37 @@ class BrokerHealth:
             except Exception:
                 log.exception("health listener failed")
 
-    def _probe_once(self, w: _Watch) -> tuple[bool, str, bool]:
+    def _probe_once(self, w: _Watch) -> tuple[bool | None, str, bool]:
         """(answered, why not, hung): a refused or closed connection, or no answer within
-        probe_timeout; hung: no answer within ``hang_timeout / 2`` while relayed sends are stalled."""
+        probe_timeout; hung: no answer within ``hang_timeout / 2`` while relayed sends are stalled.
+        Deadlines count the time the worker's loop ran (``self._lag``); answered is None when the
+        probe proves nothing (it failed only by the wall clock, or for the proxy's own shortage)."""
         timeout = self.cfg.probe_timeout
+        lag = self._lag
+        assert lag is not None  # made by watch()
+        mark = lag.mark()
         try:
             if w.conn is None or w.conn.closed:
                 w.conn = self._connect(w.addr, timeout)
                 reader = getattr(w.conn, "_reader", None)
                 if reader is not None:  # the connection closing (kill -9) wakes the prober at once
                     reader.link(lambda _g, wake=w.wake: wake.set())
-            asking = gevent.spawn(_ask, w.conn, timeout)
-            start = time.monotonic()
+            mark = lag.mark()  # the answer's deadline starts with the question
+            asking = gevent.spawn(_ask, w.conn, timeout * _ASK_SLACK)
             while not asking.ready():
                 asking.join(timeout=0.05)
                 if asking.ready():
                     break
-                waited = time.monotonic() - start
-                if self._hung(w, waited):
+                ran = lag.ran_since(mark)
+                if self._hung(w, ran):
                     asking.kill(block=False)
                     w.conn.close()
                     w.conn = None
-                    return False, (f"probe unanswered for {waited:.2f} s and relayed sends unanswered for "
+                    return False, (f"probe unanswered for {ran:.2f} s and relayed sends unanswered for "
                                    f"{w.stall:.2f} s with nothing read back (hung)"), True
+                if ran >= timeout and not _readable(getattr(w.conn, "sock", None)):
+                    asking.kill(block=False)
+                    raise _Unanswered(f"{w.addr} did not answer the probe within {timeout:.1f} s")
             error = asking.get()
             if error is not None:
                 raise error
@@ -354,6 +388,10 @@ class BrokerHealth:
             if w.conn is not None:
                 w.conn.close()
                 w.conn = None
+            if local_shortage(exc):
+                return None, f"local_shortage: {exc}", False
+            if _timed_out(exc) and lag.ran_since(mark) < timeout:
+                return None, f"loop_lag: {exc}", False  # late by the wall clock only: the worker was held
             return False, str(exc), False
 
     def _hung(self, w: _Watch, probe_waited: float) -> bool:
@@ -369,6 +407,14 @@ class BrokerHealth:
         while not self.closed:
             w.wake.clear()
             ok, reason, hung = self._probe_once(w)
+            if ok is None:  # proves nothing about the broker: asked again soon, counts neither way
+                why = reason.partition(":")[0]
+                log.info("probe failure not counted against the broker",
+                         extra=ctx(broker=w.addr, reason=reason))
+                if self.metrics is not None:
+                    self.metrics.probes_discounted.labels(w.addr, why).inc()
+                w.wake.wait(timeout=self.cfg.probe_interval_down)
+                continue
             if ok:
                 w.fails = 0
                 self._set(w, True, "")
@@ -384,6 +430,35 @@ class BrokerHealth:
             w.wake.wait(timeout=interval)
 
 
+class _Unanswered(Exception):
+    """The probe had no answer within ``probe_timeout`` of the worker's running time."""
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes (a RemoteError says why with the OSError under it)."""
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(out) < 8:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    return next((e.errno for e in _chain(exc) if isinstance(e, OSError) and e.errno), None)
+
+
+def local_shortage(exc: BaseException) -> bool:
+    """Did ``exc`` (or what caused it) come from the proxy's own lack of descriptors or buffers
+    (EMFILE, ENFILE, ENOBUFS, ENOMEM)?  Such a failure says nothing about the broker."""
+    return _errno_of(exc) in _SHORTAGE
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A deadline passed (connect, or the request's own); not a refused or closed connection."""
+    return any(isinstance(e, TimeoutError | gevent.Timeout) or "did not answer" in str(e) for e in _chain(exc))
+
+
 def _ask(conn: Any, timeout: float) -> Exception | None:
     """One probe on ``conn``: None once answered (any code), else the error (a greenlet's own)."""
     try:
@@ -395,6 +470,8 @@ def _ask(conn: Any, timeout: float) -> Exception | None:
 
 def _readable(sock: Any) -> bool:
     """Bytes (an answer) wait unread in ``sock``'s receive buffer: asked of the kernel, not of gevent."""
+    if sock is None:
+        return False
     try:
         poller = _poll()
         poller.register(sock.fileno(), select.POLLIN)

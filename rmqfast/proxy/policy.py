@@ -297,6 +297,15 @@ def error_response(frame: Frame, code: int, remark: str) -> bytes:
     return encode(make_response(frame.command(), code, remark))
 
 
+def deny_hint(preset: str) -> str:
+    """The part of a refused admin request's remark that says what would let it through."""
+    if preset:
+        return (f'policy.preset = "{preset}" lets through only the read-only admin codes and this is '
+                "not one of them; allow it with policy.allow_codes")
+    return ('admin codes are denied by default; the read-only ones pass with policy.preset = '
+            '"read-only-admin", any other with policy.allow_codes')
+
+
 class DenyAdminCodes(Filter):
     """Refuse every request code that is not data-plane (or allowlisted) with NO_PERMISSION.
 
@@ -312,9 +321,13 @@ class DenyAdminCodes(Filter):
         allow: Iterable[int] = (),
         deny: Iterable[int] = (),
         on_deny: Callable[[Session, int], None] | None = None,
+        preset: str = "",
     ) -> None:
         self.on_deny = on_deny
-        self.allowed = (frozenset(data_plane) | frozenset(allow)) - frozenset(deny)
+        self.denied = frozenset(deny)
+        self.allowed = (frozenset(data_plane) | frozenset(allow)) - self.denied
+        #: what the refusal's remark tells the operator to change
+        self.hint = deny_hint(preset)
         allowed_slots = slots_of(self.allowed) - {OTHER_SLOT}
         # A slot is handed to Python unless every code mapping to it is allowed; the shared
         # "other" slot stands for infinitely many codes, so it is always checked.
@@ -326,10 +339,8 @@ class DenyAdminCodes(Filter):
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
         if frame.code in self.allowed:
             return None
-        remark = (
-            f"rmqfast: request code {frame.code} is not allowed through this proxy "
-            f"(admin codes are denied by default; allow it with policy.allow_codes)"
-        )
+        hint = "it is listed in policy.deny_codes" if frame.code in self.denied else self.hint
+        remark = f"rmqfast: request code {frame.code} is not allowed through this proxy ({hint})"
         log.warning(
             "denied request",
             extra=ctx(code=frame.code, client=session.client_addr, upstream=session.upstream_addr, role=session.role),

@@ -77,6 +77,11 @@ Sock = Any
 DEFAULT_BUFFER_BUDGET = 64 * 1024 * 1024
 #: Default of ``proxy.frame_timeout``: seconds a started frame may wait for its next bytes.
 DEFAULT_FRAME_TIMEOUT = 30.0
+#: Default of ``proxy.first_frame_timeout``: seconds a new connection may take to send its first frame.
+DEFAULT_FIRST_FRAME_TIMEOUT = 10.0
+#: connect errors that are the proxy's own shortage of descriptors or buffers (EMFILE, ENFILE,
+#: ENOBUFS, ENOMEM): never the upstream's fault (rmqfast.server.accept.SHORTAGE_ERRNOS)
+_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 #: After a send to the upstream failed, how long the session waits for the upstream-reading pump to
 #: meet the end of the broken connection (milliseconds, normally) before it ends the session itself.
@@ -325,6 +330,7 @@ class RelaySettings:
         idle_timeout: float,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         buffer_budget: int = DEFAULT_BUFFER_BUDGET,
+        first_frame_timeout: float = DEFAULT_FIRST_FRAME_TIMEOUT,
     ) -> None:
         self.buffer_size = buffer_size
         self.max_frame = max_frame
@@ -332,6 +338,7 @@ class RelaySettings:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout  # 0: no frame-completion deadline
+        self.first_frame_timeout = first_frame_timeout  # 0: no first-frame deadline
         self.buffer_budget = buffer_budget
         BUDGET.limit = buffer_budget  # the process-wide budget follows the (re)loaded config
 
@@ -351,6 +358,14 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
             s.close()
             closed += 1
             continue
+        fft = s.settings.first_frame_timeout
+        if fft > 0 and now - s.started > fft and not _sent_a_frame(s):
+            # half-open and slowloris clients: a connection that never sent a frame holds a cap's slot
+            log.info("closing connection: no first frame in time",
+                     extra=ctx(role=s.role, client=s.client_addr, first_frame_timeout=fft))
+            s.close()
+            closed += 1
+            continue
         ft = s.settings.frame_timeout
         if ft > 0:
             side, stalled = s.stalled_for(now_ns)
@@ -365,6 +380,13 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
     return closed
 
 
+def _sent_a_frame(s: Session) -> bool:
+    """Has the client sent the head of a whole frame (a request or an answer) yet?  (Not judged
+    while the session is still connecting upstream: ``connect_timeout`` bounds that.)"""
+    c2u = s.c2u
+    return c2u is None or c2u.requests > 0 or c2u.responses > 0
+
+
 class Session(SessionCore):
     """A client connection and its upstream connection: the sockets and pumps around a
     :class:`rmqfast.proxy.core.SessionCore`.  Send limits come with the chain (its
@@ -374,7 +396,7 @@ class Session(SessionCore):
     # instance dict would pass the 30 keys CPython shares between instances and cost ~1.6 KB
     # per connection instead of its inline values.
     __slots__ = ("client", "upstreams", "settings", "events", "upstream", "last_activity", "_heard", "conn_id", "hub",
-                 "_watchers", "_reactor", "_live", "_on_end", "_lost", "_end_wait")
+                 "_watchers", "_reactor", "_live", "_on_end", "_lost", "_end_wait", "started", "local_shortage")
 
     def __init__(
         self,
@@ -393,7 +415,9 @@ class Session(SessionCore):
         self.settings = settings
         self.events = events  # worker-level hooks: counters, session registry
         self.upstream: Sock | None = None
-        self.last_activity = time.monotonic()
+        self.last_activity = self.started = time.monotonic()
+        # the upstream connect failed for the proxy's own lack of descriptors (not the upstream's fault)
+        self.local_shortage = False
         # when the Python pumps last received from the upstream (broker health: hangs; see ``heard``)
         self._heard = self.last_activity
         self.conn_id = 0  # set by the worker; carried into sampled request records
@@ -618,6 +642,9 @@ class Session(SessionCore):
                     sock = connect_plain(hp.host, hp.port, self.settings.connect_timeout)
             except OSError as exc:
                 errors.append(f"{hp}: {exc.strerror or exc}")
+                if exc.errno in _SHORTAGE:  # the proxy's own shortage: the next upstream would fail alike
+                    self.local_shortage = True
+                    break
                 self.events.upstream_error(self.role)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

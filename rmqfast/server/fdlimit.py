@@ -8,12 +8,9 @@ import logging
 import resource
 
 from rmqfast.log import ctx
+from rmqfast.server.accept import auto_max_connections
 
 log = logging.getLogger("rmqfast.worker")
-
-#: Descriptors a worker keeps for itself (listeners, probes, metrics files, logs) beside sessions.
-RESERVED_FDS = 64
-
 
 def raise_nofile(worker: int | None = None) -> tuple[int, int]:
     """Raises RLIMIT_NOFILE's soft limit to its hard limit (unprivileged processes may) and logs
@@ -28,7 +25,7 @@ def raise_nofile(worker: int | None = None) -> tuple[int, int]:
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the open-files limit", extra=ctx(worker=worker, soft=soft, hard=hard,
                                                                         error=str(exc)))
-    sessions = max(0, (soft - RESERVED_FDS) // 2)
+    sessions = auto_max_connections(soft)  # the default of proxy.max_connections
     msg = "open-files limit raised to the hard limit" if soft != before else "open-files limit"
     log.info(msg, extra=ctx(worker=worker, soft_before=before, soft=soft, hard=hard, max_client_connections=sessions))
     return soft, hard

@@ -67,6 +67,8 @@ class WorkerProc:
     buf: bytes = b""
     fatal: str = ""
     refused: str = ""  # why the supervisor refused it (version or codec differs)
+    # listen address -> why this worker cannot accept there now (descriptors, bind), as it reported
+    blocked: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,26 +122,35 @@ class Supervisor:
         self.cfg = absolute_paths(cfg)
         self.load_config = load_config
         self.state = SupervisorState()
-        self.runtime = Path(tempfile.mkdtemp(prefix="rmqfast-run-"))
-        self.prom_dir = self.runtime / "prometheus"
-        self.prom_dir.mkdir()
-        self.prom_lock = threading.Lock()  # admin threads read the files the main loop retires
-        self.sel = selectors.DefaultSelector()
-        self.stopping = False
-        self.reload_requested = False
-        self.all_ready_notified = False
-        self.admin: AdminServer | None = None
-        self.exit_code = 0
-        self._ready_cache: tuple[float, bool, str, dict[str, str]] = (0.0, False, "", {})
-        self._ready_lock = threading.Lock()  # one probe round at a time; the others read its result
-        self.deliver: DeliverPool | None = None  # cross-cloud deliver processes (rmqfast.deliver)
-        # send-limit buckets shared by the workers; live rule changes from the admin endpoint
-        self.limits_shm = create_shared(self.runtime)
-        self._limits_lock = threading.Lock()
-        self._limit_changes: list[_LimitChange] = []  # admin changes the main loop applies next, in order
-        from rmqfast.gray.watch import GrayWatch
+        self.runtime = Path(tempfile.mkdtemp(prefix="rmqfast-run-"))  # removed by run() or close()
+        try:  # whatever fails here leaves no folder behind
+            self.prom_dir = self.runtime / "prometheus"
+            self.prom_dir.mkdir()
+            self.prom_lock = threading.Lock()  # admin threads read the files the main loop retires
+            self.sel = selectors.DefaultSelector()
+            self.stopping = False
+            self.reload_requested = False
+            self.all_ready_notified = False
+            self.admin: AdminServer | None = None
+            self.exit_code = 0
+            self._ready_cache: tuple[float, bool, str, dict[str, str]] = (0.0, False, "", {})
+            self._ready_lock = threading.Lock()  # one probe round at a time; the others read its result
+            self.deliver: DeliverPool | None = None  # cross-cloud deliver processes (rmqfast.deliver)
+            # send-limit buckets shared by the workers; live rule changes from the admin endpoint
+            self.limits_shm = create_shared(self.runtime)
+            self._limits_lock = threading.Lock()
+            self._limit_changes: list[_LimitChange] = []  # admin changes the main loop applies next, in order
+            from rmqfast.gray.watch import GrayWatch
 
-        self.gray_watch = GrayWatch(lambda: self.cfg)  # [gray]: backlog metric, ends drains (rmqfast.gray.watch)
+            self.gray_watch = GrayWatch(lambda: self.cfg)  # [gray]: backlog metric, ends drains (rmqfast.gray.watch)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Remove the private runtime folder (``run()`` does it on its way out; for a supervisor
+        that is never run, such as the tests' in-process ones)."""
+        shutil.rmtree(self.runtime, ignore_errors=True)
 
     # Workers ----------------------------------------------------------------------------------
 
@@ -197,6 +208,10 @@ class Supervisor:
                 wp.ready = True
             elif msg.get("event") == "fatal":
                 wp.fatal = str(msg.get("error", ""))
+            elif msg.get("event") == "listeners":  # a listener cannot accept, or can again (/readyz)
+                blocked = msg.get("blocked")
+                if isinstance(blocked, dict):
+                    wp.blocked = {str(k): str(v) for k, v in blocked.items()}
 
     def _reap(self) -> None:
         for index, wp in list(self.state.workers.items()):
@@ -361,15 +376,16 @@ class Supervisor:
                                              namesrv=str(self.cfg.namesrv.listen)))
 
     def run(self) -> int:
-        self._write_config()
-        self._start_admin()
-        self.gray_watch.start()
-        prev = {
-            signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: self.stop()),
-            signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: self.stop()),
-            signal.SIGHUP: signal.signal(signal.SIGHUP, lambda *_: setattr(self, "reload_requested", True)),
-        }
-        try:
+        prev: dict[int, Any] = {}
+        try:  # the finally below also removes the runtime folder when the start itself fails
+            self._write_config()
+            self._start_admin()
+            self.gray_watch.start()
+            prev = {
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: self.stop()),
+                signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: self.stop()),
+                signal.SIGHUP: signal.signal(signal.SIGHUP, lambda *_: setattr(self, "reload_requested", True)),
+            }
             if self.cfg.replication_enabled:
                 self.deliver = DeliverPool(
                     self.cfg.replicate.deliver_processes, self.runtime,
@@ -406,7 +422,7 @@ class Supervisor:
             self.gray_watch.stop()
             if self.admin is not None:
                 self.admin.shutdown()
-            shutil.rmtree(self.runtime, ignore_errors=True)
+            self.close()
         log.info("proxy stopped", extra=ctx(exit_code=self.exit_code))
         return self.exit_code
 
@@ -444,6 +460,9 @@ class Supervisor:
         workers = list(self.state.workers.values())
         if not workers or not all(w.ready for w in workers):
             return False, f"{sum(w.ready for w in workers)}/{self.cfg.worker_count} workers ready"
+        blocked = [f"worker {w.index}: {why}" for w in workers for why in sorted(w.blocked.values())]
+        if blocked:  # not cached: true again as soon as the worker says it accepts again
+            return False, "cannot accept: " + "; ".join(blocked)
         with self._ready_lock:
             t, ok, why, _ = self._ready_cache
             if time.monotonic() - t < READY_CACHE_SECONDS:

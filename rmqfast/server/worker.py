@@ -12,7 +12,6 @@ dropping established connections.
 
 from __future__ import annotations
 
-import _socket
 import argparse
 import gc
 import json
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import gevent
 import gevent.event
 from gevent import socket
-from gevent.server import StreamServer
 
 from rmqfast import config as config_mod
 from rmqfast import log as log_mod
@@ -60,7 +58,18 @@ from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRou
 from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
 from rmqfast.proxy.tls import TlsContexts
+from rmqfast.server.accept import (
+    AcceptGuard,
+    ConnectionCaps,
+    ListenMetrics,
+    RateLimitedLog,
+    auto_max_connections,
+    client_key,
+    effective_caps,
+    is_shortage,
+)
 from rmqfast.server.fdlimit import raise_nofile
+from rmqfast.server.listener import Listener, RelayServer, bind_reuseport
 
 if TYPE_CHECKING:
     from rmqfast.records import TrafficRecorder
@@ -68,62 +77,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("rmqfast.worker")
 
 EXIT_FATAL = 3  # startup failed for a reason a restart will not fix (bind error, bad state)
+#: seconds between two reports of the listeners' state to the supervisor (a listener that flaps
+#: between blocked and accepting must not flood the status pipe, whose writes block the worker)
+LISTENERS_REPORT_PERIOD = 0.1
 
 
 def spill_dir(state_dir: str | Path, index: int) -> Path:
     """``rmqfast.spill.store.worker_dir`` without importing the spill (a test keeps them equal)."""
     return Path(state_dir) / "spill" / f"worker-{index}"
-
-
-def bind_reuseport(hp: HostPort, backlog: int = 1024) -> socket.socket:
-    family = socket.AF_INET6 if ":" in hp.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((hp.host, hp.port))
-        sock.listen(backlog)
-    except OSError as exc:
-        sock.close()
-        # name the address: "[Errno 98] Address already in use" alone does not say which one
-        raise OSError(exc.errno, f"cannot listen on {hp}: {exc.strerror or exc}") from None
-    sock.setblocking(False)
-    return sock
-
-
-class RelayServer(StreamServer):
-    """A StreamServer that hands its handler each accepted connection as a plain non-blocking
-    socket (``_socket.socket``: no gevent socket object and its two libev watchers, which a relayed
-    connection never waits on; code that waits with gevent's calls makes one,
-    :func:`rmqfast.proxy.connect.to_gevent`), and leaves it to the handler: the handler closes it
-    on every path (a relay session serving from the reactor after the handler returned closes it
-    when it ends).  gevent's StreamServer closes every socket when its handler returns."""
-
-    def do_read(self) -> tuple[Any, Any] | None:
-        listener = self.socket
-        try:
-            fd, address = listener._accept()
-        except BlockingIOError:
-            if not listener.timeout:
-                return None
-            raise
-        sock = _socket.socket(listener.family, listener.type, listener.proto, fd)
-        sock.setblocking(False)
-        return sock, address
-
-    def do_handle(self, sock: Any, address: Any) -> None:
-        spawn = self._spawn  # type: ignore[attr-defined]
-        if spawn is None:
-            self._handle(sock, address)  # type: ignore[attr-defined]
-            return
-        try:
-            spawn(self._handle, sock, address)  # type: ignore[attr-defined]
-        except BaseException:
-            sock.close()
-            raise
-
-    def do_close(self, sock: Any, *args: Any) -> None:
-        pass  # the handler's
 
 
 class _SessionEnd:
@@ -138,14 +99,6 @@ class _SessionEnd:
 
     def __call__(self) -> None:
         self.worker._ended(self.session)
-
-
-class Listener:
-    def __init__(self, role: str, listen: HostPort, server: StreamServer, upstream: HostPort | None) -> None:
-        self.role = role
-        self.listen = listen
-        self.server = server
-        self.upstream = upstream
 
 
 class Worker:
@@ -184,6 +137,15 @@ class Worker:
                 for st in self.stats.values():
                     st.set_sampling(max(1, round(1 / cfg.records.sample_rate)))
         self.listeners: dict[HostPort, Listener] = {}
+        # [proxy] max_connections, max_connections_per_client: admission on every Remoting listener
+        self.caps = ConnectionCaps(*effective_caps(cfg.proxy.max_connections, cfg.proxy.max_connections_per_client))
+        self.listen_metrics = ListenMetrics()
+        self.rate_log = RateLimitedLog()
+        #: listen address -> why this worker cannot accept there now (reported to the supervisor: /readyz)
+        self.blocked: dict[str, str] = {}
+        self._listeners_told: dict[str, str] = {}  # as last reported
+        self._listeners_sent = 0.0
+        self._listeners_report: Any = None  # the pending report's greenlet
         self.sessions: set[Session] = set()
         #: the sessions set up so far, by their in-flight table (``Session._setup`` adds, ``close``
         #: removes): the stalled-send sweep looks at the tables only (``with_requests``)
@@ -221,7 +183,8 @@ class Worker:
     def _settings(cfg: Config) -> RelaySettings:
         p = cfg.proxy
         return RelaySettings(p.buffer_size, p.max_frame_size, p.max_header_size, p.connect_timeout, p.idle_timeout,
-                             frame_timeout=p.frame_timeout, buffer_budget=p.buffer_budget)
+                             frame_timeout=p.frame_timeout, buffer_budget=p.buffer_budget,
+                             first_frame_timeout=p.first_frame_timeout)
 
     def _build_chains(self) -> None:
         pol = self.cfg.policy
@@ -244,6 +207,7 @@ class Worker:
         self.failover.replicate = self.replication.filter if self.cfg.replication_enabled else None
         # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
         self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
+        self.failover.offset_ids = self.message_addresses.map_offset_ids  # moved sends' answers
         # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
         acl: list[Filter] = [AclTopics(self.cfg.acl, self._denied)] if self.cfg.acl.enabled else []
         # [limits]: sends the scanner's limiter refused get SYSTEM_BUSY or are shaped, before the
@@ -263,7 +227,8 @@ class Worker:
         self.chains = {
             "namesrv": FilterChain(
                 [
-                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied,
+                                   preset=pol.preset),
                     RewriteRoutes(self.registry, self._rewritten,
                                   health=self.health if fo.enabled and fo.heal_routes else None,
                                   book=self.book if fo.enabled else None, on_heal=self._healed),
@@ -271,7 +236,8 @@ class Worker:
             ),
             "broker": FilterChain(
                 [
-                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied),
+                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied,
+                                   preset=pol.preset),
                     *acl,
                     *limit,
                     *gray,
@@ -383,6 +349,12 @@ class Worker:
     # Listeners -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        allowed = auto_max_connections()
+        if self.cfg.proxy.max_connections > allowed:
+            log.warning("proxy.max_connections is above what the open-files limit allows: accepts may fail "
+                        "with EMFILE; raise the limit (LimitNOFILE, ulimit -n) or lower the setting",
+                        extra=ctx(worker=self.index, max_connections=self.cfg.proxy.max_connections,
+                                  allowed=allowed))
         if getattr(self, "replication", None) is not None:
             self.replication.start()  # before serving: knows which remotes have consumers online
         self._started = True
@@ -407,11 +379,47 @@ class Worker:
         )
 
     def _listen(self, role: str, listen: HostPort, upstream: HostPort | None) -> None:
-        sock = bind_reuseport(listen)
+        try:
+            sock = bind_reuseport(listen)
+        except OSError as exc:
+            self._listener_state(str(listen), f"{role} listener {listen}: cannot bind ({exc.strerror or exc})")
+            raise
+        self._listener_state(str(listen), "")
         server = RelayServer(sock, self._handler(role, upstream))
         server.max_accept = 16  # several workers share the port: don't hog the accept queue
+        server.caps = self.caps
+        server.guard = AcceptGuard(role, str(listen), self.listen_metrics,
+                                   lambda why, at=str(listen): self._listener_state(at, why), self.rate_log)
+        server.on_refused = lambda cap, addr, role=role: self._refused(role, cap, addr)
         server.start()
         self.listeners[listen] = Listener(role, listen, server, upstream)
+
+    def _refused(self, role: str, cap: str, addr: tuple) -> None:
+        """A connection past a cap was closed on accept: a counter, a rate-limited line."""
+        self.listen_metrics.refused.labels(role, cap).inc()
+        setting = "proxy.max_connections" if cap == "worker" else "proxy.max_connections_per_client"
+        limit = self.caps.total if cap == "worker" else self.caps.per_client
+        self.rate_log(logging.WARNING, f"cap {cap} {role}", "connection refused: cap reached",
+                      role=role, cap=cap, client=addr[0], limit=limit, open=self.caps.open, setting=setting)
+
+    def _listener_state(self, listen: str, why: str) -> None:
+        """``listen`` cannot accept (``why``) or can again (""): told to the supervisor on change."""
+        if self.blocked.get(listen, "") == why:
+            return
+        if why:
+            self.blocked[listen] = why
+        else:
+            self.blocked.pop(listen, None)
+        if self._listeners_report is None:  # one report per period at most, the state as it is then
+            wait = self._listeners_sent + LISTENERS_REPORT_PERIOD - time.monotonic()
+            self._listeners_report = gevent.spawn_later(max(0.0, wait), self._report_listeners)
+
+    def _report_listeners(self) -> None:
+        self._listeners_report = None
+        self._listeners_sent = time.monotonic()
+        if self.blocked != self._listeners_told:
+            self._listeners_told = dict(self.blocked)
+            self.status({"event": "listeners", "blocked": dict(self.blocked)})
 
     def _bind_endpoint(self, ep: Endpoint) -> None:
         if ep.listen in self.listeners:
@@ -423,19 +431,26 @@ class Worker:
 
         def handle(sock: Any, addr: tuple) -> None:
             """``sock``: a plain socket (RelayServer), this handler's to close on every path
-            unless a session took it."""
-            if self.tls.listen_mode(role) != "disabled":  # the handshake waits with gevent's calls
-                sock = to_gevent(sock)
+            unless a session took it; its admission (``caps``) this handler's to release unless a
+            session took that (``_ended`` releases it)."""
+            owned: list[bool] = []  # a session took the admission (set just before it serves)
             try:
-                taken = start(sock, addr)
-            except BaseException:
-                sock.close()
-                raise
-            if not taken:
-                sock.close()
+                if self.tls.listen_mode(role) != "disabled":  # the handshake waits with gevent's calls
+                    sock = to_gevent(sock)
+                try:
+                    taken = start(sock, addr, owned)
+                except BaseException:
+                    sock.close()
+                    raise
+                if not taken:
+                    sock.close()
+            finally:
+                if not owned:
+                    self.caps.release(client_key(addr[0]))
 
-        def start(sock: Any, addr: tuple) -> bool:
-            """Serve ``sock``; False when nothing took it (the caller closes it)."""
+        def start(sock: Any, addr: tuple, owned: list[bool]) -> bool:
+            """Serve ``sock``; False when nothing took it (the caller closes it).  A session that
+            serves it releases its admission when it ends (``owned`` says so)."""
             if self.draining:
                 return False
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -461,6 +476,7 @@ class Worker:
             self.sessions.add(session)
             # Returns once the session's pumps are parked in the reactor (no greenlet waits for an
             # idle connection); ``_ended`` runs when both directions have ended.
+            owned.append(True)  # from here on ``_ended`` releases the admission, whatever happens
             session.serve(_SessionEnd(self, session))  # the session closes the socket on every path
             return True
 
@@ -469,8 +485,12 @@ class Worker:
     def _ended(self, session: Session) -> None:
         """A session's both directions have ended."""
         self.sessions.discard(session)
+        self.caps.release(client_key(session.client_addr.rpartition(":")[0]))
         if session.role == "broker" and session.upstreams and not session.upstream_addr:  # connect failed: probe now
-            self.health.suspect(str(session.upstreams[0]), "a client's upstream connect failed")
+            if session.local_shortage:  # our own descriptors ran out: says nothing about the broker
+                self.listen_metrics.local_shortage.labels("upstream_connect").inc()
+            else:
+                self.health.suspect(str(session.upstreams[0]), "a client's upstream connect failed")
         if self.records is not None:
             self._closed_ids.append(session.conn_id)
         self.metrics.connections_active.labels(session.role).dec()
@@ -579,6 +599,13 @@ class Worker:
                 self.registry.refresh()
                 if self.cfg.failover.enabled:
                     self._watch_brokers()
+            except OSError as exc:
+                if not is_shortage(exc):
+                    log.exception("endpoint table refresh failed")
+                    continue
+                # out of descriptors: tried again next period, no traceback every half second
+                self.rate_log(logging.ERROR, "refresh shortage", "endpoint table refresh failed: out of descriptors",
+                              error=str(exc), worker=self.index)
             except Exception:
                 log.exception("endpoint table refresh failed")
 
@@ -601,7 +628,8 @@ class Worker:
         """Close connections idle for longer than ``proxy.idle_timeout`` (checked a few times per period)."""
         while True:
             limit = self.settings.idle_timeout
-            gevent.sleep(min(max(limit / 4, 0.05), 5.0))
+            fft = self.settings.first_frame_timeout or limit
+            gevent.sleep(min(max(min(limit, fft) / 4, 0.05), 5.0))
             close_idle(self.sessions, limit)
 
     def _publish_loop(self) -> None:
@@ -674,6 +702,7 @@ class Worker:
         self.cfg = cfg
         log_mod.setup(cfg.log.format, cfg.log.level)
         self.settings.__dict__.update(self._settings(cfg).__dict__)
+        self.caps.set_limits(*effective_caps(cfg.proxy.max_connections, cfg.proxy.max_connections_per_client))
         self.tls.reload(cfg.tls)  # certificate files read again; new connections use them
         self.registry.reconfigure(cfg)
         self.health.cfg = self.failover.cfg = cfg.failover  # probes and moved sends follow [failover]
@@ -698,6 +727,7 @@ class Worker:
             if hp not in wanted:
                 self.listeners.pop(hp).server.close()
                 self.registry.forget_bound(hp)
+                self._listener_state(str(hp), "")
         if cfg.namesrv.listen not in self.listeners:
             assert cfg.namesrv.listen is not None
             try:

@@ -11,6 +11,8 @@
 * :mod:`rmqfast.testing.javaclient` runs the driver (``run_driver`` / ``start_driver``) with the
   real Java clients against any name server address: the real one, or an rmqfast proxy's.
 * :mod:`rmqfast.testing.proxy` runs ``rmqfast serve`` as a subprocess (``ProxyProcess``).
+* :mod:`rmqfast.testing.sparkcluster` runs a Spark standalone Master + Worker from the installed
+  pyspark on loopback (``StandaloneCluster``), for the Spark report on a real cluster.
 * ``python -m rmqfast.testing`` (:mod:`rmqfast.testing.__main__`) starts a cluster by hand.
 
 Nothing here imports the proxy's runtime (only its codec, to frame admin requests): these

@@ -53,8 +53,10 @@ class ProxyProcess:
         env: dict[str, str] | None = None,
         records: dict[str, Any] | None = None,
         cwd: str | Path | None = None,
+        proxy_settings: str = "",
     ) -> None:
         self.cwd = cwd  # the directory `rmqfast serve` is started from (default: the caller's)
+        self.proxy_settings = proxy_settings  # TOML lines for the [proxy] table (e.g. "max_connections = 10\n")
         self.workdir = Path(tempfile.mkdtemp(prefix="rmqfast-proxy-"))
         self.workers = workers
         self.range_size = range_size
@@ -101,7 +103,7 @@ class ProxyProcess:
             f"""
 [proxy]
 workers = {self.workers}
-state_dir = "{self.workdir / 'state'}"
+{self.proxy_settings}state_dir = "{self.workdir / 'state'}"
 drain_timeout = 5
 
 [namesrv]
@@ -146,7 +148,11 @@ level = "info"
         for attempt in range(1, self.bind_attempts + 1):
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed by stop()
             self._log_offset = self._log.tell()
-            env = dict(os.environ, **(self.env or {}))
+            # the supervisor's runtime folder (rmqfast-run-*) inside the workdir: gone with it even
+            # when the proxy was killed and could not remove it itself
+            tmp = self.workdir / "tmp"
+            tmp.mkdir(exist_ok=True)
+            env = {**os.environ, "TMPDIR": str(tmp), **(self.env or {})}
             self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)
             try:
                 self.wait_ready(timeout)

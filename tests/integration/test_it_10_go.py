@@ -49,8 +49,8 @@ def offset_id_addr(mid: str) -> str:
 
 def assert_proxy_addresses(proxy: ProxyProcess, received: list[dict]) -> None:
     """Every broker address the client learnt from a consumed message names a proxy endpoint.
-    (Send answers keep the broker's offset id under the default policy.message_addresses =
-    "records"; test_it_11_addresses covers "all".)"""
+    (Send answers' offset ids too under the default policy.message_addresses = "all": see
+    test_go_sends_and_push_consumer; test_it_11_addresses covers mqadmin queryMsgById on them.)"""
     for r in received:
         assert in_port_range(proxy, r["store_host"]), r
         assert offset_id_addr(r["offset_msg_id"]) == r["store_host"], r
@@ -63,6 +63,8 @@ def test_go_sends_and_push_consumer(godriver: Path, proxy: ProxyProcess, cluster
     cluster.create_topic(topic, queues=4)
     sent = run_godriver("produce", proxy.namesrv_addr, topic=topic, count=COUNT, mode=mode, prefix="m", timeout=90)
     assert sent["ok"] and sent["sent"] == COUNT and sent["failed"] == 0, sent
+    ids = [one for mid in sent["offset_msg_ids"] for one in mid.split(",")]
+    assert len(ids) == COUNT and all(in_port_range(proxy, offset_id_addr(i)) for i in ids), ids  # the default
     got = run_godriver("consume-push", proxy.namesrv_addr, topic=topic, group=unique("gogrp"), expect=COUNT,
                        orderly=(mode == "ordered"), timeout_ms=45000, timeout=90)
     bodies = Counter(r["body"] for r in got["received"])

@@ -19,10 +19,12 @@ from itutil import (
     SUCCESS,
     drive,
     in_port_range,
+    metric,
     proxy_broker_endpoint,
     request,
     unique,
     wait_metric,
+    wait_published,
 )
 
 from rmqfast.codec import codes as C
@@ -72,8 +74,8 @@ def test_java_send_back_and_addresses_through_proxy_only(proxy: ProxyProcess, cl
     assert watch.pids, "no client connection was seen at all"
     sent = {s["idx"]: s for s in res["sent"]}
     assert sorted(sent) == list(range(COUNT)), res.get("failed")
-    for s in sent.values():  # the default ("records") leaves send answers as the broker wrote them
-        assert offset_id_addr(s["offset_msg_id"]) == cluster.broker_addr, s
+    for s in sent.values():  # the default ("all"): send answers' offset ids name the proxy's endpoint too
+        assert in_port_range(proxy, offset_id_addr(s["offset_msg_id"])), s
     received = [d for d in res["consumed"]["received"] if d["run"] == res["run_id"]]
     acked = Counter(d["idx"] for d in received if d["acked"])
     assert sorted(acked) == list(range(COUNT)) and set(acked.values()) == {1}, acked
@@ -125,6 +127,45 @@ def test_mqadmin_query_msg_by_offset_id_through_proxy(admin_proxy: ProxyProcess,
     assert re.search(rf"OffsetID:\s+{s['offset_msg_id']}", out), out
     assert re.search(rf"Topic:\s+{topic}", out), out
     assert re.search(rf"Store Host:\s+/?{re.escape(endpoint)}", out), out
+    assert s["keys"] in out, out
+
+
+@pytest.mark.parametrize("client", ["5", "4"])
+def test_default_query_msg_by_id_goes_through_the_proxy(proxy: ProxyProcess, cluster: RocketMQCluster,
+                                                        client: Client) -> None:
+    """With default settings (the shared proxy: no preset, default message_addresses) the offset
+    msgId a send returns names the proxy's endpoint, so ``mqadmin queryMsgById`` on it connects to
+    the proxy (VIEW_MESSAGE_BY_ID counted there) and neither the client nor mqadmin ever connects
+    to the real broker.  The consume-track query mqadmin adds (an admin code) is refused with a
+    remark naming the preset; the message itself is shown."""
+    r = request(proxy_broker_endpoint(proxy), 28, {})  # GET_BROKER_RUNTIME_INFO: read-only, but no preset here
+    assert r.code == NO_PERMISSION and 'policy.preset = "read-only-admin"' in (r.remark or ""), r.remark
+    topic = unique(f"defview{client}")
+    cluster.create_topic(topic, queues=1)
+    with ConnectionWatch() as watch:  # the client's and mqadmin's connections, all along
+        res = drive("produce", proxy.namesrv_addr, client, topic=topic, count=3, mode="sync", timeout=90)
+        sent = res["sent"]
+        assert len(sent) == 3, res.get("failed")
+        for s in sent:
+            assert in_port_range(proxy, offset_id_addr(s["offset_msg_id"])), s
+        before = metric(wait_published(proxy), "rmqfast_requests_total", role="broker",
+                        code=str(C.VIEW_MESSAGE_BY_ID))
+        s = sent[1]
+        # Twice in one loaded run mqadmin printed nothing to stdout and exited 0 (not seen in 4 quieter
+        # runs, its stderr not kept then); the likely cause, not established, is its view of the message
+        # timing out in a cold JVM (it then looks the id up as a UNIQ_KEY, finds nothing, and prints that
+        # to stderr).  At most 3 tries; each goes through the proxy like the first.
+        for _ in range(3):
+            out = cluster.mqadmin("queryMsgById", "-n", proxy.namesrv_addr, "-t", topic, "-i", s["offset_msg_id"])
+            if "OffsetID:" in out:
+                break
+    assert watch.pids, "no client connection was seen at all"
+    assert not watch.touched(real_ports(cluster)), f"reached the real broker: {watch.touched(real_ports(cluster))}"
+    # sampling connections can miss a short-lived JVM's on a loaded machine; the proxy's count cannot
+    wait_metric(proxy, "rmqfast_requests_total", before + 1, role="broker", code=str(C.VIEW_MESSAGE_BY_ID))
+    assert re.search(rf"OffsetID:\s+{s['offset_msg_id']}", out), out
+    assert re.search(rf"Topic:\s+{topic}", out), out
+    assert re.search(rf"Store Host:\s+/?{re.escape(offset_id_addr(s['offset_msg_id']))}", out), out
     assert s["keys"] in out, out
 
 
@@ -185,6 +226,9 @@ def test_read_only_preset_still_denies_writes(admin_proxy: ProxyProcess, cluster
     ):
         r = request(addr, code, fields)
         assert r.code == NO_PERMISSION, (code, r.code, r.remark)
+        # the remark says what was set and what would let it through
+        assert 'policy.preset = "read-only-admin"' in (r.remark or "") and "policy.allow_codes" in (r.remark or ""), \
+            r.remark
     # mqadmin reports the failure and exits 0: what counts is that the topic was not created
     cluster.mqadmin("updateTopic", "-b", endpoint, "-t", topic)
     wait_metric(admin_proxy, "rmqfast_denied_requests_total", 1, role="broker", code=str(C.UPDATE_AND_CREATE_TOPIC))
