@@ -334,6 +334,12 @@ def test_a_copy_read_before_a_dead_workers_end_of_file_is_still_held() -> None:
                 w.connect(str(P.socket_path(d, 0)))
                 w.sendall(P.json_frame(P.HELLO, {"worker": i, "pid": 1, "replaying": False}))
             wait_for(lambda: sorted(x.worker for x in dl.links) == [0, 1])
+            for i in range(3):  # live links are never taken for closed ones
+                w0.sendall(P.copy_frame(100 + i, "cloud-b", record(100 + i, 1).encode()))
+                w1.sendall(P.copy_frame(200 + i, "cloud-b", record(200 + i, 0).encode()))
+            wait_for(lambda: len(queued) == 6)
+            assert not dl.hold.held and not dl.hold.parked and all(x.alive for x in dl.links)
+            queued.clear()
             # worker 0 dies; worker 1's copy is already waiting when the deliver process next runs
             real_lost = dl.hold.lost
             seen: list[int] = []
