@@ -10,11 +10,8 @@ supervisor can hand exactly the same configuration to every worker process.
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,21 +27,24 @@ from rmqfast.proxy.acl import AclSection, parse_acl
 from rmqfast.proxy.health import FailoverSection, parse_failover
 from rmqfast.proxy.tls import TlsSection, parse_tls
 from rmqfast.server.admin_names import parse_allowed_hosts
+from rmqfast.settings.base import ConfigErrors as ConfigErrors  # re-exported: rmqfast.config.ConfigErrors
+from rmqfast.settings.base import Errors as _Errors
+from rmqfast.settings.base import boolean as _bool
+from rmqfast.settings.base import check_keys as _check_keys
+from rmqfast.settings.base import choice as _choice
+from rmqfast.settings.base import integer as _int
+from rmqfast.settings.base import seconds as _float
+from rmqfast.settings.base import string as _str
+from rmqfast.settings.base import table as _table
+from rmqfast.settings.base import toml_value as _t
+from rmqfast.settings.base import toml_value as toml_value  # re-exported
+from rmqfast.settings.base import valid_host
+from rmqfast.settings.cpus import usable_cpus_at_start
+from rmqfast.settings.hostport import HostPort as HostPort  # re-exported: rmqfast.config.HostPort
+from rmqfast.settings.hostport import parse_hostport as parse_hostport  # re-exported
+from rmqfast.settings.hostport import parse_hostport_list as parse_hostport_list  # re-exported
 
 DEFAULT_NAMESRV_LISTEN = "127.0.0.1:9876"
-
-
-@dataclass(frozen=True)
-class HostPort:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    @property
-    def is_wildcard(self) -> bool:
-        return self.host in ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True)
@@ -219,11 +219,9 @@ class Config:
     def worker_count(self) -> int:
         """``proxy.workers``, or (0) one per CPU this process may use: its affinity mask, capped
         by its cgroup's CPU quota (a container's CPU limit), worked out once per process
-        (``rmqfast.server.cpus``: the count stays what the workers were started with)."""
+        (``rmqfast.settings.cpus``: the count stays what the workers were started with)."""
         if self.proxy.workers:
             return self.proxy.workers
-        from rmqfast.server.cpus import usable_cpus_at_start
-
         return usable_cpus_at_start()
 
     @property
@@ -250,136 +248,8 @@ class Config:
 # Errors: every problem in a file is reported at once, values written as TOML writes them.
 
 
-class ConfigErrors(ConfigError):
-    """Several configuration errors; ``errors`` holds one message per problem."""
-
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = list(errors)
-        super().__init__("\n".join(self.errors))
-
-
-def toml_value(value: Any, limit: int = 80) -> str:
-    """``value`` as it is written in TOML (``true``, ``"text"``, ``[1, 2]``), cut at ``limit``."""
-    if value is None:
-        text = "nothing"
-    elif isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = json.dumps(value, ensure_ascii=False)
-    elif isinstance(value, int | float):
-        text = repr(value)
-    elif isinstance(value, list):
-        text = "[" + ", ".join(toml_value(v, limit) for v in value[:20]) + (", ..." if len(value) > 20 else "") + "]"
-    elif isinstance(value, dict):
-        text = "{ " + ", ".join(f"{k} = {toml_value(v, limit)}" for k, v in list(value.items())[:20]) + " }"
-        text = "{}" if not value else text
-    elif hasattr(value, "isoformat"):
-        text = value.isoformat()
-    else:
-        text = str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_t = toml_value
-
-
-class _Errors:
-    """Collects the errors of independent checks: ``with errs.check(): ...`` per check."""
-
-    def __init__(self) -> None:
-        self.messages: list[str] = []
-
-    @contextmanager
-    def check(self) -> Iterator[None]:
-        try:
-            yield
-        except ConfigErrors as exc:
-            self.messages.extend(exc.errors)
-        except ConfigError as exc:
-            self.messages.append(str(exc))
-
-    def any_under(self, *prefixes: str) -> bool:
-        return any(m.startswith(prefixes) for m in self.messages)
-
-    def raise_if_any(self) -> None:
-        if len(self.messages) == 1:
-            raise ConfigError(self.messages[0])
-        if self.messages:
-            raise ConfigErrors(self.messages)
-
-
 # --------------------------------------------------------------------------------------
 # Parsing helpers: each takes the dotted key for its error messages.
-
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
-
-
-def valid_host(host: str) -> bool:
-    """An IP address or a DNS host name (letters, digits, '-', '_' in dot-separated labels)."""
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        pass
-    name = host[:-1] if host.endswith(".") else host
-    return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
-
-
-def parse_hostport(key: str, value: Any) -> HostPort:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a string \"host:port\"")
-    text = value.strip()
-    if ";" in text:
-        raise ConfigError(
-            f"{key}: {_t(value)} is not allowed; one \"host:port\" here (RocketMQ's \"a:9876;b:9876\" list "
-            "form is accepted where several name servers are, e.g. namesrv.upstreams)"
-        )
-    if text.startswith("["):  # [v6]:port
-        host, sep, port = text[1:].partition("]:")
-    else:
-        host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected \"host:port\", e.g. \"127.0.0.1:9876\"")
-    p = int(port)
-    if not 1 <= p <= 65535:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; the port must be from 1 to 65535")
-    if not host:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; the host is missing ({_missing_host_hint(key, p)})")
-    if not valid_host(host):
-        raise ConfigError(
-            f"{key}: {_t(value)} is not allowed; {_t(host)} is neither an IP address nor a host name "
-            "(IPv6 addresses are written [addr]:port)"
-        )
-    return HostPort(host, p)
-
-
-def _missing_host_hint(key: str, port: int) -> str:
-    """What to write instead of a bare ":port", for the kind of field ``key`` is."""
-    if key.rpartition(".")[2].startswith("listen"):
-        return f"where to listen: \"0.0.0.0:{port}\" for every address, \"127.0.0.1:{port}\" for this machine only"
-    server = ("a real RocketMQ name server" if key.startswith("namesrv.upstreams")
-              else "the real broker" if key.endswith(".upstream") else "the server rmqfast connects to")
-    return f"write the address of {server}, e.g. \"10.0.0.1:{port}\"; 0.0.0.0 is for listen addresses only"
-
-
-def parse_hostport_list(key: str, value: Any) -> list[HostPort]:
-    """A list of "host:port" (or one string); RocketMQ's "a:9876;b:9876" form is split into several."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list):
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a list of \"host:port\"")
-    errs = _Errors()
-    out: list[HostPort] = []
-    for i, item in enumerate(items):
-        where = f"{key}[{i}]" if not isinstance(value, str) else key
-        parts = [p.strip() for p in item.split(";")] if isinstance(item, str) else [item]
-        for part in parts:
-            if part == "" and len(parts) > 1:
-                continue  # "a:9876;b:9876;" as RocketMQ tolerates it
-            with errs.check():
-                out.append(parse_hostport(where, part))
-    errs.raise_if_any()
-    return out
-
 
 def parse_port_range(key: str, value: Any) -> tuple[int, int] | None:
     if value in ("", None, False):
@@ -396,36 +266,6 @@ def parse_port_range(key: str, value: Any) -> tuple[int, int] | None:
     )
 
 
-def _int(key: str, value: Any, lo: int, hi: int, what: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected an integer from {lo}{what} to {hi}")
-    return value
-
-
-def _float(key: str, value: Any, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a number of seconds from {lo} to {hi}")
-    return float(value)
-
-
-def _str(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a string")
-    return value
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected true or false")
-    return value
-
-
-def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected one of {', '.join(choices)}")
-    return str(value)
-
-
 def _codes(key: str, value: Any) -> list[int]:
     if not isinstance(value, list):
         raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a list of request codes")
@@ -436,12 +276,6 @@ def _codes(key: str, value: Any) -> list[int]:
             out.append(_int(f"{key}[{i}]", v, 0, 2**31 - 1))
     errs.raise_if_any()
     return out
-
-
-def _table(key: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a table")
-    return value
 
 
 _KNOWN = {
@@ -605,18 +439,6 @@ def _parse_topic_rule(key: str, t: Any, c: CloudsSection, r: ReplicateSection) -
         errs.messages.append(f"{key}.name: topic {_t(t['name'])} has another rule already")
     errs.raise_if_any()
     return TopicRule(t["name"], fields["replicate"], fields["tags"], fields["remotes"], fields["groups"])
-
-
-def _check_keys(prefix: str, table: dict[str, Any], allowed: set[str]) -> None:
-    bad = []
-    for k in table:
-        if k not in allowed:
-            where = f"{prefix}.{k}" if prefix else k
-            bad.append(f"{where}: unknown key; allowed here: {', '.join(sorted(allowed))}")
-    if len(bad) == 1:
-        raise ConfigError(bad[0])
-    if bad:
-        raise ConfigErrors(bad)
 
 
 def from_dict(raw: dict[str, Any]) -> Config:

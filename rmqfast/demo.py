@@ -24,7 +24,6 @@ from rmqfast.testing.javaclient import run_driver
 from rmqfast.testing.proxy import ProxyProcess
 
 #: Request codes of sends (their latency is what the demo's table shows).
-SEND_CODES = (codes.SEND_MESSAGE_V2, codes.SEND_BATCH_MESSAGE, codes.SEND_MESSAGE)
 
 
 def _say(msg: str) -> None:
@@ -78,7 +77,7 @@ def send_latency(summary: dict[str, Any] | None) -> dict[str, dict[str, float]]:
     try:
         with open(path, newline="", encoding="utf-8") as f:
             for r in csv.DictReader(f):
-                if int(r["code"]) not in SEND_CODES or not r.get("p50_us"):
+                if int(r["code"]) not in codes.SEND_CODES or not r.get("p50_us"):
                     continue
                 row = {k: float(r[k]) for k in ("p50_us", "p90_us", "p99_us", "records")}
                 if row["records"] > out.get(r["topic"], {}).get("records", -1):

@@ -28,3 +28,11 @@ class ConfigError(ValueError):
 class TwinMismatchError(RuntimeError):
     """State shared between processes was made by the other twin (compiled vs pure Python), whose
     updates it would corrupt: e.g. the limiter's shared buckets (compiled: CAS, pure: flock)."""
+
+
+class ConfigErrors(ConfigError):
+    """Several configuration errors; ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))

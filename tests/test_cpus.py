@@ -1,5 +1,5 @@
 """``proxy.workers = 0`` counts the CPUs the process may use: its affinity mask, capped by its
-cgroup's CPU quota (``rmqfast.server.cpus``), read here from cgroup trees made in a temporary
+cgroup's CPU quota (``rmqfast.settings.cpus``), read here from cgroup trees made in a temporary
 directory."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from rmqfast import config as config_mod
-from rmqfast.server import cpus
-from rmqfast.server.cpus import cgroup_cpu_quota, usable_cpus
+from rmqfast.settings import cpus
+from rmqfast.settings.cpus import cgroup_cpu_quota, usable_cpus
 
 
 def _v2(tmp_path: Path, path: str, limits: dict[str, str]) -> tuple[Path, Path]:

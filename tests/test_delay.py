@@ -666,8 +666,8 @@ def test_queue_window_releases_pipelined_and_everything_once(tmp_path):
 
 
 def test_release_frame_carries_the_producers_fields_and_answers_are_read_in_both_forms():
+    from rmqfast.clouds.send import build_request
     from rmqfast.delay.channel import parse_answer, release_frame
-    from rmqfast.deliver.sender import build_request
 
     rec = CopyRecord(topic="Delayed", body=b"\x00body", properties="KEYS\x01k \"q\"\x02UNIQ_KEY\x01U\u00e9\x02",
                      queue_id=3, sys_flag=1, born_timestamp=1_700_000_000_123, flag=7, broker_name="broker-a",

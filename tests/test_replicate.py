@@ -13,12 +13,12 @@ from gevent import socket
 from gevent.server import StreamServer
 
 from rmqfast import config as config_mod
+from rmqfast.clouds.send import build_request, with_origin
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import BatchEntry, decode_batch, encode_batch
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.codec.properties import format_properties, parse_properties
 from rmqfast.deliver import protocol as P
-from rmqfast.deliver.sender import build_request, with_origin
 from rmqfast.errors import ConfigError
 from rmqfast.proxy.policy import Frame
 from rmqfast.replicate.filter import ReplicateFilter
@@ -329,12 +329,12 @@ def test_durable_answers_wait_for_the_fsync_and_pipelined_sends_share_it(tmp: Pa
 
 
 def test_quick_topic_reads_json_headers_only() -> None:
-    from rmqfast.replicate.filter import _quick_topic
+    from rmqfast.proxy.quicktopic import quick_topic
 
-    assert _quick_topic(send_frame(1, topic="T9")) == "T9"
-    assert _quick_topic(send_frame(1, topic="Tx", code=C.SEND_MESSAGE)) == "Tx"
+    assert quick_topic(send_frame(1, topic="T9")) == "T9"
+    assert quick_topic(send_frame(1, topic="Tx", code=C.SEND_MESSAGE)) == "Tx"
     binary = RemotingCommand(code=C.SEND_MESSAGE_V2, ext_fields={"b": "T9"}, serialize_type=C.SERIALIZE_ROCKETMQ)
-    assert _quick_topic(Frame(encode(binary), C.SEND_MESSAGE_V2, 0, 0)) is None  # decoded the slow way
+    assert quick_topic(Frame(encode(binary), C.SEND_MESSAGE_V2, 0, 0)) is None  # decoded the slow way
 
 
 def test_a_restarted_worker_starts_from_the_last_online_answers(tmp: Path) -> None:
@@ -366,10 +366,10 @@ def test_a_restarted_worker_starts_from_the_last_online_answers(tmp: Path) -> No
     b'{"code":310,"flag":0,"opaque":1,"x":{"b":"decoy"},"extFields":{"a":"PG","\\x62":"T9","e":"0"}}',
 ])
 def test_quick_topic_is_unsure_when_a_decoy_could_hide_the_topic(header: bytes) -> None:
-    from rmqfast.replicate.filter import _quick_topic
+    from rmqfast.proxy.quicktopic import quick_topic
 
     data = (4 + len(header)).to_bytes(4, "big") + len(header).to_bytes(4, "big") + header
-    assert _quick_topic(Frame(data, C.SEND_MESSAGE_V2, 0, 1)) is None  # decoded the slow way
+    assert quick_topic(Frame(data, C.SEND_MESSAGE_V2, 0, 1)) is None  # decoded the slow way
 
 
 def test_a_deliver_process_gone_before_the_hello_is_connected_to_again(tmp: Path, monkeypatch: pytest.MonkeyPatch

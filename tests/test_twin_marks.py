@@ -46,7 +46,7 @@ def test_every_test_file_that_touches_a_twin_is_in_the_pure_pass():
                and touches_a_twin(p.read_text()) and p.name not in TWIN_FILES
                and not re.search(r"pytestmark\s*=.*mark\.twin", p.read_text())]
     assert not missing, ("these test files touch a twin of the hot path but the pure-Python pass would skip "
-                         "them: add them to TWIN_FILES in tests/conftest.py (or use the twin fixture): "
+                         "them: add them to TWIN_FILES in tests/twins.py (or use the twin fixture): "
                          + ", ".join(missing))
 
 

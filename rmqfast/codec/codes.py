@@ -85,6 +85,13 @@ BROKER_DATA_PLANE_CODES = frozenset({
 #: Request codes an ordinary client sends to a name server.
 NAMESRV_DATA_PLANE_CODES = frozenset({GET_KV_CONFIG, GET_ROUTEINFO_BY_TOPIC, GET_BROKER_CLUSTER_INFO})
 
+#: The requests that send messages to a topic (one message, or a batch).
+SEND_CODES = frozenset({SEND_MESSAGE, SEND_MESSAGE_V2, SEND_BATCH_MESSAGE})
+#: The requests that send a reply message (request-reply).
+REPLY_SEND_CODES = frozenset({SEND_REPLY_MESSAGE, SEND_REPLY_MESSAGE_V2})
+#: Every request whose answer is a send's (SendMessageResponseHeader: msgId, queueId, queueOffset).
+ANY_SEND_CODES = SEND_CODES | REPLY_SEND_CODES
+
 #: Serialize types (high byte of the header-length word).
 SERIALIZE_JSON = 0
 SERIALIZE_ROCKETMQ = 1

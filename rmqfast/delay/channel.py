@@ -50,7 +50,7 @@ _M = (_field("m", b"false"), _field("m", b"true"))
 
 def release_frame(rec: CopyRecord, opaque: int) -> bytes:
     """The SEND_MESSAGE_V2 (SEND_BATCH_MESSAGE for a batch) frame of a release: the producer's
-    header fields (as :func:`rmqfast.deliver.sender.build_request` makes them, in the order
+    header fields (as :func:`rmqfast.clouds.send.build_request` makes them, in the order
     a .. n), ROCKETMQ header."""
     i32 = _I32.pack
     a = (rec.producer_group or "RMQFAST_DELIVER").encode("utf-8", "replace")

@@ -29,6 +29,7 @@ import gevent
 from gevent.event import Event
 
 from rmqfast.clouds.remoting import ConnectionPool, RemoteError
+from rmqfast.clouds.send import STORED_CODES, send_until_stored
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch, encode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
@@ -48,14 +49,13 @@ from rmqfast.delay.store import (
     parked_prefix,
     split_due_key,
 )
-from rmqfast.deliver.sender import STORED_CODES, send_until_stored
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply
+from rmqfast.proxy.quicktopic import quick_topic
 from rmqfast.spill.record import CopyRecord
 
 log = logging.getLogger("rmqfast.delay")
 
-SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 MESSAGE_ILLEGAL = 13
 HELD_QUEUE_OFFSET = -1
 #: A release the broker answers TOPIC_NOT_EXIST this many times in a row (back-off between
@@ -171,12 +171,10 @@ class DelayFilter(Filter):
         return self.service.topic_patterns
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
-        if frame.code not in SEND_CODES:
+        if frame.code not in C.SEND_CODES:
             return None
-        from rmqfast.replicate.filter import _quick_topic
-
         cfg = self.service.cfg
-        topic = _quick_topic(frame)
+        topic = quick_topic(frame)
         if topic is not None and not cfg.covers(topic):
             return None  # not a delay topic: no header decode
         try:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rmqfast.errors import ConfigError
+from rmqfast.settings.base import ConfigErrors
+from rmqfast.settings.base import toml_value as _t
 
 KNOWN = {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"}
 _UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -47,12 +49,6 @@ class DelaySection:
             if t == "*" or t == topic or (t.endswith("*") and topic.startswith(t[:-1])):
                 return True
         return False
-
-
-def _t(v: Any) -> str:
-    from rmqfast.config import toml_value
-
-    return toml_value(v)
 
 
 def parse_duration(key: str, value: Any) -> int:
@@ -130,8 +126,6 @@ def _parse_levels(lv: Any, d: DelaySection, errs: list[str]) -> None:
 
 def parse_delay(raw: Any) -> DelaySection:
     """Validate the ``[delay]`` table; every problem is reported (ConfigErrors for several)."""
-    from rmqfast.config import ConfigErrors
-
     if not isinstance(raw, dict):
         raise ConfigError(f"delay: {_t(raw)} is not allowed; expected a table")
     errs: list[str] = []

@@ -65,7 +65,6 @@ log = logging.getLogger("rmqfast.gray")
 QUERY_NOT_FOUND = 22
 FLAG_SUBSCRIPTION = 1 << 1  # PullSysFlag: the pull names its subscription
 # reply messages carry a send header, and the broker stores them in its topic and queue
-SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
 _MAX_TRACKED = 10000
 RETRY_PREFIX = "%RETRY%"
 
@@ -192,7 +191,7 @@ class GrayFilter(Filter):
                 return self._pull(session, frame)
             if code == C.UPDATE_CONSUMER_OFFSET:
                 return self._commit(session, frame)
-            if code in SEND_CODES:
+            if code in C.ANY_SEND_CODES:
                 return self._send(session, frame)
             if code == C.CONSUMER_SEND_MSG_BACK:
                 return self._send_back(session, frame)

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rmqfast.log import ctx
-from rmqfast.proxy.acl import AclSection, _Patterns
+from rmqfast.proxy.acl import AclSection, TopicPatterns
 
 log = logging.getLogger("rmqfast.grpc.acl")
 
@@ -125,7 +125,7 @@ class GrpcAcl:
         self.section = section
         self.on_deny = on_deny  # (gRPC method, Code name): the denied-requests metric
         self.clock = clock
-        self.keys = {ak: _Patterns(p) for ak, p in section.topics.items()}
+        self.keys = {ak: TopicPatterns(p) for ak, p in section.topics.items()}
         self.secrets = dict(section.secret_keys)
         self.max_age = section.signature_max_age
         self.allow_unsigned = section.unsigned == "allow"

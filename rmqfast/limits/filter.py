@@ -20,17 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rmqfast.codec import codes as C
-from rmqfast.codec.command import RemotingCommand, encode, make_response
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, reply
-
-#: Ext fields of a send response that a Java client reads besides the header's own.
-RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
-
-
-def busy_answer(request: RemotingCommand, remark: str) -> bytes:
-    """SYSTEM_BUSY answering a send, with the ext fields of a send response."""
-    return encode(make_response(request, C.SYSTEM_BUSY, remark, ext_fields=dict(RESPONSE_EXT)))
+from rmqfast.proxy.policy import Filter, Frame, Session, Verdict
 
 
 class SendLimitFilter(Filter):
@@ -50,12 +40,4 @@ class SendLimitFilter(Filter):
         index = frame.limited
         if index < 0:
             return None
-        if self.limits.is_shape(index):
-            from rmqfast.limits.shaper import shape_send  # the spill's modules load only when shaping
-
-            return shape_send(self.limits, frame, index, session.upstream_addr)
-        try:
-            cmd = frame.command()
-        except ValueError as exc:  # the scanner read its header strictly; decoding it should not fail
-            return close(f"undecodable send over a limit: {exc}")
-        return reply(busy_answer(cmd, f"rmqfast: {self.limits.rule_description(index)}; retry later"))
+        return self.limits.answer(frame, index, session.upstream_addr)

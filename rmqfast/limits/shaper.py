@@ -42,16 +42,15 @@ import gevent
 from gevent.event import Event
 
 from rmqfast.clouds.remoting import ConnectionPool
+from rmqfast.clouds.send import send_until_stored
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import TAGS, UNIQ_KEY, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.config import Config
-from rmqfast.deliver.sender import send_until_stored
-from rmqfast.limits.filter import RESPONSE_EXT, busy_answer
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Frame, Verdict, divert, reply
+from rmqfast.proxy.policy import SEND_RESPONSE_EXT, Frame, Verdict, busy_answer, divert, reply
 from rmqfast.spill.commit import CommitFailed, GroupCommitter
 from rmqfast.spill.record import CopyRecord
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX, SpillStore, lane_prefix, worker_dir
@@ -82,7 +81,7 @@ def shaped_answer(request: RemotingCommand, msg_id: str, queue_id: int, remark: 
     exists yet).
     """
     ext = {"msgId": msg_id, "queueId": str(max(queue_id, 0)), "queueOffset": str(SHAPED_QUEUE_OFFSET),
-           **RESPONSE_EXT}
+           **SEND_RESPONSE_EXT}
     return encode(make_response(request, C.SUCCESS, remark, ext_fields=ext))
 
 

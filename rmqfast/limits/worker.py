@@ -8,6 +8,7 @@ from typing import Any
 from rmqfast import codec
 from rmqfast.limits import open_limiter
 from rmqfast.limits.rules import MODE_REJECT_CODE, LimitsSection
+from rmqfast.proxy.policy import Frame, Verdict, busy_answer, close, reply
 
 
 class WorkerLimits:
@@ -102,6 +103,21 @@ class WorkerLimits:
         if 0 <= index < len(self._rules):
             return self._rules[index].describe()
         return "a send limit"
+
+    def answer(self, frame: Frame, index: int, upstream_addr: str, cmd: Any = None) -> Verdict:
+        """The verdict on a send that rule ``index`` refused: shaped into the spill for a ``shape``
+        rule, else SYSTEM_BUSY (the relay's filter and a send moved off a dead broker alike).
+        ``cmd``: the send already decoded, else it is decoded from ``frame``."""
+        if self.is_shape(index):
+            from rmqfast.limits.shaper import shape_send  # the spill's modules load only when shaping
+
+            return shape_send(self, frame, index, upstream_addr)
+        if cmd is None:
+            try:
+                cmd = frame.command()
+            except ValueError as exc:  # the scanner read its header strictly; decoding it should not fail
+                return close(f"undecodable send over a limit: {exc}")
+        return reply(busy_answer(cmd, f"rmqfast: {self.rule_description(index)}; retry later"))
 
     def counters(self) -> list[tuple[str, str, int, int]]:
         """``(topic, tag, admitted, rejected)`` per rule, summed over this worker's limiters.

@@ -54,6 +54,7 @@ from rmqfast.codec import codes as C
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, divert, error_response, reply, slots_of
+from rmqfast.settings.base import ConfigErrors
 
 log = logging.getLogger("rmqfast.acl")
 
@@ -157,8 +158,6 @@ def parse_acl(raw: Any) -> AclSection:
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
-        from rmqfast.config import ConfigErrors
-
         raise ConfigErrors(errors)
     return sec
 
@@ -191,7 +190,7 @@ def _parse_secrets(raw: dict[str, Any], sec: AclSection, errors: list[str]) -> N
             sec.signature_max_age = float(v)
 
 
-class _Patterns:
+class TopicPatterns:
     __slots__ = ("all", "exact", "prefixes")
 
     def __init__(self, patterns: list[str]) -> None:
@@ -259,7 +258,7 @@ class AclTopics(Filter):
     def __init__(self, section: AclSection, on_deny: Callable[[Session, int], None] | None = None) -> None:
         self.section = section
         self.on_deny = on_deny
-        self.keys = {ak: _Patterns(p) for ak, p in section.topics.items()}
+        self.keys = {ak: TopicPatterns(p) for ak, p in section.topics.items()}
         self.allow_unsigned = section.unsigned == "allow"
         self.allow_other = section.other_keys == "allow"
         self._slots = slots_of(TOPIC_FIELDS) if section.enabled else set()

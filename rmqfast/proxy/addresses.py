@@ -62,17 +62,13 @@ log = logging.getLogger("rmqfast.addresses")
 RECORD_CODES = frozenset({
     C.PULL_MESSAGE, C.LITE_PULL_MESSAGE, C.POP_MESSAGE, C.PEEK_MESSAGE, C.QUERY_MESSAGE, C.VIEW_MESSAGE_BY_ID,
 })
-#: Answers carrying the offset message id in their ``msgId`` header field.
-SEND_CODES = frozenset({
-    C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE, C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2,
-})
 MODES = ("records", "all", "off")
 #: Answer codes of a send whose message was stored: SUCCESS, FLUSH_DISK_TIMEOUT, SLAVE_NOT_AVAILABLE,
 #: FLUSH_SLAVE_TIMEOUT (the client builds a SendResult with the offset msgId from each).
 SENT_CODES = frozenset({C.SUCCESS, 10, 11, 12})
 #: Slots whose answers the scanner maps in C (ACTION_RECORDS): store hosts in records, offset ids
 #: in send answers' headers.
-_RECORD_SLOTS = slots_of(RECORD_CODES | SEND_CODES)
+_RECORD_SLOTS = slots_of(RECORD_CODES | C.ANY_SEND_CODES)
 
 _PENDING = "msgaddr_opaques"
 _MAX_PENDING = 10000
@@ -103,7 +99,8 @@ class RewriteMessageAddresses(Filter):
             raise ValueError(f"policy.message_addresses must be one of {', '.join(MODES)}; got {mode!r}")
         self.registry = registry
         self.mode = mode
-        self.codes = frozenset() if mode == "off" else RECORD_CODES | (SEND_CODES if mode == "all" else frozenset())
+        sends = C.ANY_SEND_CODES if mode == "all" else frozenset()  # their answers carry msgId
+        self.codes = frozenset() if mode == "off" else RECORD_CODES | sends
         self._slots = slots_of(self.codes)
         self._map: dict[bytes, bytes] = {}  # real ip4+port -> endpoint ip4+port (itself: leave it)
         self._amaps: dict[bool, Any] = {}  # compiled? -> the AddressMap the scanners of that twin read
@@ -179,7 +176,7 @@ class RewriteMessageAddresses(Filter):
         """``value`` (a send answer's msgId: comma-separated ids) with each offset id's broker
         mapped to its endpoint, or None when nothing changes or send answers are not mapped (for
         answers that never pass the scanner: sends moved by failover)."""
-        if self.ip is None or not self.codes & SEND_CODES:
+        if self.ip is None or not self.codes & C.ANY_SEND_CODES:
             return None
         return patch_offset_ids(value, self.mapping)
 
@@ -206,10 +203,10 @@ class RewriteMessageAddresses(Filter):
         if code is None and frame.records:  # tracked by the scanner, which left the mapping to us
             # a send answer has no body; a records answer the scanner hands over always has one
             code = C.SEND_MESSAGE_V2 if len(frame.data) <= 8 + frame.header_length else C.PULL_MESSAGE
-        if code is None or not (frame.code == C.SUCCESS or (code in SEND_CODES and frame.code in SENT_CODES)):
+        if code is None or not (frame.code == C.SUCCESS or (code in C.ANY_SEND_CODES and frame.code in SENT_CODES)):
             return None
         data = frame.data
-        if code in SEND_CODES:
+        if code in C.ANY_SEND_CODES:
             span = header_field_span(data, "msgId")
             if span is None:
                 return None

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rmqfast.config import Config, HostPort, parse_hostport
+from rmqfast.config import Config
 from rmqfast.log import ctx
+from rmqfast.settings.hostport import HostPort, parse_hostport
 
 log = logging.getLogger("rmqfast.endpoints")
 

@@ -71,7 +71,6 @@ log = logging.getLogger("rmqfast.failover")
 
 _I32 = struct.Struct(">i")
 
-SEND_CODES = frozenset({C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE})
 SERVICE_NOT_AVAILABLE = 14
 #: Answers after which the next live master is tried (the producer would retry them too).
 TRY_NEXT_CODES = frozenset({C.SYSTEM_ERROR, C.SYSTEM_BUSY, SERVICE_NOT_AVAILABLE, C.NO_PERMISSION,
@@ -169,7 +168,7 @@ def send_info(cmd: RemotingCommand) -> SendInfo | None:
     V1 or V2 field names by request code, as the broker decides (``SEND_MESSAGE`` reads
     ``topic``, ``queueId``...; the others ``b``, ``e``...), never by which keys are present.
     """
-    if cmd.code not in SEND_CODES or cmd.is_response:
+    if cmd.code not in C.SEND_CODES or cmd.is_response:
         return None
     f = send_fields(cmd.code, cmd.ext_fields)
     topic = f.get("b")
@@ -273,13 +272,13 @@ class KeepSendsInFlight(Filter):
         self.held = 0  # bytes kept by every connection of the worker's chain
 
     def request_slots(self) -> set[int]:
-        return slots_of(SEND_CODES) if self.everything else set()
+        return slots_of(C.SEND_CODES) if self.everything else set()
 
     def passive_slots(self) -> set[int]:
-        return slots_of(SEND_CODES)
+        return slots_of(C.SEND_CODES)
 
     def on_request(self, session: Any, frame: Any) -> None:
-        if frame.is_oneway or frame.code not in SEND_CODES:
+        if frame.is_oneway or frame.code not in C.SEND_CODES:
             return None
         st = session.state
         kept: dict[int, bytes] | None = st.get("kept")
@@ -359,7 +358,7 @@ def answer_in_flight(session: Any, remark: str,
     for opaque, slot in inflight.waiting(0):
         if inflight.take(0, opaque) is None:
             continue
-        is_send = slot_code(slot) in SEND_CODES
+        is_send = slot_code(slot) in C.SEND_CODES
         sends += is_send
         data = keeper.release(session, opaque) if keeper is not None and is_send else None
         if data is not None:
@@ -456,7 +455,7 @@ def stalled_sends(sessions: Collection[Any], now: float) -> dict[str, float]:
         inflight = s.inflight
         if s.role != "broker" or s.closed or inflight is None or not len(inflight) or not s.upstream_addr:
             continue
-        oldest = next((o for o, slot in inflight.waiting(0) if slot_code(slot) in SEND_CODES), None)
+        oldest = next((o for o, slot in inflight.waiting(0) if slot_code(slot) in C.SEND_CODES), None)
         if oldest is None:
             s.stall_mark = None
             continue
@@ -567,7 +566,7 @@ class FailoverService:
                 return taken
         seqs: list[int] = []
         if not relayed and self.replicate is not None:
-            from rmqfast.replicate.replicator import SpillFull
+            from rmqfast.spill.commit import SpillFull
 
             try:
                 seqs = self.replicate.take_send(cmd, cmd.is_oneway)
@@ -648,14 +647,7 @@ class FailoverService:
         return None
 
     def _over_limit(self, out: RemotingCommand, index: int, addr: str) -> Verdict:
-        from rmqfast.limits.filter import busy_answer
-        from rmqfast.proxy.policy import reply
-
-        if self.limits.is_shape(index):
-            from rmqfast.limits.shaper import shape_send  # the spill's modules load only when shaping
-
-            return shape_send(self.limits, Frame(encode(out), out.code, out.flag, out.opaque, index), index, addr)
-        return reply(busy_answer(out, f"rmqfast: {self.limits.rule_description(index)}; retry later"))
+        return self.limits.answer(Frame(encode(out), out.code, out.flag, out.opaque, index), index, addr, out)
 
     def _taken(self, cmd: RemotingCommand, v: Verdict, dead_addr: str, what: str) -> tuple[RemotingCommand, str]:
         """The answer of a moved send the proxy answered itself (limit, shaping, hold): verdict ``v``."""
@@ -703,7 +695,7 @@ class FailoverService:
 
         def handle(cmd: RemotingCommand, size: int) -> None:
             try:
-                if cmd.code in SEND_CODES and send_info(cmd) is not None:
+                if cmd.code in C.SEND_CODES and send_info(cmd) is not None:
                     if self.place is None:
                         answer, to = self.move(cmd, dead_addr, nbytes=size)
                     else:  # [gray] markers may name client networks

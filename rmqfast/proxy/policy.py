@@ -24,18 +24,12 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from rmqfast.codec import ACTION_POLICY, ACTION_RECORDS, CODE_SLOTS, OTHER_SLOT, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
-from rmqfast.codec.route import PERM_WRITE, BrokerAddr, parse_route, rewrite_broker_addrs
 from rmqfast.log import ctx
-
-if TYPE_CHECKING:
-    from rmqfast.proxy.endpoints import EndpointRegistry
-    from rmqfast.proxy.failover import RouteBook
-    from rmqfast.proxy.health import BrokerHealth
 
 log = logging.getLogger("rmqfast.policy")
 
@@ -204,10 +198,9 @@ def slots_of(codes: Iterable[int]) -> set[int]:
 
 
 #: The request codes a send limiter decides (the scanner checks no others).
-LIMITED_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
+LIMITED_CODES = C.SEND_CODES
 #: Reply messages: a send header, stored by the broker in its topic and queue; the scanner hands
 #: those of ``policy_topics`` and those over a send limit to policy too.
-REPLY_SEND_CODES = (C.SEND_REPLY_MESSAGE, C.SEND_REPLY_MESSAGE_V2)
 
 
 class FilterChain:
@@ -218,7 +211,7 @@ class FilterChain:
         table = bytearray(CODE_SLOTS)
         by_slot: list[list[Filter]] = [[] for _ in range(CODE_SLOTS)]
         limited = slots_of(LIMITED_CODES)
-        replies = slots_of(REPLY_SEND_CODES)
+        replies = slots_of(C.REPLY_SEND_CODES)
         #: the scanner's ``delay_topics`` (:meth:`Filter.scanner_topics` of the first filter with some)
         self.delay_topics: list[bytes] | None = None
         #: the scanner's ``policy_topics`` (:meth:`Filter.send_topics` of the filters with some)
@@ -292,6 +285,15 @@ class FilterChain:
                 log.exception("filter on_close failed", extra={"filter": f.name})
 
 
+#: Ext fields of a send response that a Java client reads besides the header's own.
+SEND_RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
+
+
+def busy_answer(request: RemotingCommand, remark: str) -> bytes:
+    """SYSTEM_BUSY answering a send, with the ext fields of a send response (limits, shaping, failover)."""
+    return encode(make_response(request, C.SYSTEM_BUSY, remark, ext_fields=dict(SEND_RESPONSE_EXT)))
+
+
 def error_response(frame: Frame, code: int, remark: str) -> bytes:
     """A response frame answering ``frame`` locally with ``code`` and ``remark``."""
     return encode(make_response(frame.command(), code, remark))
@@ -350,111 +352,3 @@ class DenyAdminCodes(Filter):
         if frame.is_oneway:
             return divert(remark)
         return reply(error_response(frame, C.NO_PERMISSION, remark))
-
-
-class RewriteRoutes(Filter):
-    """Point every broker address in route answers (105, 106) at this proxy's endpoints.
-
-    The request is relayed unchanged; its opaque is remembered so the matching response
-    can be rewritten, byte-patching only the addresses so the JSON dialect (legacy unquoted
-    integer keys or standard JSON) and everything else stay exactly as the name server sent.
-
-    With ``health`` (route healing), the queues of a master this worker sees dead lose
-    ``PERM_WRITE`` in topic routes (105), while another master of the route is alive:
-    producers stop choosing them, consumers keep them (``PERM_READ`` stays) and resume
-    where they were once the broker is back.  With ``book``, every topic route seen is
-    remembered for moving sends off a dead broker (:mod:`rmqfast.proxy.failover`).
-    """
-
-    name = "rewrite-routes"
-    wants_responses = True
-    CODES = (C.GET_ROUTEINFO_BY_TOPIC, C.GET_BROKER_CLUSTER_INFO)
-
-    def __init__(
-        self, registry: EndpointRegistry, on_rewrite: Callable[[Session, int], None] | None = None,
-        *, health: BrokerHealth | None = None, book: RouteBook | None = None,
-        on_heal: Callable[[str], None] | None = None,
-    ) -> None:
-        self.registry = registry
-        self.on_rewrite = on_rewrite
-        self.health = health
-        self.book = book
-        self.on_heal = on_heal
-
-    def _heal(self, found: list[BrokerAddr], name: str, perm: int) -> int | None:
-        """The ``perm`` of a QueueData of broker ``name``: without PERM_WRITE while its master is dead."""
-        health = self.health
-        if health is None or not perm & PERM_WRITE:
-            return None
-        masters = {b.broker_name: b.addr for b in found if b.broker_id == 0}
-        addr = masters.get(name)
-        if addr is None or not health.is_down(addr):
-            return None
-        if not any(n != name and not health.is_down(a) for n, a in masters.items()):
-            return None  # no live master left: clients get the broker's own errors, not "no route"
-        if self.on_heal is not None:
-            self.on_heal(addr)
-        return perm & ~PERM_WRITE
-
-    def request_slots(self) -> set[int]:
-        return slots_of(self.CODES)
-
-    def on_request(self, session: Session, frame: Frame) -> Verdict | None:
-        if frame.code in self.CODES and not frame.is_oneway:
-            pending: dict[int, int] = session.state.setdefault("route_opaques", {})
-            # An answer whose opaque is not pending is relayed as it is, real broker addresses and
-            # all: a second request on an opaque still pending (its answer would be the second one
-            # back) and forgetting pending opaques would both let one through unrewritten.
-            if frame.opaque in pending:
-                return close(f"route request {frame.code} reuses opaque {frame.opaque} while a route request "
-                             "with it is unanswered (its answer could not be told apart and rewritten)")
-            if len(pending) >= 10000:  # a client that never reads answers; don't grow forever
-                return close("more than 10000 route requests unanswered on one connection")
-            pending[frame.opaque] = frame.code
-            if self.book is not None and frame.code == C.GET_ROUTEINFO_BY_TOPIC:
-                topics: dict[int, str] = session.state.setdefault("route_topics", {})
-                if len(topics) > 10000:
-                    topics.clear()
-                topic = (frame.command().ext_fields or {}).get("topic")
-                if topic:
-                    topics[frame.opaque] = topic
-        return None
-
-    def on_response(self, session: Session, frame: Frame) -> Verdict | None:
-        pending: dict[int, int] | None = session.state.get("route_opaques")
-        if not pending or frame.opaque not in pending:
-            return None
-        req_code = pending.pop(frame.opaque)
-        topics: dict[int, str] | None = session.state.get("route_topics")
-        topic = topics.pop(frame.opaque, None) if topics else None
-        if frame.code != C.SUCCESS:
-            return None
-        body = frame.body
-        if not body:
-            return None
-        unmapped: list[str] = []
-
-        def mapper(addr: str) -> str | None:
-            if self.registry.is_proxy_address(addr):
-                return None
-            new = self.registry.advertised(addr)
-            if new is None:
-                unmapped.append(addr)
-            return new
-
-        heal = self._heal if self.health is not None and req_code == C.GET_ROUTEINFO_BY_TOPIC else None
-        try:
-            if topic is not None and self.book is not None:
-                self.book.learn(topic, parse_route(body)[0])  # the real addresses, before the rewrite
-            new_body, _ = rewrite_broker_addrs(body, mapper, perm=heal)
-        except ValueError as exc:
-            log.error(
-                "cannot rewrite route answer; closing the connection rather than leak real broker addresses",
-                extra=ctx(code=req_code, error=str(exc), client=session.client_addr),
-            )
-            return close(f"unparsable route answer: {exc}")
-        if unmapped:
-            log.warning("route keeps real broker addresses (no endpoint)", extra=ctx(brokers=unmapped))
-        if self.on_rewrite is not None:
-            self.on_rewrite(session, req_code)
-        return rewrite(frame.with_body(new_body))

@@ -49,7 +49,7 @@ from rmqfast.proxy.tls import is_tls
 
 if TYPE_CHECKING:
     from rmqfast.codec import ScanStats
-    from rmqfast.config import HostPort
+    from rmqfast.settings.hostport import HostPort
 
 log = logging.getLogger("rmqfast.relay")
 

@@ -35,6 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
+from rmqfast.settings.base import Errors, check_keys, table, valid_host
+from rmqfast.settings.base import boolean as _bool
+from rmqfast.settings.base import choice as _choice
+from rmqfast.settings.base import seconds as _float
+from rmqfast.settings.base import string as _str
+from rmqfast.settings.base import toml_value as _t
 
 if TYPE_CHECKING:
     import ssl
@@ -107,12 +113,6 @@ _LISTEN_KEYS = {"mode", "roles", "cert", "key", "key_password", "ca", "verify_cl
 _UPSTREAM_KEYS = {"enable", "roles", "verify", "ca", "server_name", "cert", "key", "key_password"}
 
 
-def _t(value: Any) -> str:
-    from rmqfast.config import toml_value
-
-    return toml_value(value)
-
-
 def _path(key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{key}: {_t(value)} is not allowed; expected a file path (a string)")
@@ -150,21 +150,19 @@ def parse_tls(raw: Any) -> TlsSection:
 
     Raises :class:`ConfigError` (one problem) or ``rmqfast.config.ConfigErrors`` (several).
     """
-    from rmqfast.config import _check_keys, _Errors, _table
-
-    errs = _Errors()
+    errs = Errors()
     out = TlsSection()
-    tbl = _table("tls", raw)
+    tbl = table("tls", raw)
     with errs.check():
-        _check_keys("tls", tbl, {"listen", "upstream"})
+        check_keys("tls", tbl, {"listen", "upstream"})
     li: dict[str, Any] = {}
     up: dict[str, Any] = {}
     with errs.check():
-        li = _table("tls.listen", tbl.get("listen", {}))
-        _check_keys("tls.listen", li, _LISTEN_KEYS)
+        li = table("tls.listen", tbl.get("listen", {}))
+        check_keys("tls.listen", li, _LISTEN_KEYS)
     with errs.check():
-        up = _table("tls.upstream", tbl.get("upstream", {}))
-        _check_keys("tls.upstream", up, _UPSTREAM_KEYS)
+        up = table("tls.upstream", tbl.get("upstream", {}))
+        check_keys("tls.upstream", up, _UPSTREAM_KEYS)
     _parse_listen(out.listen, li, errs)
     _parse_upstream(out.upstream, up, errs)
     errs.raise_if_any()
@@ -176,8 +174,6 @@ def parse_tls(raw: Any) -> TlsSection:
 
 
 def _parse_listen(L: TlsListenSection, li: dict[str, Any], errs: Any) -> None:
-    from rmqfast.config import _choice, _float, _str
-
     with errs.check():
         if "mode" in li:
             L.mode = _choice("tls.listen.mode", li["mode"], MODES)
@@ -200,8 +196,6 @@ def _parse_listen(L: TlsListenSection, li: dict[str, Any], errs: Any) -> None:
 
 
 def _parse_upstream(U: TlsUpstreamSection, up: dict[str, Any], errs: Any) -> None:
-    from rmqfast.config import _bool, _str, valid_host
-
     for k in ("enable", "verify"):
         with errs.check():
             if k in up:

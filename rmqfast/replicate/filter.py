@@ -49,13 +49,13 @@ from rmqfast.proxy.policy import (
     rewrite,
     slots_of,
 )
-from rmqfast.replicate.replicator import Replicator, SpillFull
-from rmqfast.spill.commit import CommitFailed
+from rmqfast.proxy.quicktopic import quick_topic
+from rmqfast.replicate.replicator import Replicator
+from rmqfast.spill.commit import CommitFailed, SpillFull
 from rmqfast.spill.record import ORIGIN_PROPERTY, CopyRecord
 
 log = logging.getLogger("rmqfast.replicate")
 
-SEND_CODES = (C.SEND_MESSAGE, C.SEND_MESSAGE_V2, C.SEND_BATCH_MESSAGE)
 _SYSTEM_PREFIXES = ("%RETRY%", "%DLQ%", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC", "TBW102", "RMQ_")
 _ORIGIN_MARK = ORIGIN_PROPERTY + "\x01"
 
@@ -74,7 +74,7 @@ class ReplicateFilter(Filter):
         self.rules: dict[str, TopicRule] = {t.name: t for t in cfg.replicate.topics}
         self.default = cfg.replicate.default
         self.remotes = [r.name for r in cfg.clouds.remotes]
-        self._slots = slots_of(SEND_CODES)
+        self._slots = slots_of(C.SEND_CODES)
         self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def request_slots(self) -> set[int]:
@@ -100,10 +100,10 @@ class ReplicateFilter(Filter):
     # Requests ---------------------------------------------------------------------------------
 
     def on_request(self, session: Session, frame: Frame) -> Verdict | None:
-        if frame.code not in SEND_CODES:
+        if frame.code not in C.SEND_CODES:
             return None
         if self.default == "never":
-            topic = _quick_topic(frame)
+            topic = quick_topic(frame)
             if topic is not None and topic not in self.rules:
                 return None  # no rule can copy it: skip the header decode
         try:
@@ -205,32 +205,6 @@ class ReplicateFilter(Filter):
                     n += len(seqs)
                 self._sessions.discard(s)
         return n
-
-
-def _quick_topic(frame: Frame) -> str | None:
-    """The topic of a send with a JSON header, found without decoding the header (None: unsure)."""
-    data = frame.data
-    if data[4] != 0:  # ROCKETMQ binary header
-        return None
-    end = 8 + frame.header_length
-    header = data[8:end]
-    # Unsure when the broker may read the topic under a key spelled otherwise (an escape in a key)
-    # while a plain decoy sits where it reads nothing (a nested object, an ignored top-level field):
-    # the quoted key name appears once, and the only escapes are the properties' separators.
-    if b"\\x" in header or b"\\U" in header or \
-            header.count(b"\\u") != header.count(b"\\u0001") + header.count(b"\\u0002"):
-        return None
-    if header.count(b'"topic"' if frame.code == C.SEND_MESSAGE else b'"b"') != 1:
-        return None
-    key = b'"topic":"' if frame.code == C.SEND_MESSAGE else b'"b":"'
-    i = data.find(key, 8, end)
-    if i < 0 or data.find(key, i + 1, end) >= 0:
-        return None
-    i += len(key)
-    j = data.find(b'"', i, end)
-    if j < 0 or b"\\" in data[i:j]:
-        return None
-    return data[i:j].decode("utf-8", "replace")
 
 
 def _first_batch_tag(body: bytes) -> str | None:

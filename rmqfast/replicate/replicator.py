@@ -51,7 +51,7 @@ from gevent.event import Event
 from rmqfast.config import Config
 from rmqfast.deliver import protocol as P
 from rmqfast.log import ctx
-from rmqfast.spill.commit import CommitFailed, GroupCommitter
+from rmqfast.spill.commit import CommitFailed, GroupCommitter, SpillFull
 from rmqfast.spill.record import created_ms_of
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX, SpillStore, lane_prefix, worker_dir
 
@@ -61,10 +61,6 @@ log = logging.getLogger("rmqfast.replicate")
 AWAIT_TIMEOUT = 30.0
 #: Copies read from RocksDB per lane per pass.
 READ_AHEAD = 256
-
-
-class SpillFull(RuntimeError):
-    """The spill reached ``replicate.disk_cap_bytes`` and the policy is ``reject``."""
 
 
 @dataclass

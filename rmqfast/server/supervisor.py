@@ -44,13 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from rmqfast.config import Config
-from rmqfast.deliver.pool import DeliverPool
 from rmqfast.errors import ConfigError
 from rmqfast.limits import create_shared, reset_changed
 from rmqfast.limits.rules import LimitsSection
 from rmqfast.log import ctx
 from rmqfast.proxy.tls import probe_tls
 from rmqfast.server.admin import AdminServer
+from rmqfast.server.deliverpool import DeliverPool
 from rmqfast.server.probe import ProbeResult, probe_remoting
 from rmqfast.server.spawn import child_command, child_cwd, child_env, identity_mismatch
 

@@ -54,9 +54,10 @@ from rmqfast.proxy.failover import (
 )
 from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
-from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain, RewriteRoutes
+from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain
 from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
+from rmqfast.proxy.routes import RewriteRoutes
 from rmqfast.proxy.tls import TlsContexts
 from rmqfast.server.accept import (
     AcceptGuard,

@@ -26,6 +26,10 @@ from rmqfast.spill.store import SpillStore
 log = logging.getLogger("rmqfast.spill")
 
 
+class SpillFull(RuntimeError):
+    """The spill reached ``replicate.disk_cap_bytes`` and the policy is ``reject``."""
+
+
 class CommitFailed(RuntimeError):
     """The synced write failed: the copies were not stored (the caller must not acknowledge them)."""
 

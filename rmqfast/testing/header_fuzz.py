@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rmqfast import codec, limits
-from rmqfast.codec import _scan_py
+from rmqfast.codec import _scan_py, codes
 
 # Topics and tags the generated frames use; the limiter rules below make the scanners' reading
 # of them observable (which rule rejected the send).
@@ -37,7 +37,6 @@ RULES = [  # (topic, tag, rate, burst, bytes rate, bytes burst, mode, slot); mod
     (b"TopicA", None, 0.0, 0.0, 0.0, 0.0, 1, 1),
     (b"TopicB", b"TagX", 0.0, 0.0, 0.0, 0.0, 1, 2),
 ]
-SEND_CODES = (10, 310, 320)
 #: codes whose message the broker stores in the header's topic: sends and reply messages (324, 325)
 STORED_CODES = (10, 310, 320, 324, 325)
 _FIELDS = ("code", "flag", "opaque", "extfields", "language", "version", "remark")
@@ -300,7 +299,7 @@ def check(twins: Twins, frame: bytes) -> str | None:
                     and (r.topic == "TopicB" or r.topic.startswith("TopicA")))
     if v.sent != (codec.EV_POLICY if sent else codec.EV_FORWARD):
         return f"policy_topics scanner event {v.sent}, broker's reading (topic {r.topic!r}) sends it to policy: {sent}"
-    if not r.flag & 1 and r.code in SEND_CODES and r.topic is not None and len(r.topic.encode()) <= 255:
+    if not r.flag & 1 and r.code in codes.SEND_CODES and r.topic is not None and len(r.topic.encode()) <= 255:
         want_msgs = _batch_records(frame) if r.batch else 1
         if v.messages != want_msgs:
             return f"counted {v.messages} messages, broker reads {want_msgs} (batch: {r.batch})"

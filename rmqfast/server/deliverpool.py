@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rmqfast.log import ctx
+from rmqfast.server.spawn import child_command, child_cwd, child_env
 
 log = logging.getLogger("rmqfast.deliver")
 
@@ -32,8 +33,6 @@ class DeliverPool:
             self._spawn(k)
 
     def _spawn(self, k: int) -> None:
-        from rmqfast.server.spawn import child_command, child_cwd, child_env
-
         # isolated path and fixed cwd: the child imports exactly the supervisor's rmqfast
         cmd = child_command("rmqfast.deliver.process", "--runtime", str(self.runtime), "--index", str(k))
         self.procs[k] = subprocess.Popen(cmd, env=child_env(self.env), cwd=child_cwd(self.runtime))
