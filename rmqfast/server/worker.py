@@ -36,6 +36,7 @@ from rmqfast.codec.admincodes import preset_codes
 from rmqfast.codec.command import decode_frame
 from rmqfast.codec.tables import result_index
 from rmqfast.config import Config, HostPort
+from rmqfast.heap import Trimmer
 from rmqfast.limits.filter import SendLimitFilter
 from rmqfast.log import ctx
 from rmqfast.proxy.acl import AclTopics
@@ -69,6 +70,7 @@ from rmqfast.server.accept import (
     effective_caps,
     is_shortage,
 )
+from rmqfast.server.evict import Evictor
 from rmqfast.server.fdlimit import raise_nofile
 from rmqfast.server.listener import Listener, RelayServer, bind_reuseport
 
@@ -148,6 +150,10 @@ class Worker:
         self._listeners_sent = 0.0
         self._listeners_report: Any = None  # the pending report's greenlet
         self.sessions: set[Session] = set()
+        # at the worker's cap a newcomer evicts an idle connection (rmqfast.server.evict)
+        self.evictor = Evictor(self.sessions, self.caps, self.listen_metrics, self.rate_log,
+                               lambda why: self._listener_state("admission", why))
+        self.trimmer = Trimmer()  # the C heap back to the system after a peak of connections
         #: the sessions set up so far, by their in-flight table (``Session._setup`` adds, ``close``
         #: removes): the stalled-send sweep looks at the tables only (``with_requests``)
         self.tables: dict[Any, Session] = {}
@@ -392,6 +398,7 @@ class Worker:
         server.guard = AcceptGuard(role, str(listen), self.listen_metrics,
                                    lambda why, at=str(listen): self._listener_state(at, why), self.rate_log)
         server.on_refused = lambda cap, addr, role=role: self._refused(role, cap, addr)
+        server.make_room = self.evictor.make_room
         server.start()
         self.listeners[listen] = Listener(role, listen, server, upstream)
 
@@ -487,6 +494,9 @@ class Worker:
         """A session's both directions have ended."""
         self.sessions.discard(session)
         self.caps.release(client_key(session.client_addr.rpartition(":")[0]))
+        if self.evictor.blocked:
+            self.evictor.check()
+        self.trimmer.maybe_trim(self.caps.open, self.caps)
         if session.role == "broker" and session.upstreams and not session.upstream_addr:  # connect failed: probe now
             if session.local_shortage:  # our own descriptors ran out: says nothing about the broker
                 self.listen_metrics.local_shortage.labels("upstream_connect").inc()
@@ -631,7 +641,11 @@ class Worker:
             limit = self.settings.idle_timeout
             fft = self.settings.first_frame_timeout or limit
             gevent.sleep(min(max(min(limit, fft) / 4, 0.05), 5.0))
-            close_idle(self.sessions, limit)
+            close_idle(self.sessions, limit, counted=self._deadline_closed)
+            self.evictor.check()
+
+    def _deadline_closed(self, role: str, reason: str) -> None:
+        self.listen_metrics.deadline_closes.labels(role, reason).inc()
 
     def _publish_loop(self) -> None:
         while True:
