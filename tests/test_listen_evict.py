@@ -294,3 +294,13 @@ def test_a_connection_that_never_sends_a_frame_is_closed_and_counted(namesrv) ->
             assert s.recv(1) == b""  # closed by the deadline
         until(lambda: metric(proxy, "rmqfast_deadline_closes_total", role="namesrv", reason="first_frame") >= 1,
               10, "the close counted", proxy)
+
+
+def test_a_victim_that_fails_to_close_refuses_the_newcomer_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(FakeSession):
+        def close(self) -> None:
+            raise RuntimeError("a filter's on_close failed")
+
+    ev, _, _, _ = _evictor({Broken("10.0.0.1", 5.0)}, total=1)
+    assert not ev.make_room() and ev.evicted == 0
+    assert any("could not evict" in r.getMessage() for r in caplog.records)

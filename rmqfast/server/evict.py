@@ -75,7 +75,12 @@ class Evictor:
                         f"active within {MIN_IDLE} s: new connections are refused")
             return False
         idle = victim.idle_for(self.clock())
-        victim.close()
+        try:
+            victim.close()  # called from the listener's accept: nothing here may raise into gevent
+        except Exception as exc:
+            self.rate_log(logging.ERROR, "evict failed", "could not evict an idle connection; refusing the newcomer",
+                          role=victim.role, client=victim.client_addr, error=repr(exc))
+            return False
         self.evicted += 1
         if self.metrics is not None:
             self.metrics.evicted.labels(victim.role).inc()
