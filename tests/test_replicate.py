@@ -60,7 +60,7 @@ class FakeDeliverer:
             if not data:
                 return
             for kind, payload in reader.feed(data):
-                if kind == P.COPY:
+                if kind in (P.COPY, P.RESEND):
                     seq, remote, raw = P.parse_copy(memoryview(payload))
                     self.copies.append((seq, remote, CopyRecord.decode(raw)))
                     if self.auto_ack:
