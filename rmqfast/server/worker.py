@@ -30,6 +30,7 @@ from rmqfast.filters.api import Session as PolicySession
 from rmqfast.filters.goaway import build as goaway_filter
 from rmqfast.filters.goaway import go_away_from_now_on, may_close
 from rmqfast.filters.registry import adopt_chains, build_chains
+from rmqfast.heap import Trimmer
 from rmqfast.log import ctx
 from rmqfast.proxy.connect import to_gevent
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
@@ -56,6 +57,7 @@ from rmqfast.server.accept import (
     effective_caps,
     is_shortage,
 )
+from rmqfast.server.evict import Evictor
 from rmqfast.server.listener import Listener, RelayServer, bind_reuseport
 
 if TYPE_CHECKING:
@@ -128,6 +130,9 @@ class Worker:
         self._listeners_sent = 0.0
         self._listeners_report: Any = None  # the pending report's greenlet
         self.sessions: set[Session] = set()
+        self.evictor = Evictor(self.sessions, self.caps, self.listen_metrics, self.rate_log,  # at the cap a newcomer
+                               lambda why: self._listener_state("admission", why))  # evicts an idle connection
+        self.trimmer = Trimmer()  # the C heap back to the system after a peak of connections
         #: the sessions set up so far, by their in-flight table (``Session._setup`` adds, ``close``
         #: removes): the stalled-send sweep looks at the tables only (``with_requests``)
         self.tables: dict[Any, Session] = {}
@@ -240,6 +245,7 @@ class Worker:
         server.guard = AcceptGuard(role, str(listen), self.listen_metrics,
                                    lambda why, at=str(listen): self._listener_state(at, why), self.rate_log)
         server.on_refused = lambda cap, addr, role=role: self._refused(role, cap, addr)
+        server.make_room = self.evictor.make_room
         server.start()
         self.listeners[listen] = Listener(role, listen, server, upstream)
 
@@ -335,6 +341,9 @@ class Worker:
         """A session's both directions have ended."""
         self.sessions.discard(session)
         self.caps.release(client_key(session.client_addr.rpartition(":")[0]))
+        if self.evictor.blocked:
+            self.evictor.check()
+        self.trimmer.maybe_trim(self.caps.open, self.caps)
         if session.role == "broker" and session.upstreams and not session.upstream_addr:  # connect failed: probe now
             if session.local_shortage:  # our own descriptors ran out: says nothing about the broker
                 self.listen_metrics.local_shortage.labels("upstream_connect").inc()
@@ -479,7 +488,9 @@ class Worker:
             limit = self.settings.idle_timeout
             fft = self.settings.first_frame_timeout or limit
             gevent.sleep(min(max(min(limit, fft) / 4, 0.05), 5.0))
-            close_idle(self.sessions, limit)
+            close_idle(self.sessions, limit,
+                       counted=lambda role, why: self.listen_metrics.deadline_closes.labels(role, why).inc())
+            self.evictor.check()
 
     def _publish_loop(self) -> None:
         while True:
