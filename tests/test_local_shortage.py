@@ -14,7 +14,7 @@ from gevent import socket
 from rmqfast.codec import ScanStats
 from rmqfast.codec import codes as C
 from rmqfast.config import HostPort
-from rmqfast.proxy import relay
+from rmqfast.proxy import session_connect
 from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.server.accept import ConnectionCaps
@@ -39,7 +39,7 @@ def session_with(connect_error: int, monkeypatch: Any) -> tuple[Session, Events,
         tried.append(HostPort(host, port))
         raise OSError(connect_error, "connect failed")
 
-    monkeypatch.setattr(relay, "connect_plain", connect)
+    monkeypatch.setattr(session_connect, "connect_plain", connect)
     a, b = socket.socketpair()
     events = Events()
     ups = [HostPort("127.0.0.1", 1), HostPort("127.0.0.1", 2)]

@@ -20,7 +20,7 @@ from rmqfast import codec
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.config import HostPort
-from rmqfast.proxy import relay
+from rmqfast.proxy import pump_c
 from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.server.worker import RelayServer
@@ -137,7 +137,7 @@ class Rig:
 
 @pytest.fixture
 def rig(monkeypatch):
-    monkeypatch.setattr(relay, "USE_REACTOR", True)
+    monkeypatch.setattr(pump_c, "USE_REACTOR", True)
     r = Rig(monkeypatch)
     yield r
     r.stop()
