@@ -9,17 +9,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import gevent
 
 from rmqfast.clouds.remoting import RemoteError
 from rmqfast.clouds.send import STORED_CODES, send_until_stored
+from rmqfast.delay.channel import ReleaseChannel, Sent
 from rmqfast.delay.store import Held, parked_prefix, split_due_key
 from rmqfast.log import ctx
-
-if TYPE_CHECKING:
-    from rmqfast.delay.channel import ReleaseChannel, Sent
 
 log = logging.getLogger("rmqfast.delay")
 
