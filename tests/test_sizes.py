@@ -20,7 +20,6 @@ FILES_OVER: dict[str, str] = {
     "rmqfast/server/worker.py": "its chain building moves to the filter registry (issue 29 item 2, another engineer)",
     "rmqfast/grpcfront/service.py": "split to do: MessagingService by RPC family",
     "rmqfast/proxy/failover.py": "split to do: resend and in-flight answers apart from the service",
-    "rmqfast/analytics/jobs.py": "split to do: one module per job kind",
     "rmqfast/codec/_scan_py.py": "split to do: the pure scanner twin by concept (scanner, in-flight, stats)",
     "rmqfast/testing/cluster.py": "split to do: broker processes apart from the cluster harness",
 }
