@@ -183,6 +183,9 @@ class ReplicateSection:
     max_in_flight: int = 1024
     retry_initial: float = 0.1
     retry_max: float = 5.0
+    # seconds a deliver process holds the other workers' copies after a worker's link broke, until
+    # that worker's replacement handed over the copies it inherited (order across a worker crash)
+    order_hold_max: float = 30.0
     topics: list[TopicRule] = field(default_factory=list)
 
 
@@ -312,6 +315,7 @@ _KNOWN = {
         "max_in_flight",
         "retry_initial",
         "retry_max",
+        "order_hold_max",
         "topic",
     },
     "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"},
@@ -382,7 +386,7 @@ def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
         ("max_in_flight", 1, 1_000_000),
     ):
         _set(errs, rp, r, "replicate", k, lambda key, v, lo=lo, hi=hi: _int(key, v, lo, hi))
-    for k, flo, fhi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600)):
+    for k, flo, fhi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600), ("order_hold_max", 0.0, 3600)):
         _set(errs, rp, r, "replicate", k, lambda key, v, flo=flo, fhi=fhi: _float(key, v, flo, fhi))
     topics = rp.get("topic", [])
     if not isinstance(topics, list):

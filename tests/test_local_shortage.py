@@ -14,8 +14,9 @@ from gevent import socket
 from rmqfast.codec import ScanStats
 from rmqfast.codec import codes as C
 from rmqfast.config import HostPort
+from rmqfast.filters.api import FilterChain
+from rmqfast.filters.deny import DenyAdminCodes
 from rmqfast.proxy import session_connect
-from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.server.accept import ConnectionCaps
 from rmqfast.server.worker import Worker

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import gevent
 
 from rmqfast.codec import FrameScanner, Pump
+from rmqfast.filters.api import Frame
 from rmqfast.log import ctx
 from rmqfast.proxy import budget
-from rmqfast.proxy.policy import Frame
 
 if TYPE_CHECKING:
     from rmqfast.proxy.writer import Sock, SocketWriter

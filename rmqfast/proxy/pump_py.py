@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from rmqfast import codec
 from rmqfast.codec import EV_FORWARD, EV_POLICY, FrameScanner
+from rmqfast.filters.api import Frame
 from rmqfast.proxy import budget
 from rmqfast.proxy.core import PumpState
-from rmqfast.proxy.policy import Frame
 from rmqfast.proxy.writer import raw_socket
 
 if TYPE_CHECKING:

@@ -42,11 +42,11 @@ from gevent.lock import Semaphore
 
 from rmqfast import codec
 from rmqfast.codec import FrameScanner, Pump
+from rmqfast.filters.api import FilterChain
 from rmqfast.proxy import budget, pump_c, session_end
 from rmqfast.proxy.budget import BUDGET, DEFAULT_BUFFER_BUDGET, PyBufferBudget, pin_mmap_threshold
 from rmqfast.proxy.connect import connect_plain
 from rmqfast.proxy.core import SessionCore
-from rmqfast.proxy.policy import FilterChain
 from rmqfast.proxy.pump_c import REACTOR_REPOLL, USE_REACTOR, USE_URING, CompiledPumps, reactor_of
 from rmqfast.proxy.pump_py import PythonPumps, RecvBuffer
 from rmqfast.proxy.session_connect import UpstreamConnect

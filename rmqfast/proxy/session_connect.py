@@ -17,9 +17,9 @@ from gevent import socket
 from rmqfast.codec import EV_FORWARD, EV_POLICY, code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.tables import R_ONEWAY, result_index
+from rmqfast.filters.api import Frame, error_response
 from rmqfast.log import ctx
 from rmqfast.proxy.connect import connect_plain, connect_tcp, to_gevent
-from rmqfast.proxy.policy import Frame, error_response
 
 if TYPE_CHECKING:
     from rmqfast.proxy.writer import Sock
