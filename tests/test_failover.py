@@ -506,11 +506,11 @@ def _answers_until_closed(s: socket.socket) -> list[RemotingCommand]:
 
 
 def _relay_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rmqfast.proxy import relay
+    from rmqfast.proxy import pump_c, relay
 
-    monkeypatch.setattr(relay, "USE_REACTOR", mode != "watchers")
-    monkeypatch.setattr(relay, "USE_URING", mode == "reactor-io_uring")
-    monkeypatch.setattr(relay, "_reactors", {})  # a reactor of this mode for this test
+    monkeypatch.setattr(pump_c, "USE_REACTOR", mode != "watchers")
+    monkeypatch.setattr(pump_c, "USE_URING", mode == "reactor-io_uring")
+    monkeypatch.setattr(pump_c, "_reactors", {})  # a reactor of this mode for this test
     if mode == "reactor-io_uring" and relay.Pump is not None and not relay.reactor_of(gevent.get_hub()).uring:
         pytest.skip("io_uring is not available here")
 
@@ -555,10 +555,10 @@ def test_a_send_failing_on_a_live_broker_connection_ends_the_session_answering_w
     while the broker's side stays open and silent: the upstream pump never meets an end.  After
     UPSTREAM_END_WAIT the session ends as that pump would have: both requests, the one the broker
     had and the one whose send failed, are answered SYSTEM_ERROR, once, and the session closes."""
-    from rmqfast.proxy import relay
+    from rmqfast.proxy import session_end
 
     _relay_mode(mode, monkeypatch)
-    monkeypatch.setattr(relay, "UPSTREAM_END_WAIT", 0.3)
+    monkeypatch.setattr(session_end, "UPSTREAM_END_WAIT", 0.3)
     sessions = proxy[5]
     with _broker_holding_the_first_send(proxy) as (s, _conns, lost):
         (session,) = sessions

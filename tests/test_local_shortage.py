@@ -16,7 +16,7 @@ from rmqfast.codec import codes as C
 from rmqfast.config import HostPort
 from rmqfast.filters.api import FilterChain
 from rmqfast.filters.deny import DenyAdminCodes
-from rmqfast.proxy import relay
+from rmqfast.proxy import session_connect
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.server.accept import ConnectionCaps
 from rmqfast.server.worker import Worker
@@ -40,7 +40,7 @@ def session_with(connect_error: int, monkeypatch: Any) -> tuple[Session, Events,
         tried.append(HostPort(host, port))
         raise OSError(connect_error, "connect failed")
 
-    monkeypatch.setattr(relay, "connect_plain", connect)
+    monkeypatch.setattr(session_connect, "connect_plain", connect)
     a, b = socket.socketpair()
     events = Events()
     ups = [HostPort("127.0.0.1", 1), HostPort("127.0.0.1", 2)]

@@ -17,7 +17,7 @@ from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_re
 from rmqfast.config import HostPort
 from rmqfast.filters.api import FilterChain
 from rmqfast.filters.deny import DenyAdminCodes
-from rmqfast.proxy import relay
+from rmqfast.proxy import pump_c, relay
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.testing.wire import read_frame
 
@@ -56,10 +56,10 @@ class Events:
 def proxy(request, monkeypatch):
     """The relay with its pumps in a reactor (whose receives and sends go through io_uring, or
     are plain system calls), or on libev watchers of their own (None)."""
-    monkeypatch.setattr(relay, "USE_REACTOR", request.param is not None)
-    monkeypatch.setattr(relay, "USE_URING", request.param == "uring")
+    monkeypatch.setattr(pump_c, "USE_REACTOR", request.param is not None)
+    monkeypatch.setattr(pump_c, "USE_URING", request.param == "uring")
     made: dict = {}
-    monkeypatch.setattr(relay, "_reactors", made)  # a reactor of this mode for this test
+    monkeypatch.setattr(pump_c, "_reactors", made)  # a reactor of this mode for this test
     if request.param == "uring":
         reactor = relay.reactor_of(gevent.get_hub())
         if not reactor.uring:

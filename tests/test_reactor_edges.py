@@ -655,12 +655,12 @@ class Relayed:
 def relayed(request, monkeypatch):
     import gevent
 
-    from rmqfast.proxy import relay
+    from rmqfast.proxy import pump_c, relay
 
     mode = request.param
     if mode != "python" and not compiled:
         pytest.skip("the reactor and the compiled pump's watchers need the compiled extension")
-    monkeypatch.setattr(relay, "USE_REACTOR", mode == "reactor")
+    monkeypatch.setattr(pump_c, "USE_REACTOR", mode == "reactor")
     if mode == "python":
         monkeypatch.setattr(relay, "Pump", None)
     made: list[Relayed] = []
@@ -896,10 +896,11 @@ def test_a_closed_session_gives_its_budget_share_back(relayed, monkeypatch, requ
     """A frame the broker sends is held whole (its header is larger than the buffer) when the
     session closes: the held bytes go back to the worker's budget when the pumps end, not when
     the session object is collected."""
+    from rmqfast.proxy import budget as budget_mod
     from rmqfast.proxy import relay
 
     budget = relay.BufferBudget(1 << 30) if compiled else relay.PyBufferBudget(1 << 30)
-    monkeypatch.setattr(relay, "BUDGET", budget)
+    monkeypatch.setattr(budget_mod, "BUDGET", budget)
     r = relayed()
     r.client.sendall(request_frame(5))
     assert r.read_exactly(r.broker, len(request_frame(5))) == request_frame(5)
@@ -925,7 +926,7 @@ def test_close_while_connecting_upstream(monkeypatch):
     from rmqfast.config import HostPort
     from rmqfast.filters.api import FilterChain
     from rmqfast.filters.deny import DenyAdminCodes
-    from rmqfast.proxy import relay
+    from rmqfast.proxy import relay, session_connect
 
     started, gate = Event(), Event()
     real = relay.connect_plain
@@ -935,7 +936,7 @@ def test_close_while_connecting_upstream(monkeypatch):
         gate.wait()
         return real(host, port, timeout)
 
-    monkeypatch.setattr(relay, "connect_plain", slow_connect)
+    monkeypatch.setattr(session_connect, "connect_plain", slow_connect)
     listener = gsocket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)

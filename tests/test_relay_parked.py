@@ -22,7 +22,7 @@ from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_re
 from rmqfast.config import HostPort
 from rmqfast.filters.api import FilterChain
 from rmqfast.filters.deny import DenyAdminCodes
-from rmqfast.proxy import relay
+from rmqfast.proxy import pump_c
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.server.worker import RelayServer
 from rmqfast.testing.wire import read_frame
@@ -138,7 +138,7 @@ class Rig:
 
 @pytest.fixture
 def rig(monkeypatch):
-    monkeypatch.setattr(relay, "USE_REACTOR", True)
+    monkeypatch.setattr(pump_c, "USE_REACTOR", True)
     r = Rig(monkeypatch)
     yield r
     r.stop()

@@ -89,7 +89,8 @@ def test_production_modules_ask_the_codec_which_twin_runs():
     # rmqfast/codec/__init__.py decides; rmqfast/limits/__init__.py maps a twin to its limiter
     # class; relay.py imports the pump's state constants only once codec.Pump says it runs.
     allowed = {"rmqfast/codec/__init__.py": (_TEST_ONLY, _EXT_IMPORT), "rmqfast/limits/__init__.py": (_TEST_ONLY,),
-               "rmqfast/proxy/relay.py": (_EXT_IMPORT,)}
+               "rmqfast/proxy/relay.py": (_EXT_IMPORT,), "rmqfast/proxy/pump_c.py": (_EXT_IMPORT,),
+               "rmqfast/proxy/pump_py.py": (_EXT_IMPORT,), "rmqfast/proxy/budget.py": (_EXT_IMPORT,)}
     bad = []
     for path in sorted((ROOT / "rmqfast").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
@@ -101,8 +102,9 @@ def test_production_modules_ask_the_codec_which_twin_runs():
                 continue
             bad += [f"{rel}: {m.group(0)}" for m in pattern.finditer(text)]
     assert not bad, "decide the twin through rmqfast.codec (IMPLEMENTATION, is_compiled, twin_of): " + ", ".join(bad)
-    relay = (ROOT / "rmqfast/proxy/relay.py").read_text()
-    assert re.search(r"if Pump is not None:\n\s+from rmqfast\._speedups import", relay)
+    for module in ("relay", "pump_c", "budget"):
+        text = (ROOT / f"rmqfast/proxy/{module}.py").read_text()
+        assert re.search(r"if Pump is not None:\n\s+from rmqfast\._speedups import", text), module
 
 
 def test_twin_helpers():

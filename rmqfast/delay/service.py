@@ -7,11 +7,11 @@
   made by the proxy: ``msgId`` = the message's ``UNIQ_KEY`` (what the consumer sees as msgId),
   ``queueId`` = the queue the producer chose (the release goes to that queue of that broker),
   ``queueOffset`` = -1 (the broker has not stored it yet: there is no offset before the release).
-* :class:`Releaser` seeks the due-time keys from its cursor and sends what is due, in due-time
+* :class:`rmqfast.delay.releaser.Releaser` seeks the due-time keys from its cursor and sends what is due, in due-time
   order, to the broker the producer's connection went to (one lane per broker, topic and queue:
   a lane sends one message at a time, so the order of due times holds in every queue; lanes run
   side by side).  A message is deleted once the broker answered SUCCESS (at least once: a crash
-  between the two sends it again; see :meth:`Releaser._recheck`, which asks the broker first).
+  between the two sends it again; see :meth:`rmqfast.delay.lanes.ReleaseLanes._recheck`, which asks the broker first).
 * Cancel: :func:`rmqfast.delay.cancel.request_cancel` drops a request file that every worker
   applies to its own store (msgId or key).
 """
@@ -19,36 +19,20 @@
 from __future__ import annotations
 
 import logging
-import struct
-import time
 import uuid
-from collections import deque
 from typing import Any
 
 import gevent
-from gevent.event import Event
 
-from rmqfast.clouds.remoting import ConnectionPool, RemoteError
-from rmqfast.clouds.send import STORED_CODES, send_until_stored
 from rmqfast.codec import codes as C
 from rmqfast.codec.batch import decode_batch, encode_batch
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import KEYS, UNIQ_KEY, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
-from rmqfast.delay.channel import ReleaseChannel, Sent
+from rmqfast.delay.releaser import Releaser, now_ms
 from rmqfast.delay.semantics import DelayInvalid, due_ms, has_delay_property, strip_delay
 from rmqfast.delay.settings import DelaySection
-from rmqfast.delay.store import (
-    DUE_PREFIX,
-    DelayStore,
-    Held,
-    StoreFull,
-    WriteFailed,
-    due_key,
-    parked_key,
-    parked_prefix,
-    split_due_key,
-)
+from rmqfast.delay.store import DelayStore, Held, StoreFull, WriteFailed
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply
 from rmqfast.proxy.quicktopic import quick_topic
@@ -58,10 +42,6 @@ log = logging.getLogger("rmqfast.delay")
 
 MESSAGE_ILLEGAL = 13
 HELD_QUEUE_OFFSET = -1
-#: A release the broker answers TOPIC_NOT_EXIST this many times in a row (back-off between
-#: attempts: [replicate] retry_initial .. retry_max) is kept as a dead letter instead.
-MISSING_TOPIC_ATTEMPTS = 20
-DEAD_LETTER = "dead_letter"
 #: What a broker refuses for good (MESSAGE_ILLEGAL) whatever the retry: a body over its default
 #: ``maxMessageSize`` (4 MiB) or properties longer than a short (the commit-log record's field).
 #: Held messages are acknowledged before the broker sees them, so these are refused up front.
@@ -71,16 +51,7 @@ HELD_REMARK = "rmqfast: accepted by rmqfast proxy (delayed); delivered at its du
 _RESPONSE_EXT = {"MSG_REGION": "DefaultRegion", "TRACE_ON": "false"}
 #: How often (seconds) a busy worker gives free heap pages back to the system (see DelayService._trim)
 TRIM_EVERY = 2.0
-#: Held messages are read this long before they fall due (decoded and queued in their lane), so
-#: that at the due time only the write to the broker is left.
-READ_AHEAD_MS = 20
-#: A message queued for release: due key, stored value, the decoded message, due time (epoch ms).
-Item = tuple[bytes, bytes, Held, int]
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class DelayMetrics:
@@ -449,429 +420,6 @@ class DelayService:
         self.releaser.close()
         self.store.close()
 
-
-class Releaser:
-    """Sends held messages when they are due, in due-time order per broker queue."""
-
-    def __init__(self, service: DelayService, *, connect_timeout: float, request_timeout: float,
-                 retry_initial: float, retry_max: float) -> None:
-        self.svc = service
-        self.store = service.store
-        self.pool = ConnectionPool(connect_timeout)  # one request at a time: retries, rechecks
-        self.channels: dict[str, ReleaseChannel] = {}  # pipelined releases, by broker
-        self.request_timeout = request_timeout
-        self.retry_initial = retry_initial
-        self.retry_max = retry_max
-        self.cursor = DUE_PREFIX
-        self.dispatched: set[bytes] = set()  # read for release (or cancelled), delete not yet written
-        self.lanes: dict[tuple[str, str, int], deque[Item]] = {}
-        self.queued = 0
-        self.wake = Event()
-        self.space = Event()
-        self.closed = False
-        self.released = 0
-        self.dropped = 0
-        self.dead_letters = 0
-        self.recheck_found = 0
-        # the latest lateness samples (tests): a few thousand, not more (an int object each: 200,000
-        # cost a worker up to 7 MB)
-        self.lateness_ms: deque[int] = deque(maxlen=4096)
-        self._greenlet: Any = None
-        self._lane_greenlets: dict[tuple[str, str, int], Any] = {}
-        # Messages due before this run started that may have been sent just before a crash: the
-        # broker is asked whether it has them before they are sent again (exactly once).
-        raw = self.store.db.get(b"m" + b"delay.releasing")
-        self.recheck_upto = raw if raw else b""
-        # A broker that does not take its releases (down, or slower than its share of the read-ahead)
-        # gets its due messages moved to its wait range, read from there once it takes releases again,
-        # so that the other brokers' releases are not held up behind it (see _step).
-        self.held_for: dict[str, int] = {}  # messages queued in lanes, by broker
-        self.parked: dict[bytes, bool] = {p: True for p in self.store.parked_prefixes()}  # wait range: may hold some
-        self.parking: dict[bytes, int] = {}  # moves to a wait range not written yet, by range
-        self.wcursor: dict[bytes, bytes] = {}  # wait range -> next key to read
-        self.wmarks = self.store.parked_marks()  # wait range -> last key taken for release (persisted)
-        self.recheck_w = dict(self.wmarks)  # what may have been sent before this run started
-        self.parked_moves = 0
-        self.read_upto = DUE_PREFIX  # the due range is read up to this key (wait ranges are read up to it)
-
-    def on_put(self, first_key: bytes) -> None:
-        if first_key < self.cursor:
-            self.cursor = first_key  # an earlier due time arrived behind the cursor
-        if first_key < self.read_upto:
-            self.read_upto = first_key
-        self.wake.set()
-
-    def start(self) -> None:
-        if self._greenlet is None:
-            self._greenlet = gevent.spawn(self._run)
-
-    @property
-    def limit(self) -> int:
-        return self.svc.cfg.release_in_flight
-
-    def _run(self) -> None:
-        while not self.closed:
-            try:
-                self._step()
-            except Exception:  # the releaser must not die: log, wait, go on
-                log.exception("delayed message release failed; retrying", extra=ctx(worker=self.svc.index))
-                gevent.sleep(1.0)
-
-    def _maybe_sent(self, k: bytes) -> bool:
-        """Whether this message may have reached the broker before a crash (then it is asked first)."""
-        if k[:1] == DUE_PREFIX:
-            return bool(self.recheck_upto) and k <= self.recheck_upto
-        mark = self.recheck_w.get(k[:-16])
-        return mark is not None and k <= mark
-
-    @property
-    def per_broker(self) -> int:
-        """Messages one broker may have queued in lanes; past it its due messages wait in its range."""
-        return self.limit * 2
-
-    def _blocked(self, per: int) -> int:
-        """Queued messages of brokers at their share: they do not hold up the reading for the others."""
-        return sum(n for n in self.held_for.values() if n >= per)
-
-    def _queue(self, k: bytes, v: bytes, held: Held) -> None:
-        lane = (held.addr, held.record.topic, held.record.queue_id)
-        q = self.lanes.get(lane)
-        if q is None:
-            q = self.lanes[lane] = deque()
-        q.append((k, v, held, split_due_key(k)[0]))
-        self.queued += 1
-        self.held_for[held.addr] = self.held_for.get(held.addr, 0) + 1
-        if lane not in self._lane_greenlets:
-            self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
-
-    def _park(self, k: bytes, v: bytes, held: Held) -> None:
-        """Move a due message to its broker's wait range (durably, in the next write of the store)."""
-        wkey = parked_key(held.addr, k)
-        prefix = wkey[:-16]
-        self.parked[prefix] = True
-        if wkey < self.wcursor.get(prefix, wkey):
-            self.wcursor[prefix] = wkey  # an earlier due time arrived behind that range's reading
-        if self._maybe_sent(k):
-            # it may have reached the broker before a crash: whatever waits up to it is asked first
-            if wkey > self.wmarks.get(prefix, b""):
-                self.store.mark_parked(wkey)
-                self.wmarks[prefix] = wkey
-            if wkey > self.recheck_w.get(prefix, b""):
-                self.recheck_w[prefix] = wkey
-        self.parking[prefix] = self.parking.get(prefix, 0) + 1
-        self.parked_moves += 1
-        b = self.store.park(k, wkey, v)
-
-        def written(_e: Any, k: bytes = k, prefix: bytes = prefix) -> None:
-            self.dispatched.discard(k)
-            self.parking[prefix] -= 1
-            self.wake.set()  # the range may be read now
-
-        b.done.rawlink(written)
-
-    def _unpark(self, per: int) -> bool:
-        """Queue what waits in the ranges of brokers with room again (half their share free)."""
-        took = False
-        for prefix, some in list(self.parked.items()):
-            if not some:
-                continue
-            (n,) = struct.unpack_from(">H", prefix, 1)
-            addr = prefix[3:3 + n].decode("utf-8", "replace")
-            room = per - self.held_for.get(addr, 0)
-            if room < per // 2 or self.parking.get(prefix):
-                continue  # no room yet; or moves to the range not written yet (they may come first)
-            # only what the due range's reading has passed: an earlier message of this broker still
-            # in the due range (after a restart) is moved here first, so each queue keeps due order
-            before = prefix + self.read_upto[1:]
-            items = self.store.read_parked(self.wcursor.get(prefix, prefix), prefix, room, before)
-            if len(items) < room:
-                nxt = items[-1][0] + b"\x00" if items else self.wcursor.get(prefix, prefix)
-                if not self.store.read_parked(nxt, prefix, 1):
-                    self.parked[prefix] = False  # drained: its next due messages go to its lanes directly
-            if not items:
-                continue
-            last = items[-1][0]
-            if last > self.wmarks.get(prefix, b""):
-                self.store.mark_parked(last)  # before sending, as mark_releasing
-                self.wmarks[prefix] = last
-            self.wcursor[prefix] = last + b"\x00"
-            for k, v in items:
-                if k in self.dispatched:
-                    continue
-                self.dispatched.add(k)
-                try:
-                    held = Held.decode(v)
-                except Exception as exc:
-                    log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
-                    self._done(k, v, None, "undecodable")
-                    continue
-                self._queue(k, v, held)
-                took = True
-        return took
-
-    def _step(self) -> None:
-        cap = self.limit * 4
-        per = self.per_broker
-        took = self._unpark(per)
-        if self.queued - self._blocked(per) >= cap:
-            self.space.clear()
-            self.space.wait(timeout=1.0)
-            return
-        now = now_ms()
-        # read ahead: what falls due over the next READ_AHEAD_MS is read, decoded and queued in its
-        # lane now, so that at its due time only the write to the broker is left
-        limit = cap - self.queued + self._blocked(per)
-        items = self.store.read_due(self.cursor, now + READ_AHEAD_MS, limit)
-        if len(items) < limit:  # everything due up to now + READ_AHEAD_MS has been read
-            upto = due_key(now + READ_AHEAD_MS + 1, 0)
-            self.read_upto = max(upto, items[-1][0] + b"\x00") if items else max(upto, self.cursor)
-        if not items:
-            if took or self._unpark(per):
-                return
-            nxt = self.store.next_due(self.cursor)
-            self.wake.clear()
-            if nxt is None:
-                self.wake.wait(timeout=1.0)
-            elif nxt - READ_AHEAD_MS // 2 > now:
-                # one read then takes what falls due over READ_AHEAD_MS / 2 .. READ_AHEAD_MS
-                self.wake.wait(timeout=min(1.0, (nxt - READ_AHEAD_MS // 2 - now) / 1000))
-            return
-        last = items[-1][0]
-        # written before sending (unsynced: a process crash keeps it): after a crash, what is at
-        # or before it may have reached the broker already
-        self.store.mark_releasing(last)
-        held_for = self.held_for
-        parked = self.parked if any(self.parked.values()) else None
-        for k, v in items:
-            if k in self.dispatched:
-                continue
-            self.dispatched.add(k)
-            try:
-                held = Held.decode(v)
-            except Exception as exc:
-                log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
-                self._done(k, v, None, "undecodable")
-                continue
-            if held_for.get(held.addr, 0) >= per or parked is not None and parked.get(parked_prefix(held.addr)):
-                self._park(k, v, held)  # its broker is at its share, or older ones of it wait already
-            else:
-                self._queue(k, v, held)
-        self.cursor = last + b"\x00"
-        if len(items) >= limit:
-            self.read_upto = self.cursor
-
-    def _lane(self, lane: tuple[str, str, int]) -> None:
-        q = self.lanes[lane]
-        try:
-            if q and not self.closed:
-                self._pipeline(q)
-        finally:
-            if not q:
-                self.lanes.pop(lane, None)
-            self._lane_greenlets.pop(lane, None)
-            if q and not self.closed:  # died with work left: a new lane greenlet takes it
-                self._lane_greenlets[lane] = gevent.spawn(self._lane, lane)
-
-    def channel(self, addr: str) -> ReleaseChannel:
-        ch = self.channels.get(addr)
-        if ch is None or ch.closed:
-            ch = self.channels[addr] = ReleaseChannel(addr, connect_timeout=self.pool.connect_timeout,
-                                                      wrap=self.pool.wrap)
-        return ch
-
-    def _fill(self, q: deque[Item], chunks: deque[tuple[Sent | None, int]], flying: int, window: int,
-              now: int) -> int:
-        """Write the lane's due messages after the ``flying`` ones already written, up to ``window``
-        in flight, in groups of at most half the window (each group one write and one wake-up when
-        its answers are in); a message that may have been sent before a crash is not pipelined (it
-        goes alone, after a recheck).  Returns how many were written."""
-        end = min(window, len(q))
-        group = max(1, window // 2)
-        wrote = 0
-        while flying + wrote < end:
-            recs = []
-            for j in range(flying + wrote, min(end, flying + wrote + group)):
-                k, _v, held, due = q[j]
-                if due > now or self._maybe_sent(k):
-                    break
-                recs.append(held.record)
-            if not recs:
-                break
-            try:
-                sent: Sent | None = self.channel(q[0][2].addr).send(recs)
-                sent.deadline = time.monotonic() + self.request_timeout  # type: ignore[union-attr]
-            except RemoteError:
-                sent = None  # each goes through _send (retries, back-off)
-            chunks.append((sent, len(recs)))
-            wrote += len(recs)
-            if len(recs) < group:
-                break
-        return wrote
-
-    def _next_wait(self, q: deque[Item], sent: Sent, flying: int, window: int, now: int) -> float:
-        """How long to wait for a group's answers: until its deadline, or until the lane's next
-        message falls due when the window has room for it."""
-        timeout = sent.deadline - time.monotonic()
-        if flying < min(window, len(q)):
-            k, _v, _held, due = q[flying]
-            if due > now and not self._maybe_sent(k):
-                timeout = min(timeout, (due - now) / 1000)
-        return timeout
-
-    def _pipeline(self, q: deque[Item]) -> None:
-        """Release a lane: each message at its due time; up to ``queue_window`` sends in flight on
-        its connection, written in groups as they fall due (no round trip per message); answers
-        are taken in order.  A send that did not store at once is sent again by :meth:`_send`
-        (retries, back-off) before the next is done."""
-        chunks: deque[tuple[Sent | None, int]] = deque()  # written groups, in q's order
-        flying = 0  # q[0 .. flying - 1] are written
-        while q and not self.closed:
-            window = max(1, self.svc.cfg.queue_window)
-            now = now_ms()
-            if flying < min(window, len(q)):
-                flying += self._fill(q, chunks, flying, window, now)
-            if not chunks:
-                due = q[0][3]
-                if due > now:
-                    gevent.sleep((due - now) / 1000)  # read ahead: not due yet
-                    continue
-                # the head could not be pipelined: it may have reached the broker before a crash
-                if not self._settle(q, None, 1):
-                    return
-                continue
-            sent, n = chunks[0]
-            if sent is not None and not sent.done.is_set():
-                timeout = self._next_wait(q, sent, flying, window, now)
-                if timeout > 0:
-                    sent.done.wait(timeout)
-                if not sent.done.is_set() and time.monotonic() < sent.deadline:
-                    continue  # the next message fell due: written before these answers came
-            chunks.popleft()
-            flying -= n
-            if sent is not None and not sent.done.is_set():
-                ch = self.channels.get(q[0][2].addr)
-                if ch is not None:
-                    ch.forget(sent)
-            if not self._settle(q, sent, n):
-                return
-
-    def _settle(self, q: deque[Item], sent: Sent | None, n: int) -> bool:
-        """Take the outcome of the lane's first ``n`` messages (written as ``sent``, or not written):
-        stored: deleted together; else sent again by :meth:`_send`.  False: stopping."""
-        released: list[tuple[bytes, bytes, Held, int]] = []
-        try:
-            for i in range(n):
-                k, v, held, due = q[0]
-                code = sent.codes[i] if sent is not None else None
-                outcome: bool | str | None = True if code is not None and code in STORED_CODES else \
-                    self._send(k, held)
-                if outcome is None:
-                    return False  # stopping: it stays stored for the next run
-                q.popleft()
-                self.queued -= 1
-                self.held_for[held.addr] -= 1
-                if outcome is True:
-                    released.append((k, v, held, due))
-                elif outcome == DEAD_LETTER:
-                    self._dead_letter(k, v, held)
-                else:
-                    self._done(k, v, held, "refused")
-        finally:
-            self._released(released)
-            self.space.set()
-            if q and self.parked.get(parked_prefix(q[0][2].addr)):
-                self.wake.set()  # its wait range may be read again
-            elif not q and any(self.parked.values()):
-                self.wake.set()
-        return True
-
-    def _released(self, done: list[tuple[bytes, bytes, Held, int]]) -> None:
-        """Messages the broker stored: deleted (one queued removal), counted, their lateness kept."""
-        if not done:
-            return
-        keys = [d[0] for d in done]
-        b = self.store.delete_many([(k, len(v), held.index_keys(k)) for k, v, held, _due in done])
-        b.done.rawlink(lambda _e: self.dispatched.difference_update(keys))
-        now = now_ms()
-        self.released += len(done)
-        late = [now - due for _k, _v, _held, due in done]
-        self.lateness_ms.extend(late)
-        m = self.svc.m
-        if m is None:
-            return
-        topics: dict[str, int] = {}
-        for _k, _v, held, _due in done:
-            topics[held.record.topic] = topics.get(held.record.topic, 0) + 1
-        for topic, n in topics.items():
-            m.released.labels(topic).inc(n)
-        for ms in late:
-            m.lateness.observe(max(0, ms) / 1000)
-
-    def _dead_letter(self, k: bytes, v: bytes, held: Held) -> None:
-        b = self.store.dead_letter(k, v, held)
-        b.done.rawlink(lambda _e: self.dispatched.discard(k))
-        self.dead_letters += 1
-        if self.svc.m is not None:
-            self.svc.m.dead_letters.labels(held.record.topic).inc()
-        log.error("delayed message kept as a dead letter: the broker has no such topic",
-                  extra=ctx(worker=self.svc.index, msg_id=held.msg_id, topic=held.record.topic, broker=held.addr,
-                            due_key=k.hex()))
-
-    def _done(self, k: bytes, v: bytes, held: Held | None, dropped: str | None) -> None:
-        b = self.store.delete(k, v, held)
-        b.done.rawlink(lambda _e: self.dispatched.discard(k))
-        m = self.svc.m
-        if dropped is not None:
-            self.dropped += 1
-            if m is not None:
-                m.dropped.labels(dropped).inc()
-            return
-        assert held is not None
-        late = now_ms() - split_due_key(k)[0]
-        self.lateness_ms.append(late)
-        self.released += 1
-        if m is not None:
-            m.released.labels(held.record.topic).inc()
-            m.lateness.observe(max(0, late) / 1000)
-
-    def _recheck(self, k: bytes, held: Held) -> bool:
-        """True when the broker already has this message (sent just before a crash)."""
-        from rmqfast.delay.recheck import broker_has
-
-        try:
-            return broker_has(self.pool, held, timeout=self.request_timeout)
-        except Exception as exc:  # cannot tell: send it (at least once)
-            log.warning("cannot ask the broker whether a held message was released before a restart; sending it",
-                        extra=ctx(msg_id=held.msg_id, error=str(exc)))
-            return False
-
-    def _send(self, k: bytes, held: Held) -> bool | str | None:
-        """Send until the broker stores it (True) or refuses it for good (False); None: stopping."""
-        rec = held.record
-        if self._maybe_sent(k):
-            if self._recheck(k, held):
-                self.recheck_found += 1
-                if self.svc.m is not None:
-                    self.svc.m.duplicates_avoided.inc()
-                return True
-        why: list[str] = []
-        ok = send_until_stored(self.pool, held.addr, rec, what="delayed", logger=log, stopping=lambda: self.closed,
-                               retry_initial=self.retry_initial, retry_max=self.retry_max,
-                               timeout=self.request_timeout, worker=self.svc.index, msg_id=held.msg_id,
-                               drop=why.append, missing_topic_attempts=MISSING_TOPIC_ATTEMPTS)
-        return DEAD_LETTER if why == ["topic_not_exist"] else ok
-
-    def close(self) -> None:
-        self.closed = True
-        self.wake.set()
-        self.space.set()
-        if self._greenlet is not None:
-            self._greenlet.kill(block=False)
-        for g in list(self._lane_greenlets.values()):
-            g.kill(block=True, timeout=2)
-        self.pool.close()
-        for ch in self.channels.values():
-            ch.close()
 
 
 def _batch_without_delay(entries: list[Any]) -> tuple[bytes, str, str]:
