@@ -24,7 +24,7 @@ from rmqfast.grpcfront.settings import GrpcSection, parse_grpc
 from rmqfast.grpcfront.settings import check_tls as check_grpc_tls
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
-from rmqfast.proxy.health import FailoverSection, parse_failover
+from rmqfast.proxy.health import FailoverSection
 from rmqfast.proxy.tls import TlsSection, parse_tls
 from rmqfast.server.admin_names import parse_allowed_hosts
 from rmqfast.settings.base import ConfigErrors as ConfigErrors  # re-exported: rmqfast.config.ConfigErrors
@@ -333,7 +333,6 @@ def _codes(key: str, value: Any) -> list[int]:
 
 
 _KNOWN = {
-    "limits": {"global_rate", "global_burst", "global_bytes_rate", "global_bytes_burst", "rule"},
     "clouds": {"local", "detect_interval", "detect_timeout", "remote"},
     "replicate": {
         "durability",
@@ -349,11 +348,6 @@ _KNOWN = {
         "retry_max",
         "topic",
     },
-    "acl": {"topics", "unsigned", "other_keys", "secret_keys", "signature_max_age"},
-    "tls": {"listen", "upstream"},
-    "gray": {"settle", "grace", "drain_timeout", "backlog_interval", "state_file", "group"},
-    "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout", "hang_timeout",
-                 "send_timeout", "ordered_topics", "ordered_property", "go_away", "resend"},
 }
 _DECLARED = [name for name, spec in sections().items() if spec.parse is None]
 
@@ -485,9 +479,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
         setattr(cfg, name, parse_section(type(getattr(cfg, name)), name, raw.get(name, {}), errs))
     _parse_limits(cfg, raw, errs)
     _parse_clouds(cfg, raw, errs)
-    with errs.check():
-        if "failover" in raw:
-            cfg.failover = parse_failover(raw["failover"])
     with errs.check():
         if "acl" in raw:
             cfg.acl = parse_acl(raw["acl"])

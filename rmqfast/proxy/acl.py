@@ -55,6 +55,7 @@ from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
 from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, divert, error_response, reply, slots_of
 from rmqfast.settings.base import ConfigErrors
+from rmqfast.settings.engine import section
 
 log = logging.getLogger("rmqfast.acl")
 
@@ -85,6 +86,7 @@ _KNOWN = {"topics", "unsigned", "other_keys", "secret_keys", "signature_max_age"
 SIGNATURE_MAX_AGE = 900.0
 
 
+@section("acl", "Per-AccessKey topic allowlist (docs/acl.md).", parse=lambda raw: parse_acl(raw))
 @dataclass
 class AclSection:
     """``[acl]``: AccessKey -> topic patterns; what to do with unsigned requests and unlisted keys."""
