@@ -32,7 +32,6 @@ from rmqfast.settings.base import Errors as _Errors
 from rmqfast.settings.base import check_keys as _check_keys
 from rmqfast.settings.base import choice as _choice
 from rmqfast.settings.base import integer as _int
-from rmqfast.settings.base import seconds as _float
 from rmqfast.settings.base import string as _str
 from rmqfast.settings.base import table as _table
 from rmqfast.settings.base import toml_value as _t
@@ -204,12 +203,20 @@ class RemoteCloud:
         return (self.access_key, self.secret_key) if self.access_key else None
 
 
+@section("clouds", "The local cloud's name and the remote clusters copies go to (docs/cross-cloud.md).")
 @dataclass
 class CloudsSection:
-    local: str = "local"
-    detect_interval: float = 2.0
-    detect_timeout: float = 3.0
-    remotes: list[RemoteCloud] = field(default_factory=list)
+    local: str = setting("local", parse=lambda k, v: _name(k, v), expect="a name of 1 to 64 letters, digits, "
+                         "'-', '_' or '.'", doc="this cluster's name")
+    detect_interval: float = setting(2.0, kind="duration", lo=0.1, hi=3600, doc="between online checks of remotes")
+    detect_timeout: float = setting(3.0, kind="duration", lo=0.1, hi=60, doc="an online check's deadline")
+    remotes: list[RemoteCloud] = setting(factory=list, key="remote", parse=lambda k, v: _remotes(k, v),
+                                         expect="[[clouds.remote]] tables of name, namesrv, access_key, secret_key",
+                                         doc="the remote clusters")
+
+    def check(self) -> list[str]:
+        return [f"clouds.remote[{i}].name: {_t(r.name)} is the local cloud's name (clouds.local); pick another"
+                for i, r in enumerate(self.remotes) if r.name == self.local]
 
 
 @dataclass
@@ -223,24 +230,28 @@ class TopicRule:
     groups: list[str] = field(default_factory=list)  # consumer groups to ask the remotes about
 
 
+_REPLICATE_CHOICES = ("online", "always", "never")
+
+
+@section("replicate", "When copies go to the remote clouds, and the spill that holds them (docs/cross-cloud.md).")
 @dataclass
 class ReplicateSection:
-    durability: str = "fast"  # fast | durable
-    default: str = "never"  # rule for topics no [[replicate.topic]] names
-    channel_size: int = 10000
-    disk_cap_bytes: int = 1 << 30
-    on_disk_full: str = "reject"  # reject | drop
-    # RocksDB memory of a worker's spill (also what holds [delay] messages): up to two memtables of
-    # write_buffer_bytes and the block cache (index partitions included); with 8 MiB each a worker
-    # holding 10 M delayed messages peaked at 68 MB RSS while accepting; 57 MB with 4 MiB each and
-    # partitioned indexes (bench/delay_bench.py)
-    write_buffer_bytes: int = 4 << 20
-    block_cache_bytes: int = 4 << 20
-    deliver_processes: int = 1
-    max_in_flight: int = 1024
-    retry_initial: float = 0.1
-    retry_max: float = 5.0
-    topics: list[TopicRule] = field(default_factory=list)
+    durability: str = setting("fast", choices=("fast", "durable"), doc="answer sends before or after the copy is kept")
+    default: str = setting("never", choices=_REPLICATE_CHOICES, doc="rule for topics no [[replicate.topic]] names")
+    channel_size: int = setting(10000, lo=0, hi=10_000_000, doc="copies queued in memory per worker")
+    disk_cap_bytes: int = setting(1 << 30, kind="size", lo=1 << 20, hi=1 << 50, doc="the spill's disk cap")
+    on_disk_full: str = setting("reject", choices=("reject", "drop"), doc="a send past the cap: refused or not copied")
+    # RocksDB memory of a worker's spill (also what holds [delay] messages): with 8 MiB each a worker holding
+    # 10 M delayed messages peaked at 68 MB RSS while accepting; 57 MB with 4 MiB each (bench/delay_bench.py)
+    write_buffer_bytes: int = setting(4 << 20, kind="size", lo=64 << 10, hi=1 << 30, doc="RocksDB memtable (two)")
+    block_cache_bytes: int = setting(4 << 20, kind="size", lo=64 << 10, hi=1 << 34, doc="RocksDB block cache")
+    deliver_processes: int = setting(1, lo=1, hi=64, doc="processes delivering copies")
+    max_in_flight: int = setting(1024, lo=1, hi=1_000_000, doc="copies in flight per delivery process")
+    retry_initial: float = setting(0.1, kind="duration", lo=0.001, hi=60, doc="first retry of a failed copy")
+    retry_max: float = setting(5.0, kind="duration", lo=0.01, hi=3600, doc="longest wait between retries")
+    topics: list[TopicRule] = setting(factory=list, key="topic", parse=lambda k, v: _topic_rules(k, v),
+                                      expect="[[replicate.topic]] tables of name, replicate, tags, remotes, groups",
+                                      doc="per-topic rules")
 
 
 @dataclass
@@ -332,26 +343,8 @@ def _codes(key: str, value: Any) -> list[int]:
     return out
 
 
-_KNOWN = {
-    "clouds": {"local", "detect_interval", "detect_timeout", "remote"},
-    "replicate": {
-        "durability",
-        "default",
-        "channel_size",
-        "disk_cap_bytes",
-        "on_disk_full",
-        "write_buffer_bytes",
-        "block_cache_bytes",
-        "deliver_processes",
-        "max_in_flight",
-        "retry_initial",
-        "retry_max",
-        "topic",
-    },
-}
 _DECLARED = [name for name, spec in sections().items() if spec.parse is None]
 
-_REPLICATE_CHOICES = ("online", "always", "never")
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -371,58 +364,27 @@ def _str_list(key: str, value: Any) -> list[str]:
     return list(value)
 
 
-def _section(errs: _Errors, raw: dict[str, Any], name: str) -> dict[str, Any]:
-    """The known keys of table ``raw[name]`` ({} when absent or not a table); errors recorded."""
-    with errs.check():
-        tbl = _table(name, raw.get(name, {}))
+def _table_list(key: str, value: Any, each: Callable[[str, Any, list[Any]], Any]) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected an array of tables [[{key}]]")
+    errs = _Errors()
+    out: list[Any] = []
+    for i, r in enumerate(value):
         with errs.check():
-            _check_keys(name, tbl, _KNOWN[name])
-        return {k: v for k, v in tbl.items() if k in _KNOWN[name]}
-    return {}
+            out.append(each(f"{key}[{i}]", r, out))
+    errs.raise_if_any()
+    return out
 
 
-def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
-    cl = _section(errs, raw, "clouds")
-    c = cfg.clouds
-    _set(errs, cl, c, "clouds", "local", _name)
-    _set(errs, cl, c, "clouds", "detect_interval", lambda key, v: _float(key, v, 0.1, 3600))
-    _set(errs, cl, c, "clouds", "detect_timeout", lambda key, v: _float(key, v, 0.1, 60))
-    remotes = cl.get("remote", [])
-    if not isinstance(remotes, list):
-        errs.messages.append(
-            f"clouds.remote: {_t(remotes)} is not allowed; expected an array of tables [[clouds.remote]]")
-        remotes = []
-    for i, r in enumerate(remotes):
-        with errs.check():
-            c.remotes.append(_parse_remote(f"clouds.remote[{i}]", r, c))
-
-    rp = _section(errs, raw, "replicate")
-    r = cfg.replicate
-    for k, choices in (("durability", ("fast", "durable")), ("default", _REPLICATE_CHOICES),
-                       ("on_disk_full", ("reject", "drop"))):
-        _set(errs, rp, r, "replicate", k, lambda key, v, choices=choices: _choice(key, v, choices))
-    for k, lo, hi in (
-        ("channel_size", 0, 10_000_000),
-        ("disk_cap_bytes", 1 << 20, 1 << 50),
-        ("write_buffer_bytes", 64 << 10, 1 << 30),
-        ("block_cache_bytes", 64 << 10, 1 << 34),
-        ("deliver_processes", 1, 64),
-        ("max_in_flight", 1, 1_000_000),
-    ):
-        _set(errs, rp, r, "replicate", k, lambda key, v, lo=lo, hi=hi: _int(key, v, lo, hi))
-    for k, flo, fhi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600)):
-        _set(errs, rp, r, "replicate", k, lambda key, v, flo=flo, fhi=fhi: _float(key, v, flo, fhi))
-    topics = rp.get("topic", [])
-    if not isinstance(topics, list):
-        errs.messages.append(
-            f"replicate.topic: {_t(topics)} is not allowed; expected an array of tables [[replicate.topic]]")
-        topics = []
-    for i, t in enumerate(topics):
-        with errs.check():
-            r.topics.append(_parse_topic_rule(f"replicate.topic[{i}]", t, c, r))
+def _remotes(key: str, value: Any) -> list[RemoteCloud]:
+    return _table_list(key, value, _parse_remote)
 
 
-def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
+def _topic_rules(key: str, value: Any) -> list[TopicRule]:
+    return _table_list(key, value, _parse_topic_rule)
+
+
+def _parse_remote(key: str, r: Any, before: list[RemoteCloud]) -> RemoteCloud:
     r = _table(key, r)
     _check_keys(key, r, {"name", "namesrv", "access_key", "secret_key"})
     if "name" not in r or "namesrv" not in r:
@@ -432,9 +394,7 @@ def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
         raise ConfigError(f"{key}: 'access_key' and 'secret_key' go together (the proxy's own credentials in that "
                           "cluster, for brokers with ACL on); give both or neither")
     name = _name(f"{key}.name", r["name"])
-    if name == c.local:
-        raise ConfigError(f"{key}.name: {_t(name)} is the local cloud's name (clouds.local); pick another")
-    if any(x.name == name for x in c.remotes):
+    if any(x.name == name for x in before):
         raise ConfigError(f"{key}.name: {_t(name)} is used by another [[clouds.remote]]")
     ns = [str(hp) for hp in parse_hostport_list(f"{key}.namesrv", r["namesrv"])]
     if not ns:
@@ -442,7 +402,7 @@ def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
     return RemoteCloud(name, ns, *creds)
 
 
-def _parse_topic_rule(key: str, t: Any, c: CloudsSection, r: ReplicateSection) -> TopicRule:
+def _parse_topic_rule(key: str, t: Any, before: list[TopicRule]) -> TopicRule:
     t = _table(key, t)
     _check_keys(key, t, {"name", "replicate", "tags", "remotes", "groups"})
     if not isinstance(t.get("name"), str) or not t["name"]:
@@ -454,15 +414,20 @@ def _parse_topic_rule(key: str, t: Any, c: CloudsSection, r: ReplicateSection) -
     for k in ("tags", "remotes", "groups"):
         with errs.check():
             fields[k] = _str_list(f"{key}.{k}", t.get(k, []))
-    names = {x.name for x in c.remotes}
-    for rn in fields.get("remotes", []):
-        if rn not in names:
-            errs.messages.append(
-                f"{key}.remotes: {_t(rn)} is not a configured remote; known: {', '.join(sorted(names)) or 'none'}")
-    if any(x.name == t["name"] for x in r.topics):
+    if any(x.name == t["name"] for x in before):
         errs.messages.append(f"{key}.name: topic {_t(t['name'])} has another rule already")
     errs.raise_if_any()
     return TopicRule(t["name"], fields["replicate"], fields["tags"], fields["remotes"], fields["groups"])
+
+
+def _check_rule_remotes(cfg: Config, errs: _Errors) -> None:
+    """Every remote a ``[[replicate.topic]]`` names is a ``[[clouds.remote]]``."""
+    names = {x.name for x in cfg.clouds.remotes}
+    for i, rule in enumerate(cfg.replicate.topics):
+        for rn in rule.remotes:
+            if rn not in names:
+                errs.messages.append(f"replicate.topic[{i}].remotes: {_t(rn)} is not a configured remote; known: "
+                                     f"{', '.join(sorted(names)) or 'none'}")
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -473,12 +438,13 @@ def from_dict(raw: dict[str, Any]) -> Config:
     """
     errs = _Errors()
     with errs.check():
-        _check_keys("", raw, set(_KNOWN) | set(sections()))
+        _check_keys("", raw, set(sections()))
     cfg = Config()
     for name in _DECLARED:  # the sections declared field by field (rmqfast.settings.engine)
         setattr(cfg, name, parse_section(type(getattr(cfg, name)), name, raw.get(name, {}), errs))
     _parse_limits(cfg, raw, errs)
-    _parse_clouds(cfg, raw, errs)
+    if not errs.any_under("clouds", "replicate"):
+        _check_rule_remotes(cfg, errs)
     with errs.check():
         if "acl" in raw:
             cfg.acl = parse_acl(raw["acl"])
@@ -499,14 +465,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
         _check_ports(cfg, errs)
     errs.raise_if_any()
     return cfg
-
-
-def _set(errs: _Errors, section: dict[str, Any], target: Any, where: str, key: str,
-         parse: Callable[[str, Any], Any]) -> None:
-    """``target.key = parse("where.key", value)`` when the section has the key; a problem is recorded."""
-    with errs.check():
-        if key in section:
-            setattr(target, key, parse(f"{where}.{key}", section[key]))
 
 
 def _parse_limits(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
