@@ -119,3 +119,20 @@ def test_a_section_is_declared_once() -> None:
     assert {"proxy", "namesrv", "brokers", "policy", "admin", "log", "records", "delay", "grpc"} <= set(specs)
     with pytest.raises(TypeError, match=r"section \[proxy\] is declared twice"):
         engine.section("proxy", "again")(Sample)
+
+
+def test_environment_knobs_are_documented_as_test_aids() -> None:
+    """No second, untyped configuration channel: every ``RMQFAST_*`` variable read in rmqfast/ is listed
+    in docs/testing.md's table of test and comparison aids."""
+    import re
+
+    root = Path(engine.__file__).resolve().parents[1]
+    used = set()
+    for path in root.rglob("*.py"):
+        used |= set(re.findall(r"environ(?:\.get|\.setdefault)?\(?\s*\[?[\"'](RMQFAST_[A-Z_]+)", path.read_text()))
+        used |= set(re.findall(r"getenv\([\"'](RMQFAST_[A-Z_]+)", path.read_text()))
+    assert {"RMQFAST_RELAY_REACTOR", "RMQFAST_URING", "RMQFAST_REACTOR_REPOLL"} <= used
+    table = (DOCS.parent / "testing.md").read_text().partition("## Environment variables")[2]
+    assert table, "docs/testing.md has no 'Environment variables' section"
+    missing = sorted(v for v in used if f"`{v}`" not in table)
+    assert not missing, f"read in rmqfast/ but not documented in docs/testing.md: {missing}"

@@ -25,6 +25,12 @@ def _default(f: dataclasses.Field[Any], s: Any) -> Any:
 
 
 def _cell(text: str) -> str:
+    """Table text: '|' escaped, '<' and '>' as entities (not taken for HTML tags)."""
+    return _code(text).replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _code(text: str) -> str:
+    """A code span's text in a table cell: only '|' escaped."""
     return text.replace("|", "\\|").replace("\n", " ")
 
 
@@ -41,7 +47,7 @@ def reference(specs: dict[str, SectionSpec]) -> str:
             continue
         out += ["| key | default | takes | what |", "|---|---|---|---|"]
         for f, s in decl:
-            out.append(f"| `{s.key or f.name}` | `{_cell(render(_default(f, s), s))}` | {_cell(expectation(s))} "
+            out.append(f"| `{s.key or f.name}` | `{_code(render(_default(f, s), s))}` | {_cell(expectation(s))} "
                        f"| {_cell(s.doc)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
