@@ -9,26 +9,38 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 
-.PHONY: system-deps install demo test test-unit test-pure test-integration lint docs clean bench bench-short bench-real bench-clouds bench-idle
+.PHONY: system-deps test-deps install demo test test-unit test-pure test-integration lint docs clean bench bench-short bench-real bench-clouds bench-idle bench-hostile
 
 $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# Java 17 and Maven run the real RocketMQ and its Java clients in the tests and the demo;
-# Chromium renders the Spark report in a headless browser in its test.
+# What `make demo` and `make test` both need, from Debian's packages when missing (apt-get: root or
+# sudo): Java 17 and Maven run the real RocketMQ and its Java clients; a C compiler and the Python
+# headers build the Cython extension; libnghttp2's headers the gRPC front's HTTP/2 server
+# ([grpc] server = "h2").
+PY_INCLUDE = $(shell $(BASE_PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 system-deps:
-	@command -v java >/dev/null && command -v mvn >/dev/null && command -v chromium >/dev/null || { \
-	  echo "installing Java 17, Maven and Chromium from Debian's packages"; \
-	  apt-get update -q && apt-get install -y -q openjdk-17-jdk-headless maven chromium; }
-	@# Go builds the rocketmq-client-go driver of the integration tests (godriver/, via the Go module proxy)
-	@command -v go >/dev/null || test -x /usr/local/go/bin/go || { \
-	  echo "installing Go from Debian's packages"; \
-	  apt-get update -q && apt-get install -y -q golang-go; }
-	@# libnghttp2's headers: setup.py builds the gRPC front's HTTP/2 server on it ([grpc] server = "h2")
+	@command -v java >/dev/null && command -v mvn >/dev/null || { \
+	  echo "installing Java 17 and Maven from Debian's packages"; \
+	  apt-get update -q && apt-get install -y -q openjdk-17-jdk-headless maven; }
+	@command -v cc >/dev/null && test -e "$(PY_INCLUDE)/Python.h" || { \
+	  echo "installing a C compiler and the Python headers from Debian's packages"; \
+	  apt-get update -q && apt-get install -y -q build-essential python3-dev; }
 	@test -e /usr/include/nghttp2/nghttp2.h || { \
 	  echo "installing libnghttp2-dev from Debian's packages"; \
 	  apt-get update -q && apt-get install -y -q libnghttp2-dev; }
+
+# Only the tests need these (the demo does not): Chromium renders the Spark report in a headless
+# browser in its test; Go builds the rocketmq-client-go driver of the integration tests (godriver/,
+# via the Go module proxy).
+test-deps:
+	@command -v chromium >/dev/null || { \
+	  echo "installing Chromium from Debian's packages (the report's browser test)"; \
+	  apt-get update -q && apt-get install -y -q chromium; }
+	@command -v go >/dev/null || test -x /usr/local/go/bin/go || { \
+	  echo "installing Go from Debian's packages (the Go client's integration tests)"; \
+	  apt-get update -q && apt-get install -y -q golang-go; }
 
 install: $(PYTHON) system-deps
 	$(PIP) install --quiet -e '.[test]'
@@ -43,7 +55,7 @@ demo: install
 # pure-Python reference the tests that touch a twin (marker "twin"); at the same time, in a
 # second lane, the integration tests against a real RocketMQ name server + broker and real
 # clients (tests/run_suite.sh says why and how).
-test: install lint docs
+test: install test-deps lint docs
 	PYTHON=$(PYTHON) bash tests/run_suite.sh
 
 test-unit: install
@@ -75,6 +87,11 @@ bench: install
 
 bench-idle: install
 	$(PYTHON) -m rmqfast.bench --idle
+
+# A steady client while 20,000 idle connections, descriptor exhaustion, slowloris, gRPC
+# half-prefaces and an admin flood hit one worker (~3 min; docs/benchmarks.md#hostile-load).
+bench-hostile: install
+	$(PYTHON) -m rmqfast.bench --hostile
 
 bench-short: install
 	$(PYTHON) -m rmqfast.bench --short

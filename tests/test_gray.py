@@ -212,10 +212,11 @@ class FakeCommands:
         return None if c is None else {"action": c[0], "at": c[1], **self.extra.get(group, {})}
 
 
-def make_filter(k: int = 1, queues: int = 4) -> tuple[GrayFilter, Clock, FakeCommands]:
+def make_filter(k: int = 1, queues: int = 4, handover: float = 0.0) -> tuple[GrayFilter, Clock, FakeCommands]:
+    """No hand-over fence unless asked (tests/test_gray_handover.py tests it)."""
     clock = Clock()
     cmds = FakeCommands()
-    cfg = GraySection(settle=5, grace=20, groups=[group(gray_queues=k)])
+    cfg = GraySection(settle=5, grace=20, handover=handover, groups=[group(gray_queues=k)])
     f = GrayFilter(cfg, lambda topic, broker: queues if broker == "broker-a" else None, cmds,  # type: ignore[arg-type]
                    broker_name=lambda addr, topic: "broker-a", clock=clock)
     return f, clock, cmds
@@ -481,8 +482,8 @@ def test_pull_carries_the_clients_own_subscription() -> None:
         {"groupName": G, "subscriptionDataSet": []}]}).encode()
     f.on_request(s, frame_of(RemotingCommand(C.HEART_BEAT, opaque=2, body=again)))
     fr = frame_of(RemotingCommand(C.PULL_MESSAGE, opaque=7, ext_fields={
-        "consumerGroup": G, "topic": T, "queueId": "3", "queueOffset": "4", "sysFlag": "5", "commitOffset": "3",
-        "subVersion": "5"}))
+        "consumerGroup": G, "topic": T, "queueId": "3", "queueOffset": "4", "sysFlag": "3", "commitOffset": "3",
+        "subVersion": "5"}))  # commit offset + suspend: what a push consumer sends
     before = decode_frame(fr.data).ext_fields
     assert f.on_request(s, fr) is None  # relayed, rewritten in place
     ext = decode_frame(fr.data).ext_fields
@@ -494,6 +495,10 @@ def test_pull_carries_the_clients_own_subscription() -> None:
         "consumerGroup": G, "topic": T, "queueId": "3", "queueOffset": "4", "sysFlag": "7", "subscription": "Z"}))
     data = fr.data
     assert f.on_request(s, fr) is None and fr.data is data  # names its subscription already: untouched
+    fr = frame_of(RemotingCommand(C.PULL_MESSAGE, opaque=9, ext_fields={
+        "consumerGroup": G, "topic": T, "queueId": "3", "queueOffset": "4", "sysFlag": "5", "subscription": "Z"}))
+    data = fr.data
+    assert f.on_request(s, fr) is None and fr.data is data  # subscription flag (4) without suspend: untouched
 
 
 def test_failover_moves_keep_the_share() -> None:

@@ -52,7 +52,7 @@ def _chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.skip("no chromium on PATH: `make system-deps` installs Debian's chromium (apt-get install chromium)")
+    pytest.skip("no chromium on PATH: `make test-deps` installs Debian's chromium (apt-get install chromium)")
 
 
 def _browser(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

@@ -55,5 +55,9 @@ Modules (each imports only those above it in this list, never this package's ``_
 * :mod:`~rmqfast.bench.run`: the null-broker bench (rounds x scenarios x targets).
 * :mod:`~rmqfast.bench.javarun`: what the Java-producer modes share; :mod:`~rmqfast.bench.real`
   (``--real``) and :mod:`~rmqfast.bench.clouds` (``--clouds``) are those modes.
+* :mod:`~rmqfast.bench.hostile_attack` (one attacker process: idle, exhaust, slowloris, HTTP
+  slowloris, gRPC half-preface, admin flood), :mod:`~rmqfast.bench.hostile_probe` (the listener
+  prober process), :mod:`~rmqfast.bench.hostile_report` (silences, health truth, RSS budget,
+  goals) and :mod:`~rmqfast.bench.hostile` (``--hostile``: the run).
 * :mod:`~rmqfast.bench.cli`: the command line (``main``), which picks the mode.
 """

@@ -36,6 +36,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--idle", action="store_true",
                     help="many mostly idle connections through one worker: RSS per connection and connection "
                          "setup rate, rmqfast vs HAProxy (see rmqfast bench --idle --help)")
+    ap.add_argument("--hostile", action="store_true",
+                    help="a steady client while idle floods, descriptor exhaustion, slowloris, gRPC half-prefaces "
+                         "and an admin flood hit one worker (see rmqfast bench --hostile --help)")
     ap.add_argument("--clouds", action="store_true",
                     help="cross-cloud mode instead: durable vs fast copies between two real RocketMQ clusters "
                          "(see rmqfast bench --clouds --help)")
@@ -71,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from rmqfast.bench import clouds
 
         return clouds.main(argv)
+    if "--hostile" in argv:
+        from rmqfast.bench import hostile
+
+        return hostile.main(argv)
     if "--idle" in argv:
         from rmqfast.bench import idleconns
 

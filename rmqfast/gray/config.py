@@ -31,6 +31,7 @@ class GraySection:
     grace: float = 30.0  # seconds without a live gray consumer before normal consumers take the gray queues
     drain_timeout: float = 120.0  # a promote waits for its drain (committed offsets at its marks), at most this long
     backlog_interval: float = 5.0  # seconds between backlog reads (metric, drains); 0: none (drains by time)
+    handover: float = 2.0  # seconds each phase change holds the group's pulls while its consumers rebalance (0: off)
     state_file: str = ""  # promote/abort commands shared by the workers; default <state_dir>/gray.json
     groups: list[GrayGroup] = field(default_factory=list)
 
@@ -101,11 +102,19 @@ def _parse_group(key: str, raw: Any) -> GrayGroup:
     return g
 
 
+def _handover(value: Any) -> float:
+    v = _seconds("gray.handover", value)
+    if 0 < v < 0.5 or v > 60:
+        raise ConfigError(f"gray.handover: {v:g} is not allowed; expected 0 (no hand-over fence or notification "
+                          "at a phase change) or 0.5 to 60 seconds (longer than the consumers need to rebalance)")
+    return v
+
+
 def parse_gray(raw: Any) -> GraySection:
     """The ``[gray]`` table, checked; a :class:`ConfigError` names the bad key and what is allowed."""
     if not isinstance(raw, dict):
         raise ConfigError(f"gray: expected a table, got {type(raw).__name__}")
-    allowed = {"settle", "grace", "drain_timeout", "backlog_interval", "state_file", "group"}
+    allowed = {"settle", "grace", "drain_timeout", "backlog_interval", "handover", "state_file", "group"}
     unknown = set(raw) - allowed
     if unknown:
         raise ConfigError(f"gray.{sorted(unknown)[0]}: unknown key; expected one of {', '.join(sorted(allowed))}")
@@ -124,6 +133,7 @@ def parse_gray(raw: Any) -> GraySection:
         if 0 < out.backlog_interval < 0.2:
             raise ConfigError(f"gray.backlog_interval: {out.backlog_interval:g} is not allowed; expected 0 "
                               "(no backlog reads) or at least 0.2 seconds")
+    out.handover = _handover(raw.get("handover", out.handover))
     sf = raw.get("state_file", "")
     if not isinstance(sf, str):
         raise ConfigError(f"gray.state_file: {sf!r} is not allowed; expected a path")

@@ -44,6 +44,7 @@ from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import V1_CODES, field_int, send_fields
 from rmqfast.gray.config import GrayGroup, GraySection
+from rmqfast.gray.handover import Handover, commit_of_pull, held_answer, run_due
 from rmqfast.gray.rules import (
     GRAY,
     NORMAL,
@@ -63,7 +64,7 @@ from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply,
 log = logging.getLogger("rmqfast.gray")
 
 QUERY_NOT_FOUND = 22
-FLAG_SUBSCRIPTION = 1 << 1  # PullSysFlag: the pull names its subscription
+FLAG_SUBSCRIPTION = 1 << 2  # PullSysFlag (commit offset 1, suspend 2, subscription 4, class filter 8)
 # reply messages carry a send header, and the broker stores them in its topic and queue
 _MAX_TRACKED = 10000
 RETRY_PREFIX = "%RETRY%"
@@ -94,6 +95,8 @@ class GrayMetrics:
             "rmqfast_gray_retries_kept_total",
             "A gray consumer's send-back (or retry-topic send) refused so that it consumes the message again",
             ["group"])
+        self.held = Counter("rmqfast_gray_pulls_held_total",
+                            "Pulls held during a hand-over fence (answered with no message when it ends)", ["group"])
         self.members = Gauge("rmqfast_gray_members", "Members of the group in the last consumer list seen",
                              ["group", "side"], multiprocess_mode="max")
 
@@ -137,6 +140,7 @@ class GrayFilter(Filter):
         start = clock()
         self.alive_at = {g: start for g in self.groups}  # last time a consumer list had a gray member
         self._phases: dict[str, Phase] = {}  # the phase each group was last seen in (logged on change)
+        self.handover = Handover(cfg.handover)  # the fence and notification at each phase change
 
     def request_slots(self) -> set[int]:
         return slots_of(self.CODES)
@@ -148,13 +152,25 @@ class GrayFilter(Filter):
 
     def phase(self, group: str) -> Phase:
         c = self.commands.command(group)
-        action, at = (c["action"], c["at"]) if c else (None, 0.0)
-        ph = phase(action, at, self.clock(), self.cfg.settle, c.get("drained_at") if c else None,
-                   self.cfg.drain_timeout)
+        action, at, drained = (c["action"], c["at"], c.get("drained_at")) if c else (None, 0.0, None)
+        lag = getattr(self.commands, "lead", 0.0)  # the workers' common view runs that far behind the file
+        ph = phase(action, at, self.clock() - lag, self.cfg.settle, drained, self.cfg.drain_timeout)
         if self._phases.get(group) is not ph:
             self._phases[group] = ph
             log.info("gray: phase", extra=ctx(group=group, phase=ph.value, action=action))
+        f, started = self.handover.seen(group, ph, self.clock())
+        if started:
+            log.info("gray: hand-over started (pulls of the group held, consumers notified to rebalance)",
+                     extra=ctx(group=group, phase=ph.value, previous=f.prev.value if f.prev else None,
+                               fence=self.cfg.handover, epoch=f.epoch))
         return ph
+
+    def tick(self, sessions: Any) -> None:
+        """Called a few times a second by the worker: phase changes are seen without waiting for a frame,
+        the group's consumers are notified, held pulls are answered when their fence ends."""
+        for group in self.groups:
+            self.phase(group)
+        run_due(self.handover, sessions, self.clock())
 
     def gray_alive(self, group: str) -> bool:
         return self.clock() - self.alive_at.get(group, 0.0) < self.cfg.grace
@@ -217,6 +233,7 @@ class GrayFilter(Filter):
             group = cd.get("groupName") if isinstance(cd, dict) else None
             if group not in self.groups:
                 continue
+            session.state.setdefault("gray_groups", set()).add(group)  # notified at each phase change
             for sd in cd.get("subscriptionDataSet") or ():  # empty in 5.x heartbeats that repeat the last one
                 if not isinstance(sd, dict) or not isinstance(sd.get("topic"), str):
                     continue
@@ -257,6 +274,8 @@ class GrayFilter(Filter):
         key = (g.group, topic, broker, qid)
         parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
         ph = self.phase(g.group)
+        if self.handover.fenced(g.group, self.clock()):
+            return self._fenced_pull(session, frame, cmd, key, side, gq, ph)
         if side is None or gq is None or not may_pull(side, ph, gq, self.gray_alive(g.group)):
             if len(parked) < _MAX_TRACKED:
                 parked.setdefault(key, ph)
@@ -266,18 +285,58 @@ class GrayFilter(Filter):
                    else "queue count unknown" if gq is None else f"queue owned by the other side ({ph.value})")
             remark = f"rmqfast gray: {topic} {broker} queue {qid} not pulled by this client: {why}"
             return reply(encode(make_response(cmd, C.SYSTEM_BUSY, remark)))
+        epoch = self.handover.epoch(g.group)
         if key in parked:  # this client's position for the queue is stale: start it from the committed offset
-            return self._offset_fix(session, frame, cmd, key, side)
+            return self._offset_fix(session, frame, cmd, key, side, epoch, False)
+        if session.state.get("gray_epochs", {}).get(key, 0) != epoch:
+            # its first pull since a hand-over: from the committed offset or its own position, the later
+            return self._offset_fix(session, frame, cmd, key, side, epoch, True)
         self._own_subscription(session, frame, cmd, g.group, topic)
-        if topic in g.topics:
-            # the broker may hold this pull (long polling) past a switch: its answer is checked again
-            pulls: dict[int, tuple[tuple[Any, ...], str, bool, RemotingCommand]] = session.state.setdefault(
-                "gray_pulls", {})
-            if len(pulls) >= _MAX_TRACKED:
-                pulls.clear()
-            pulls[frame.opaque] = (key, side, gq, cmd)
-            frame.want_response = True
+        # the broker may hold this pull (long polling) past a switch: its answer is checked again
+        pulls: dict[int, tuple[Any, ...]] = session.state.setdefault("gray_pulls", {})
+        if len(pulls) >= _MAX_TRACKED:
+            pulls.clear()
+        pulls[frame.opaque] = (key, side, gq, cmd, epoch)
+        frame.want_response = True
+        owned: dict[tuple[Any, ...], int] = session.state.setdefault("gray_owned", {})
+        if len(owned) >= _MAX_TRACKED:
+            owned.clear()
+        owned[key] = epoch  # it pulls the queue in this phase
         return None
+
+    def _fenced_pull(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
+                     side: str | None, gq: bool | None, ph: Phase) -> Verdict:
+        """A pull during a hand-over fence (:mod:`rmqfast.gray.handover`): held, answered with no message;
+        once the held pulls were answered, the next pull of the client of the phase before commits its
+        consumed offset first."""
+        group = key[0]
+        f = self.handover.groups[group]
+        owned = session.state.get("gray_owned", {})
+        if f.released and owned.get(key) == f.epoch - 1 and (commit := commit_of_pull(cmd)) is not None:
+            owned.pop(key, None)  # once per fence; after it, its first pull sets its position again
+            losing = side is None or gq is None or not may_pull(side, ph, gq, self.gray_alive(group))
+            if losing:  # if it gets the queue back: from the committed offset
+                session.state.setdefault("gray_parked", {}).setdefault(key, ph)
+            last: dict[int, tuple[RemotingCommand, bool]] = session.state.setdefault("gray_last_commits", {})
+            if len(last) >= _MAX_TRACKED:
+                last.clear()
+            last[frame.opaque] = (cmd, losing)
+            frame.want_response = True
+            offset = (commit.ext_fields or {}).get("commitOffset")
+            log.info("gray: consumed offset of the queue's last owner committed", extra=ctx(
+                group=group, queue=key[1:], offset=offset, losing=losing, client=session.client_addr))
+            return rewrite(encode(commit))
+        if self.metrics is not None:
+            self.metrics.held.labels(group).inc()
+        return self._hold(session, frame, cmd, group)
+
+    def _hold(self, session: Session, frame: Frame, pull: RemotingCommand, group: str) -> Verdict:
+        if frame.is_oneway:
+            return divert("gray: one-way pull during a hand-over")
+        if self.handover.hold(group, session, held_answer(pull)):
+            return divert("gray: pull held during a hand-over")
+        remark = "rmqfast gray: queues changing hands (too many pulls held)"
+        return reply(encode(make_response(pull, C.SYSTEM_BUSY, remark)))
 
     def _own_subscription(self, session: Session, frame: Frame, cmd: RemotingCommand, group: str, topic: str) -> None:
         """The pull carries this client's own subscription (``FLAG_SUBSCRIPTION``): the broker keeps one
@@ -295,7 +354,7 @@ class GrayFilter(Filter):
         frame._cmd = None
 
     def _offset_fix(self, session: Session, frame: Frame, cmd: RemotingCommand, key: tuple[Any, ...],
-                    side: str) -> Verdict:
+                    side: str, epoch: int, own_if_later: bool) -> Verdict:
         ext = cmd.ext_fields or {}
         q: dict[str, str] = {"consumerGroup": ext.get("consumerGroup", ""), "topic": ext.get("topic", ""),
                              "queueId": ext.get("queueId", ""), "setZeroIfNotFound": "false"}
@@ -303,10 +362,10 @@ class GrayFilter(Filter):
             q["bname"] = ext["bname"]
         query = RemotingCommand(code=C.QUERY_CONSUMER_OFFSET, language=cmd.language, version=cmd.version,
                                 opaque=cmd.opaque, flag=cmd.flag, ext_fields=q, serialize_type=cmd.serialize_type)
-        fixes: dict[int, tuple[tuple[Any, ...], RemotingCommand, str]] = session.state.setdefault("gray_fixes", {})
+        fixes: dict[int, tuple[Any, ...]] = session.state.setdefault("gray_fixes", {})
         if len(fixes) >= _MAX_TRACKED:
             fixes.clear()
-        fixes[frame.opaque] = (key, cmd, side)
+        fixes[frame.opaque] = (key, cmd, side, epoch, own_if_later)
         frame.want_response = True
         return rewrite(encode(query))
 
@@ -317,8 +376,16 @@ class GrayFilter(Filter):
         cmd, g, topic, qid, broker, side, gq = q
         ph = self.phase(g.group)
         parked_in = session.state.get("gray_parked", {}).get((g.group, topic, broker, qid))
-        ok = (side is not None and gq is not None and may_commit(side, ph, gq, self.gray_alive(g.group))
-              and (parked_in is None or parked_in is Phase.ABORTING))
+        alive = self.gray_alive(g.group)
+        f = self.handover.groups.get(g.group)
+        prev = f.prev if f is not None and self.handover.fenced(g.group, self.clock()) else None
+        # during a hand-over fence the old owner's last commits count too
+        allowed = side is not None and (may_commit(side, ph, gq, alive)
+                                        or (prev is not None and may_commit(side, prev, gq, alive)))
+        # since a hand-over, only a client that pulled the queue in this phase or the last one commits it
+        epoch = self.handover.epoch(g.group)
+        seen = epoch == 0 or session.state.get("gray_owned", {}).get((g.group, topic, broker, qid), -1) >= epoch - 1
+        ok = gq is not None and allowed and seen and (parked_in is None or parked_in is Phase.ABORTING)
         if ok:
             return None
         if self.metrics is not None:
@@ -426,26 +493,41 @@ class GrayFilter(Filter):
     # Responses ----------------------------------------------------------------------------------
 
     def on_response(self, session: Session, frame: Frame) -> Verdict | None:
+        cut: set[int] | None = session.state.get("gray_cut")
+        if cut and frame.opaque in cut:  # the proxy answered this pull when a hand-over started
+            cut.discard(frame.opaque)
+            return divert("gray: answer to a pull answered at a hand-over")
         lists: dict[int, str] | None = session.state.get("gray_lists")
         if lists and frame.opaque in lists:
             return self._consumer_list_response(session, frame, lists.pop(frame.opaque))
         fixes: dict[int, Any] | None = session.state.get("gray_fixes")
         if fixes and frame.opaque in fixes:
             return self._offset_answer(session, frame, *fixes.pop(frame.opaque))
+        last: dict[int, tuple[RemotingCommand, bool]] | None = session.state.get("gray_last_commits")
+        if last and frame.opaque in last:  # its last position is committed: the pull waits
+            pull, losing = last.pop(frame.opaque)
+            if not losing:
+                return self._hold(session, frame, pull, (pull.ext_fields or {}).get("consumerGroup", ""))
+            remark = f"rmqfast gray: queue handed over (last position committed: {frame.code})"
+            return rewrite(encode(make_response(pull, C.SYSTEM_BUSY, remark)))
         pulls: dict[int, Any] | None = session.state.get("gray_pulls")
         if pulls and frame.opaque in pulls:
             return self._pull_answer(session, frame, *pulls.pop(frame.opaque))
         return None
 
     def _pull_answer(self, session: Session, frame: Frame, key: tuple[Any, ...], side: str, gq: bool,
-                     pull: RemotingCommand) -> Verdict | None:
-        """The answer to a pull the broker held: if the queue changed hands meanwhile, the client gets
-        no message (its position stays) and the queue counts as parked for it."""
+                     pull: RemotingCommand, epoch: int) -> Verdict | None:
+        """The answer to a pull the broker held: if the queue changed hands meanwhile (or a hand-over
+        started), the client gets no message (its position stays) and the queue counts as parked for it
+        (a hand-over: its next pull starts from the committed offset or its own position)."""
         group = key[0]
-        if frame.code != C.SUCCESS or may_pull(side, self.phase(group), gq, self.gray_alive(group)):
+        if frame.code != C.SUCCESS:
+            return None
+        handed = epoch != self.handover.epoch(group) or self.handover.fenced(group, self.clock())
+        if not handed and may_pull(side, self.phase(group), gq, self.gray_alive(group)):
             return None
         parked: dict[tuple[Any, ...], Phase] = session.state.setdefault("gray_parked", {})
-        if len(parked) < _MAX_TRACKED:
+        if not handed and len(parked) < _MAX_TRACKED:
             parked.setdefault(key, self.phase(group))
         if self.metrics is not None:
             self.metrics.answers_dropped.labels(group, side).inc()
@@ -482,17 +564,24 @@ class GrayFilter(Filter):
         return rewrite(frame.with_body(json.dumps({"consumerIdList": shown}, separators=(",", ":")).encode()))
 
     def _offset_answer(self, session: Session, frame: Frame, key: tuple[Any, ...], pull: RemotingCommand,
-                       side: str) -> Verdict:
+                       side: str, epoch: int, own_if_later: bool) -> Verdict:
         resp = frame.command()
         ext = resp.ext_fields or {}
+        own = field_int((pull.ext_fields or {}).get("queueOffset"))
         if resp.code == C.SUCCESS and field_int(ext.get("offset"), -1) >= 0:
             offset = field_int(ext.get("offset"))
+            if own_if_later:  # a client that kept its queue goes on (what it pulled, it was given)
+                offset = max(offset, own)
         elif resp.code in (C.SUCCESS, QUERY_NOT_FOUND):  # never committed: the client's own position stands
-            offset = field_int((pull.ext_fields or {}).get("queueOffset"))
+            offset = own
         else:
             remark = f"rmqfast gray: committed offset not readable ({resp.code} {resp.remark})"
             return rewrite(encode(make_response(pull, C.SYSTEM_BUSY, remark)))
         session.state.get("gray_parked", {}).pop(key, None)
+        epochs: dict[tuple[Any, ...], int] = session.state.setdefault("gray_epochs", {})
+        if len(epochs) >= _MAX_TRACKED:
+            epochs.clear()
+        epochs[key] = epoch
         if self.metrics is not None:
             self.metrics.fixes.labels(key[0], side).inc()
         log.info("gray: queue handed over from the committed offset",
@@ -504,5 +593,7 @@ class GrayFilter(Filter):
                                             ext_fields=out)))
 
     def on_close(self, session: Session) -> None:
-        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged"):
+        for k in ("gray_lists", "gray_fixes", "gray_parked", "gray_pulls", "gray_subs", "gray_drop_logged",
+                  "gray_epochs", "gray_groups", "gray_owned", "gray_last_commits", "gray_cut"):
             session.state.pop(k, None)
+

@@ -136,14 +136,20 @@ def mark_drain(path: Path, group: str, action: str, at: float, outcome: str, whe
 
 
 class Commands:
-    """A worker's view of the file, refreshed at most once per ``interval`` seconds."""
+    """A worker's view of the file, refreshed at most once per ``interval`` seconds.
 
-    def __init__(self, path: Path, interval: float = 1.0) -> None:
+    With ``lead`` > 0 the view runs ``lead`` seconds behind the file: a version of the file counts
+    from its modification time plus ``lead`` (the phase is then computed at ``now - lead``,
+    :attr:`lead`), so every worker, having read it within ``lead``, switches at the same instant."""
+
+    def __init__(self, path: Path, interval: float = 1.0, lead: float = 0.0) -> None:
         self.path = path
         self.interval = interval
+        self.lead = lead
         self._checked = 0.0
         self._mtime: float | None = None
         self._cmds: dict[str, dict[str, Any]] = {}
+        self._versions: list[tuple[float, dict[str, dict[str, Any]]]] = []  # (mtime, commands), oldest first
 
     def get(self, group: str) -> tuple[str | None, float]:
         c = self.command(group)
@@ -161,4 +167,12 @@ class Commands:
             if mtime != self._mtime:
                 self._mtime = mtime
                 self._cmds = read_commands(self.path) if mtime is not None else {}
-        return self._cmds.get(group)
+                self._versions = [*self._versions[-7:], (mtime or 0.0, self._cmds)]
+        if self.lead <= 0 or not self._versions:
+            return self._cmds.get(group)
+        due = time.time() - self.lead
+        cur: dict[str, dict[str, Any]] = self._versions[0][1]
+        for mtime_, cmds in self._versions:
+            if mtime_ <= due:
+                cur = cmds
+        return cur.get(group)

@@ -219,6 +219,7 @@ class Worker:
         gray: list[Filter] = [self._gray_filter()] if self.cfg.gray.enabled else []
         if not gray:
             self.failover.place = None
+            self.gray = None
         # [failover] resend: copies of the sends in flight, for a resend when their broker dies (last:
         # what it keeps is what the broker was sent)
         keep: list[Filter] = ([KeepSendsInFlight(everything=fo.resend == "all")]
@@ -264,8 +265,14 @@ class Worker:
             return self.book.broker_name_of(addr)
 
         g = self.cfg.gray
-        commands = Commands(state_path(g.state_file, self.cfg.proxy.state_dir))
+        # every worker reads the file within 0.35 s (0.25 s + its 0.1 s tick) and switches 0.5 s after it was
+        # written: all at the same instant (a client rebalancing meanwhile sees one phase everywhere)
+        commands = Commands(state_path(g.state_file, self.cfg.proxy.state_dir), interval=0.25,
+                            lead=0.5 if g.handover > 0 else 0.0)
         gray = GrayFilter(g, queues, commands, gray_metrics(), broker_name=broker_name)
+        old = getattr(self, "gray", None)
+        gray.handover.carry(old.handover if old is not None else None)  # a reload keeps the fences under way
+        self.gray = gray
         self.failover.place = gray.place  # sends the failover service moves keep their share
         return gray
 
@@ -371,6 +378,7 @@ class Worker:
         gevent.spawn(self._publish_loop)
         gevent.spawn(self._idle_loop)
         gevent.spawn(self._stall_loop)
+        gevent.spawn(self._gray_loop)
         if self.cfg.failover.enabled:
             self._watch_brokers()
         self.metrics.workers_up.set(1)
@@ -624,6 +632,19 @@ class Worker:
                 self.health.report_stalls(stalled_sends(with_requests(self.tables), now), now)
             except Exception:
                 log.exception("stalled-send sweep failed")
+
+    def _gray_loop(self) -> None:
+        """[gray]: phase changes seen within 0.1 s, consumers notified, held pulls answered
+        (:meth:`rmqfast.gray.filter.GrayFilter.tick`)."""
+        while not self.draining:
+            gevent.sleep(0.1)
+            gray = getattr(self, "gray", None)
+            if gray is None or not self.cfg.gray.enabled:
+                continue
+            try:
+                gray.tick(self.sessions)
+            except Exception:
+                log.exception("gray hand-over tick failed")
 
     def _idle_loop(self) -> None:
         """Close connections idle for longer than ``proxy.idle_timeout`` (checked a few times per period)."""
