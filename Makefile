@@ -42,10 +42,16 @@ test-deps:
 	  echo "installing Go from Debian's packages (the Go client's integration tests)"; \
 	  apt-get update -q && apt-get install -y -q golang-go; }
 
-install: $(PYTHON) system-deps
+# The pip install (and the build of the extensions) runs again only when what it reads changed: the
+# package metadata, the build script or a compiled source (a warm `make demo` skips it).
+STAMP := $(VENV)/.rmqfast-installed
+install: system-deps $(STAMP)
+
+$(STAMP): $(PYTHON) pyproject.toml setup.py $(wildcard ext/*) $(wildcard rmqfast/grpcfront/_h2build.py)
 	$(PIP) install --quiet -e '.[test]'
 	$(PYTHON) -c "import rmqfast.codec as c; assert c.IMPLEMENTATION == 'compiled', 'Cython extension not built'"
 	$(PYTHON) -c "import rmqfast.grpcfront._h2" || { echo 'rmqfast.grpcfront._h2 (libnghttp2) not built'; exit 1; }
+	touch $@
 
 demo: install
 	$(PYTHON) -m rmqfast demo

@@ -1,4 +1,4 @@
-"""What the ``[acl]`` topic allowlist costs (rmqfast.proxy.acl).
+"""What the ``[acl]`` topic allowlist costs (rmqfast.proxy.acl, rmqfast.filters.acl).
 
 Starts the null broker and two ``rmqfast serve`` (2 workers each, one static endpoint to the null
 broker, ``policy.message_addresses = "off"`` so answers stay in C in both): ``off`` without

@@ -38,7 +38,8 @@ from rmqfast.bench.nullbroker import NullBroker  # noqa: E402
 from rmqfast.codec import codes as C  # noqa: E402
 from rmqfast.codec.command import RemotingCommand, encode  # noqa: E402
 from rmqfast.config import HostPort  # noqa: E402
-from rmqfast.proxy.policy import DenyAdminCodes, FilterChain  # noqa: E402
+from rmqfast.filters.api import FilterChain  # noqa: E402
+from rmqfast.filters.deny import DenyAdminCodes  # noqa: E402
 from rmqfast.proxy.relay import RelaySettings, Session  # noqa: E402
 from rmqfast.server.worker import RelayServer  # noqa: E402
 

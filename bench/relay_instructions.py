@@ -91,7 +91,8 @@ def serve(upstream_port: int, scenario: str, runtime: Path, conns: int = 1) -> N
     from rmqfast.codec import ScanStats
     from rmqfast.codec import codes as C
     from rmqfast.config import HostPort
-    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+    from rmqfast.filters.api import FilterChain
+    from rmqfast.filters.deny import DenyAdminCodes
     from rmqfast.proxy.relay import RelaySettings, Session
 
     limits = None
@@ -114,7 +115,7 @@ def serve(upstream_port: int, scenario: str, runtime: Path, conns: int = 1) -> N
     kwargs = {}
     if limits is not None:
         try:  # send limits are a filter of the chain (the worker's broker chain)
-            from rmqfast.limits.filter import SendLimitFilter
+            from rmqfast.filters.limits import SendLimitFilter
 
             filters.append(SendLimitFilter(limits))
         except ImportError:  # older trees: the session took them
@@ -133,7 +134,7 @@ def serve(upstream_port: int, scenario: str, runtime: Path, conns: int = 1) -> N
 
         filters.append(KeepSendsInFlight(everything=scenario == "send-kept"))
     if scenario.startswith(("pull", "send-ids")):  # last but one, as in the worker's broker chain
-        from rmqfast.proxy.addresses import RewriteMessageAddresses
+        from rmqfast.filters.addresses import RewriteMessageAddresses
 
         mode = {"pull-off": "off", "pull": "records", "send-ids": "all", "send-ids-records": "records"}[scenario]
         filters.append(RewriteMessageAddresses(_Registry(), mode))  # type: ignore[arg-type]

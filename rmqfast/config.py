@@ -249,6 +249,9 @@ class ReplicateSection:
     max_in_flight: int = setting(1024, lo=1, hi=1_000_000, doc="copies in flight per delivery process")
     retry_initial: float = setting(0.1, kind="duration", lo=0.001, hi=60, doc="first retry of a failed copy")
     retry_max: float = setting(5.0, kind="duration", lo=0.01, hi=3600, doc="longest wait between retries")
+    order_hold_max: float = setting(30.0, kind="duration", lo=0, hi=3600,
+                                    doc="a deliver process holds the other workers' copies after a worker's link "
+                                    "broke, until its replacement handed over the copies it inherited")
     topics: list[TopicRule] = setting(factory=list, key="topic", parse=lambda k, v: _topic_rules(k, v),
                                       expect="[[replicate.topic]] tables of name, replicate, tags, remotes, groups",
                                       doc="per-topic rules")

@@ -21,15 +21,15 @@ from rmqfast.codec import code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.errors import ConfigError
+from rmqfast.filters.acl import AclTopics
+from rmqfast.filters.api import FilterChain, Frame
 from rmqfast.proxy.acl import (
     TOPIC_FIELDS,
     AclSection,
-    AclTopics,
     access_key_repeated,
     parse_acl,
     read_fields,
 )
-from rmqfast.proxy.policy import FilterChain, Frame
 from rmqfast.testing.aclsign import sign, signature
 
 BASE = {"namesrv": {"listen": "127.0.0.1:19876", "upstreams": ["10.0.0.1:9876"]}}

@@ -513,3 +513,25 @@ def test_one_client_address_cannot_take_every_slot(serve, monkeypatch: pytest.Mo
     assert counted(("2001:db8:1:2::5", 1)) == counted(("2001:db8:1:2:ffff::9", 1)) == "2001:db8:1:2::/64"
     assert counted(("::ffff:10.1.2.3", 1)) == counted(("10.1.2.3", 1)) == "10.1.2.3"
     assert counted(("127.0.0.1", 1)) is None and counted(("::1", 1)) is None
+
+
+def test_prometheus_client_is_imported_before_the_first_scrape() -> None:
+    """Issue 30, hostile run of 22:00: the first scrapes of an admin flood imported
+    prometheus_client lazily from several handler threads at once, and some saw it half
+    initialised (``ImportError: cannot import name 'Counter' from partially initialized module``):
+    /metrics answered 500.  The endpoint imports it in the thread that starts it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from rmqfast.config import HostPort\n"
+        "from rmqfast.server.admin import AdminServer\n"
+        "assert 'prometheus_client' not in sys.modules, 'imported before: the test proves nothing'\n"
+        "srv = AdminServer(HostPort('127.0.0.1', 0), object())\n"
+        "srv.start()\n"
+        "srv.shutdown()\n"
+        "assert 'prometheus_client.multiprocess' in sys.modules, 'not imported at start'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -16,7 +16,8 @@ from rmqfast.codec import admincodes
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.errors import ConfigError
-from rmqfast.proxy.policy import DenyAdminCodes, Frame, Kind, deny_hint
+from rmqfast.filters.api import Frame, Kind
+from rmqfast.filters.deny import DenyAdminCodes, deny_hint
 
 #: a read-only admin code (brokerStatus, clusterList)
 GET_BROKER_RUNTIME_INFO = admincodes.READ_ONLY_BROKER["GET_BROKER_RUNTIME_INFO"]

@@ -36,7 +36,7 @@ from rmqfast.delay.semantics import DelayInvalid, due_ms, strip_delay
 from rmqfast.delay.service import HELD_QUEUE_OFFSET, MESSAGE_ILLEGAL, DelayService
 from rmqfast.delay.settings import parse_delay
 from rmqfast.delay.store import DelayStore, Held, StoreFull, due_key, split_due_key
-from rmqfast.proxy.policy import Frame, Kind
+from rmqfast.filters.api import Frame, Kind
 from rmqfast.spill.record import CopyRecord
 from rmqfast.spill.store import SpillStore
 

@@ -19,6 +19,8 @@ from gevent.server import StreamServer
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.config import HostPort
+from rmqfast.filters.api import Frame
+from rmqfast.filters.goaway import V5_3_1, GoAway
 from rmqfast.proxy.failover import (
     SERVICE_NOT_AVAILABLE,
     FailoverService,
@@ -30,9 +32,7 @@ from rmqfast.proxy.failover import (
     retarget,
     send_info,
 )
-from rmqfast.proxy.goaway import V5_3_1, GoAway
 from rmqfast.proxy.health import BrokerHealth, FailoverSection
-from rmqfast.proxy.policy import Frame
 from tests.test_relay import Events as RelayEvents
 from tests.test_relay import connect as relay_connect
 from tests.test_relay import (
@@ -598,7 +598,7 @@ def test_a_send_failing_on_a_reset_broker_connection_still_answers_what_is_in_fl
 
 
 def test_draining_session_close_rule() -> None:
-    from rmqfast.proxy.goaway import QUIET, may_close
+    from rmqfast.filters.goaway import QUIET, may_close
 
     class S:
         def __init__(self, **state: Any) -> None:
@@ -614,8 +614,9 @@ def test_a_draining_worker_makes_one_go_away_chain_per_chain_not_per_session() -
     """A drain puts GoAway first in every open session's chain; sessions of a role share its chain,
     so 10,000 sessions get one new chain each role (not 10,000: seconds of a blocked event loop)."""
     from rmqfast.codec import ACTION_POLICY, CODE_SLOTS
-    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
-    from rmqfast.server.worker import go_away_from_now_on
+    from rmqfast.filters.api import FilterChain
+    from rmqfast.filters.deny import DenyAdminCodes
+    from rmqfast.filters.goaway import go_away_from_now_on
 
     broker, namesrv = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)]), FilterChain([])
 
@@ -884,10 +885,11 @@ def test_kept_sends_in_flight_are_resent_when_the_broker_connection_dies(
     answering SUCCESS with a queue id of its own) and the client gets those answers with its
     opaques; a send not kept (``policy`` with no other filter taking sends to Python) gets
     SYSTEM_ERROR, as before."""
+    from rmqfast.filters.api import Filter as PolicyFilter
+    from rmqfast.filters.api import FilterChain, Verdict
+    from rmqfast.filters.deny import DenyAdminCodes
     from rmqfast.proxy import relay
     from rmqfast.proxy.failover import KeepSendsInFlight
-    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain, Verdict
-    from rmqfast.proxy.policy import Filter as PolicyFilter
     from rmqfast.proxy.relay import RelaySettings, Session
 
     scanner, stats_cls, c_pump = relay_twin.FrameScanner, relay_twin.ScanStats, relay_twin.pump
@@ -996,8 +998,9 @@ def test_resend_policy_leaves_the_fast_path_as_it_is() -> None:
     """``resend = "policy"``: the scanner's action table is the one without the keeper (sends stay
     on the compiled path); ``"all"`` hands sends to Python."""
     from rmqfast.codec import code_slot
+    from rmqfast.filters.api import FilterChain
+    from rmqfast.filters.deny import DenyAdminCodes
     from rmqfast.proxy.failover import KeepSendsInFlight
-    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 
     base = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES)])
     policy = FilterChain([DenyAdminCodes(C.BROKER_DATA_PLANE_CODES), KeepSendsInFlight(everything=False)])

@@ -19,8 +19,9 @@ from rmqfast.codec.command import FLAG_ONEWAY, FLAG_RESPONSE, RemotingCommand, d
 from rmqfast.codec.properties import format_properties
 from rmqfast.codec.sendheader import send_fields
 from rmqfast.errors import ConfigError
+from rmqfast.filters.api import FilterChain, Frame, Kind
+from rmqfast.filters.gray import GrayFilter
 from rmqfast.gray.config import GrayGroup, GraySection, parse_gray
-from rmqfast.gray.filter import GrayFilter
 from rmqfast.gray.rules import (
     ANY,
     GRAY,
@@ -38,7 +39,6 @@ from rmqfast.gray.rules import (
 )
 from rmqfast.gray.state import Commands, read_commands, write_command
 from rmqfast.proxy.failover import KeepSendsInFlight
-from rmqfast.proxy.policy import FilterChain, Frame, Kind
 
 G = "orders-cg"
 T = "orders"

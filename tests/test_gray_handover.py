@@ -12,10 +12,10 @@ from test_gray import FakeSession, G, T, frame_of, heartbeat, make_filter, pull
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import FLAG_ONEWAY, FLAG_RESPONSE, RemotingCommand, decode_frame
 from rmqfast.errors import ConfigError
+from rmqfast.filters.api import Kind
 from rmqfast.gray.config import parse_gray
 from rmqfast.gray.handover import Handover
 from rmqfast.gray.rules import Phase
-from rmqfast.proxy.policy import Kind
 
 
 class Conn(FakeSession):

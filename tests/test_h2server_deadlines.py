@@ -236,7 +236,7 @@ def test_grpcio_server_closes_a_half_preface_at_the_deadline() -> None:
 def test_the_free_heap_is_given_back_once_many_connections_closed(pb: Any) -> None:  # noqa: F811
     """After a peak of connections closes, the sweep calls malloc_trim (issue 30, finding 7: glibc
     kept the freed sessions' heap, so RSS stayed at its peak; bench/grpc_conn_memory.py measures it)."""
-    from rmqfast.grpcfront import heap
+    from rmqfast import heap
 
     if heap._malloc_trim() is None:
         pytest.skip("no glibc malloc_trim")
@@ -258,7 +258,7 @@ def test_the_free_heap_is_given_back_once_many_connections_closed(pb: Any) -> No
 
 
 def test_a_trim_waits_for_a_quarter_of_the_peak_to_close() -> None:
-    from rmqfast.grpcfront import heap
+    from rmqfast import heap
 
     class G:
         peak = 1000

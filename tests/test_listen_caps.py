@@ -57,6 +57,7 @@ def test_caps_refuse_past_the_client_cap_and_the_worker_cap() -> None:
     assert caps.admit("10.0.0.2") == ("10.0.0.2", "")
     assert caps.admit("10.0.0.3")[1] == ""
     assert caps.admit("10.0.0.4")[1] == "worker"  # 5 open
+    assert caps.admit("10.0.0.1")[1] == "client"  # its own cap is named first
     caps.release("10.0.0.1")
     assert caps.open == 4 and caps.by_client["10.0.0.1"] == 2
     assert caps.admit("10.0.0.4")[1] == ""
@@ -362,7 +363,8 @@ def test_configured_caps_and_a_reload_that_changes_them(namesrv) -> None:
             held[-1].sendall(encode(RemotingCommand(code=C.GET_KV_CONFIG, opaque=next(_opaques),
                                                     ext_fields={"namespace": "N", "key": "K"})))
             assert read_frame(held[-1]) is not None
-            assert refused_at_once("127.0.0.4", port)  # the worker's cap
+            # the worker's cap: no longer a refusal while a connection is idle (an eviction:
+            # tests/test_listen_evict.py, which also shows the refusal when none is)
             proxy.proxy_settings = "max_connections = 10\nmax_connections_per_client = 3\n"
             proxy._write_config()
             proxy.reload()
@@ -374,4 +376,3 @@ def test_configured_caps_and_a_reload_that_changes_them(namesrv) -> None:
         finally:
             close_all(held)
     assert metrics[("rmqfast_connections_refused_total", (("cap", "client"), ("role", "namesrv")))] >= 1
-    assert metrics[("rmqfast_connections_refused_total", (("cap", "worker"), ("role", "namesrv")))] >= 1

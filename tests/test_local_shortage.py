@@ -14,8 +14,9 @@ from gevent import socket
 from rmqfast.codec import ScanStats
 from rmqfast.codec import codes as C
 from rmqfast.config import HostPort
+from rmqfast.filters.api import FilterChain
+from rmqfast.filters.deny import DenyAdminCodes
 from rmqfast.proxy import relay
-from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.server.accept import ConnectionCaps
 from rmqfast.server.worker import Worker
@@ -73,6 +74,8 @@ def test_the_worker_suspects_the_broker_only_when_the_failure_was_not_its_own(mo
             labels=lambda where: SimpleNamespace(inc=lambda: shortage.append(where)))),
         metrics=SimpleNamespace(connections_active=SimpleNamespace(
             labels=lambda role: SimpleNamespace(dec=lambda: None))),
+        evictor=SimpleNamespace(blocked="", check=lambda: None),
+        trimmer=SimpleNamespace(maybe_trim=lambda n, counts: False),
     )
     for code in (errno.EMFILE, errno.ECONNREFUSED):
         fake.caps.admit("127.0.0.9")

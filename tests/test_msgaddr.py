@@ -17,8 +17,8 @@ from rmqfast.codec.msgaddr import (
     patch_store_hosts,
 )
 from rmqfast.codec.store import BORNHOST_V6_FLAG, STOREHOST_V6_FLAG, StoreRecord, decode_records, encode_records
-from rmqfast.proxy.addresses import RewriteMessageAddresses
-from rmqfast.proxy.policy import Frame, Kind
+from rmqfast.filters.addresses import RewriteMessageAddresses
+from rmqfast.filters.api import Frame, Kind
 
 REAL = "10.1.2.3:10911"
 OTHER = "10.1.2.4:10911"

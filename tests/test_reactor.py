@@ -15,8 +15,9 @@ from rmqfast import codec
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.config import HostPort
+from rmqfast.filters.api import FilterChain
+from rmqfast.filters.deny import DenyAdminCodes
 from rmqfast.proxy import relay
-from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.testing.wire import read_frame
 

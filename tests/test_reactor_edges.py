@@ -612,7 +612,8 @@ class Relayed:
 
         from rmqfast.codec import codes as C
         from rmqfast.config import HostPort
-        from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+        from rmqfast.filters.api import FilterChain
+        from rmqfast.filters.deny import DenyAdminCodes
         from rmqfast.proxy.relay import RelaySettings, Session
 
         self.mode = mode
@@ -922,8 +923,9 @@ def test_close_while_connecting_upstream(monkeypatch):
 
     from rmqfast.codec import codes as C
     from rmqfast.config import HostPort
+    from rmqfast.filters.api import FilterChain
+    from rmqfast.filters.deny import DenyAdminCodes
     from rmqfast.proxy import relay
-    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 
     started, gate = Event(), Event()
     real = relay.connect_plain
@@ -981,7 +983,8 @@ def test_tls_close_notify_right_after_the_last_record(tmp_path, full_record, req
     from gevent.server import StreamServer
 
     from rmqfast.codec import codes as C
-    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+    from rmqfast.filters.api import FilterChain
+    from rmqfast.filters.deny import DenyAdminCodes
     from rmqfast.proxy.relay import RelaySettings, Session
     from rmqfast.proxy.tls import TlsContexts, parse_tls
     from rmqfast.testing.tlscerts import make_certs

@@ -384,8 +384,9 @@ def test_relay_maps_store_hosts_in_the_scanner_after_the_first_answer(relay_impl
     from gevent.server import StreamServer
 
     from rmqfast.config import HostPort
-    from rmqfast.proxy.addresses import RewriteMessageAddresses
-    from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
+    from rmqfast.filters.addresses import RewriteMessageAddresses
+    from rmqfast.filters.api import FilterChain
+    from rmqfast.filters.deny import DenyAdminCodes
     from rmqfast.proxy.relay import RelaySettings, Session
     from rmqfast.testing.wire import read_frame
     from tests.test_relay import Events
@@ -429,8 +430,8 @@ def test_relay_maps_store_hosts_in_the_scanner_after_the_first_answer(relay_impl
 
 
 def test_filter_maps_what_the_scanner_left_and_fills_its_maps() -> None:
-    from rmqfast.proxy.addresses import RewriteMessageAddresses
-    from rmqfast.proxy.policy import Filter, FilterChain, Frame, Kind, slots_of
+    from rmqfast.filters.addresses import RewriteMessageAddresses
+    from rmqfast.filters.api import Filter, FilterChain, Frame, Kind, slots_of
 
     f = RewriteMessageAddresses(Registry(), "records")  # type: ignore[arg-type]
     amap = f.address_map(False)

@@ -16,8 +16,9 @@ from rmqfast import codec
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
 from rmqfast.config import HostPort
+from rmqfast.filters.api import FilterChain
+from rmqfast.filters.deny import DenyAdminCodes
 from rmqfast.proxy import relay
-from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.testing.wire import read_frame
 
@@ -360,7 +361,7 @@ def test_requests_are_timed_and_their_results_counted(proxy):
 def test_only_marked_responses_reach_the_filter(proxy, monkeypatch):
     """A filter marks the sends it wants answers to; the scanner stops at those answers only,
     and on_close tells the filter about the connection going away."""
-    from rmqfast.proxy.policy import Filter, slots_of
+    from rmqfast.filters.api import Filter, slots_of
 
     class Marker(Filter):
         wants_marked_responses = True

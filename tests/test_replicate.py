@@ -20,7 +20,7 @@ from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_re
 from rmqfast.codec.properties import format_properties, parse_properties
 from rmqfast.deliver import protocol as P
 from rmqfast.errors import ConfigError
-from rmqfast.proxy.policy import Frame
+from rmqfast.filters.api import Frame
 from rmqfast.replicate.filter import ReplicateFilter
 from rmqfast.replicate.replicator import Replicator
 from rmqfast.spill.record import CopyRecord
@@ -60,7 +60,7 @@ class FakeDeliverer:
             if not data:
                 return
             for kind, payload in reader.feed(data):
-                if kind == P.COPY:
+                if kind in (P.COPY, P.RESEND):
                     seq, remote, raw = P.parse_copy(memoryview(payload))
                     self.copies.append((seq, remote, CopyRecord.decode(raw)))
                     if self.auto_ack:

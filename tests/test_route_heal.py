@@ -7,9 +7,9 @@ from typing import Any
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, encode
 from rmqfast.codec.route import PERM_WRITE, BrokerAddr, parse_route, rewrite_broker_addrs
+from rmqfast.filters.api import Frame
+from rmqfast.filters.routes import RewriteRoutes
 from rmqfast.proxy.failover import RouteBook
-from rmqfast.proxy.policy import Frame
-from rmqfast.proxy.routes import RewriteRoutes
 from tests.test_codec_route import LEGACY_ROUTE, STANDARD_ROUTE
 
 

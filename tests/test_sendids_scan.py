@@ -21,8 +21,8 @@ from rmqfast.codec import _scan_py
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.codec.msgaddr import header_field_span, host_bytes, patch_offset_ids
-from rmqfast.proxy.addresses import RewriteMessageAddresses
-from rmqfast.proxy.policy import Frame, Kind
+from rmqfast.filters.addresses import RewriteMessageAddresses
+from rmqfast.filters.api import Frame, Kind
 from tests.test_scan import run
 
 CM = codec.compiled_twin()

@@ -18,21 +18,12 @@ from rmqfast import codec
 from rmqfast.codec import code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode, make_response
+from rmqfast.filters.api import Filter, FilterChain, Frame, Kind, Verdict, close, divert, rewrite
+from rmqfast.filters.deny import DenyAdminCodes
+from rmqfast.filters.limits import SendLimitFilter
 from rmqfast.limits import create_shared, parse_limits
-from rmqfast.limits.filter import SendLimitFilter
 from rmqfast.limits.worker import WorkerLimits
 from rmqfast.proxy.core import PumpState, SessionCore, Writer
-from rmqfast.proxy.policy import (
-    DenyAdminCodes,
-    Filter,
-    FilterChain,
-    Frame,
-    Kind,
-    Verdict,
-    close,
-    divert,
-    rewrite,
-)
 from tests.twins import Twin
 
 

@@ -34,12 +34,12 @@ from rmqfast.codec.command import (
 )
 from rmqfast.config import Config
 from rmqfast.errors import ConfigError
+from rmqfast.filters.api import Frame, Kind
 from rmqfast.limits import LimiterC, create_shared
 from rmqfast.limits import cli as limits_cli
 from rmqfast.limits.rules import LimitRule, parse_limits
 from rmqfast.limits.shaper import SHAPED_QUEUE_OFFSET, Shaper, shape_send, shaped_answer
 from rmqfast.limits.worker import WorkerLimits
-from rmqfast.proxy.policy import Frame, Kind
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX
 from rmqfast.testing.proxy import ProxyProcess
 

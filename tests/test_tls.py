@@ -22,8 +22,9 @@ from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, decode_frame, encode
 from rmqfast.config import HostPort
 from rmqfast.errors import ConfigError
+from rmqfast.filters.api import FilterChain
+from rmqfast.filters.deny import DenyAdminCodes
 from rmqfast.proxy import relay
-from rmqfast.proxy.policy import DenyAdminCodes, FilterChain
 from rmqfast.proxy.relay import RelaySettings, Session
 from rmqfast.proxy.tls import TlsContexts, TlsSection, TlsSocket, is_tls, parse_tls
 from rmqfast.testing.tlscerts import CertSet, serial_of

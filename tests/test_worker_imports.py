@@ -101,7 +101,7 @@ def test_aclsign_signs_with_hashlib_imported_on_use() -> None:
 
 
 def test_spill_dir_is_the_spill_stores_worker_dir(tmp_path: Path) -> None:
-    from rmqfast.server.worker import spill_dir
+    from rmqfast.server.services import spill_dir
     from rmqfast.spill.store import worker_dir
 
     for index in (0, 3, 17):

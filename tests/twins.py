@@ -76,8 +76,10 @@ def all_twins() -> list[Twin]:
 #: tests/test_twin_marks.py keeps this list complete.
 TWIN_FILES = frozenset({
     "test_acl.py", "test_admin_http.py", "test_batchflag.py", "test_bench_smoke.py", "test_cext.py",
+    "test_check_config.py", "test_filter_order.py", "test_sendids_scan.py",
     "test_delay.py", "test_failover.py", "test_failover_policy.py", "test_gray.py", "test_grpcfront.py",
-    "test_h2server_deadlines.py", "test_health_starvation.py", "test_listen_caps.py", "test_local_shortage.py",
+    "test_h2server_deadlines.py", "test_health_starvation.py", "test_listen_caps.py", "test_listen_evict.py",
+    "test_local_shortage.py",
     "test_harness_smoke.py", "test_header_fuzz.py", "test_header_walk_strings.py", "test_limits.py",
     "test_limits_proxy.py", "test_pump.py", "test_pump_buffers.py", "test_reactor.py", "test_reactor_edges.py",
     "test_reactor_repoll.py", "test_reactor_uring.py", "test_records.py", "test_records_fuzz.py",

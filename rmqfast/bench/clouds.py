@@ -9,6 +9,11 @@ runs against each proxy in turn, alternating, for several rounds.  Printed: msg/
 target, durable / fast (goal: at least 0.8), fast / none, and the durable proxy's
 messages per fsync (its group commit).  Results go to ``results/bench/`` as JSON lines.
 
+``--baseline DIR`` adds a fourth proxy, durable too, run from another source tree (a checkout of
+an earlier commit with its extension built, e.g. ``git worktree add /tmp/base main && make -C
+/tmp/base install``): the ``baseline`` target, measured in the same rounds as ``durable``, so a
+change's effect on durable throughput is read side by side (``durable / baseline``).
+
 Everything shares the machine's cores: on 2 cores two brokers, the proxies, their deliver
 processes and the producer compete, so absolute numbers are low; the ratios are the point.
 """
@@ -16,9 +21,11 @@ processes and the producer compete, so absolute numbers are low; the ratios are 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 from rmqfast.bench.common import guarded
@@ -33,6 +40,8 @@ LABEL = "bench --clouds"
 
 
 def _config(mode: str, remote_ns: str) -> str:
+    if mode == "baseline":
+        mode = "durable"
     if mode == "none":
         return ""
     return f"""
@@ -60,10 +69,28 @@ def _fsync_figures(proxy: ProxyProcess) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = java_args(argv, prog="rmqfast bench --clouds", flag="--clouds", short_s=4.0,
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--baseline", type=Path, default=None)
+    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args = java_args(rest, prog="rmqfast bench --clouds", flag="--clouds", short_s=4.0,
                      description="Durable vs fast cross-cloud copies (and no copies), two real RocketMQ clusters, "
-                     "Java producer.")
+                     "Java producer; --baseline DIR adds a durable proxy run from the source tree DIR.")
+    args.baseline = known.baseline
+    if args.baseline is not None and not (args.baseline / "rmqfast" / "__init__.py").is_file():
+        print(f"{LABEL}: --baseline {args.baseline}: no rmqfast/__init__.py there; give the root of an rmqfast "
+              "source tree whose extension is built (make install in it)", file=sys.stderr)
+        return 2
     return guarded(LABEL, lambda: _run(args))
+
+
+def _proxy(target: str, args: argparse.Namespace, a: RocketMQCluster, b: RocketMQCluster) -> ProxyProcess:
+    """A proxy for ``target``; ``baseline`` runs from the source tree ``args.baseline``."""
+    if target != "baseline":
+        return ProxyProcess([a.namesrv_addr], workers=args.workers, extra_config=_config(target, b.namesrv_addr))
+    root = str(args.baseline.resolve())
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    return ProxyProcess([a.namesrv_addr], workers=args.workers, extra_config=_config(target, b.namesrv_addr),
+                        env=env, cwd=root)
 
 
 def _copies_in(cluster: RocketMQCluster) -> str:
@@ -82,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     jars = ensure_jars()
     with ExitStack() as stack:
         jr = stack.enter_context(JavaRuns(args, "clouds", "clouds"))
-        print(f"{LABEL}: starting two RocketMQ clusters and three proxies; results -> {jr.path}",
+        print(f"{LABEL}: starting two RocketMQ clusters and {4 if args.baseline else 3} proxies; results -> {jr.path}",
               file=sys.stderr, flush=True)
         a = stack.enter_context(RocketMQCluster(jars=jars, cluster_name="CloudA", broker_name="broker-a",
                                                 broker_heap_mb=512))
@@ -90,11 +117,11 @@ def _run(args: argparse.Namespace) -> int:
                                                 broker_heap_mb=512))
         for c in (a, b):
             c.create_topic(TOPIC, queues=8)
-        proxies = {t: stack.enter_context(ProxyProcess([a.namesrv_addr], workers=args.workers,
-                                                       extra_config=_config(t, b.namesrv_addr)))
-                   for t in TARGETS}
+        targets = TARGETS + (("baseline",) if args.baseline is not None else ())
+        proxies = {t: stack.enter_context(_proxy(t, args, a, b)) for t in targets}
+        n = len(targets)
         for rnd in range(args.rounds):
-            for target in TARGETS[rnd % 3:] + TARGETS[: rnd % 3]:
+            for target in targets[rnd % n:] + targets[: rnd % n]:
                 f0 = _fsync_figures(proxies[target])
                 res = jr.produce(proxies[target].namesrv_addr, TOPIC, grace=120)
                 time.sleep(1.2)  # one metrics publish period
@@ -104,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
                           note=f"  {synced / fsyncs:.1f} msg/fsync" if fsyncs else "",
                           fsyncs=fsyncs, synced_messages=synced)
         delivered_note = _copies_in(b)
-        rows = jr.summary(TARGETS, fsyncs="fsyncs", synced="synced_messages")
+        rows = jr.summary(targets, fsyncs="fsyncs", synced="synced_messages")
     print()
     print(render(rows, args))
     print(delivered_note)
@@ -123,6 +150,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     if "durable" in by and "fast" in by and by["fast"]["rps"]:
         ratio = by["durable"]["rps"] / by["fast"]["rps"]
         lines.append(f"\ndurable / fast: {ratio:.3f} (goal >= 0.8: {'met' if ratio >= 0.8 else 'MISSED'})")
+    if "durable" in by and "baseline" in by and by["baseline"]["rps"]:
+        ratio = by["durable"]["rps"] / by["baseline"]["rps"]
+        verdict = "met" if ratio >= 0.95 else "MISSED"
+        lines.append(f"durable / baseline (same rounds): {ratio:.3f} (goal >= 0.95: {verdict})")
     if "fast" in by and "none" in by and by["none"]["rps"]:
         lines.append(f"fast / no copies: {by['fast']['rps'] / by['none']['rps']:.3f}")
     return "\n".join(lines)

@@ -383,6 +383,7 @@ def _phases(args: argparse.Namespace, tools: Any, broker: NullBroker, proxy: Hos
 
 #: The proxy's counters of what it refused or closed, scraped from /metrics after the attack.
 COUNTERS = ("rmqfast_connections_refused_total", "rmqfast_accept_errors_total",
+            "rmqfast_connections_evicted_total", "rmqfast_deadline_closes_total",
             "rmqfast_grpc_connections_closed_total")
 
 

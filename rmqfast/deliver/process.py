@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from rmqfast import config as config_mod
 from rmqfast import log as log_mod
 from rmqfast.config import Config
 from rmqfast.deliver import protocol as P
+from rmqfast.deliver.hold import OrderHold
 from rmqfast.deliver.sender import Item, RemoteSender
 from rmqfast.log import ctx
 from rmqfast.spill.record import CopyRecord
@@ -63,12 +65,29 @@ class DeliverMetrics:
             "rmqfast_remote_up", "1 when the deliver process reaches the remote cloud", ["remote"],
             multiprocess_mode="livemin",
         )
+        self.order_holds = Counter(
+            "rmqfast_deliver_order_holds_total",
+            "Holds of the other workers' copies after a worker's link broke, by how they ended "
+            "(released: its replay was handed over; timed_out: replicate.order_hold_max passed)", ["outcome"],
+        )
+        self.already_stored_total = Counter(
+            "rmqfast_deliver_already_stored_total",
+            "Copies that may have been stored without an answer and were found in the remote by UNIQ_KEY "
+            "(not sent again), by remote", ["remote"],
+        )
+        self.parked = Gauge(
+            "rmqfast_deliver_parked", "Copies a deliver process holds back while a crashed worker replays",
+            multiprocess_mode="livesum",
+        )
 
     def delivered(self, remote: str, rec: CopyRecord) -> None:
         self.delivered_total.labels(remote, rec.topic).inc()
         lag = max(0.0, time.time() - rec.created_ms / 1000)
         self.lag.labels(remote).observe(lag)
         self.last_lag.labels(remote).set(lag)
+
+    def already_stored(self, remote: str) -> None:
+        self.already_stored_total.labels(remote).inc()
 
     def retried(self, remote: str) -> None:
         self.retries_total.labels(remote).inc()
@@ -85,6 +104,7 @@ class WorkerLink:
         self.lock = Semaphore()
         self.alive = True
         self.worker = -1
+        self.lost = False  # its end was already reported to the order hold
 
     def send(self, data: bytes) -> None:
         if not self.alive:
@@ -111,6 +131,7 @@ class Deliverer:
             )
             for r in cfg.clouds.remotes
         }
+        self.hold = OrderHold(rp.order_hold_max, lambda sender, item: sender.submit(item), metrics, index=index)
         self.path = P.socket_path(cfg.proxy.state_dir, index)
         P.check_socket_path(self.path)
         self.server: StreamServer | None = None
@@ -158,23 +179,60 @@ class Deliverer:
                 data = sock.recv(262144)
                 if not data:
                     break
+                if len(self.links) > 1:
+                    self._peers_gone(link)
                 for kind, payload in reader.feed(data):
-                    if kind == P.COPY:
-                        self._on_copy(link, payload)
+                    if kind == P.COPY or kind == P.RESEND:
+                        self._on_copy(link, payload, kind == P.RESEND)
                     elif kind == P.HELLO:
-                        link.worker = int(json.loads(payload).get("worker", -1))
-                        log.info("worker connected", extra=ctx(deliver=self.index, worker=link.worker))
+                        hello = json.loads(payload)
+                        link.worker = int(hello.get("worker", -1))
+                        replaying = bool(hello.get("replaying", False))
+                        log.info("worker connected", extra=ctx(deliver=self.index, worker=link.worker,
+                                                               replaying=replaying))
+                        self.hold.hello(link.worker, replaying)
+                    elif kind == P.REPLAYED:
+                        log.info("worker replayed its spill", extra=ctx(deliver=self.index, worker=link.worker))
+                        self.hold.replayed(link.worker)
         except (OSError, ValueError) as exc:
             log.warning("worker link failed", extra=ctx(deliver=self.index, worker=link.worker, error=str(exc)))
         finally:
             link.alive = False
             self.links.discard(link)
+            if not link.lost:
+                link.lost = True
+                self.hold.lost(link.worker)
             try:
                 sock.close()
             except OSError:
                 pass
 
-    def _on_copy(self, link: WorkerLink, payload: bytes) -> None:
+    def _peers_gone(self, link: WorkerLink) -> None:
+        """Hold for every other worker whose link the kernel already saw close, before this
+        worker's copies are admitted.  A copy this worker took after another one crashed (its
+        producer moved here) reaches us after that crash; without this look, the event loop may
+        serve this socket before the dead worker's end-of-file (seen on a loaded machine)."""
+        poller = select.poll()
+        others = {}
+        for other in self.links:
+            if other is not link and other.alive and other.worker >= 0 and other.worker not in self.hold.held:
+                try:
+                    fd = other.sock.fileno()
+                except OSError:
+                    continue
+                if fd >= 0:
+                    poller.register(fd, select.POLLRDHUP)
+                    others[fd] = other
+        if not others:
+            return
+        for fd, events in poller.poll(0):
+            if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) and fd in others:
+                other = others[fd]
+                other.lost = True
+                other.alive = False  # its copies will come again from its replacement
+                self.hold.lost(other.worker)
+
+    def _on_copy(self, link: WorkerLink, payload: bytes, maybe_stored: bool = False) -> None:
         seq, remote, raw = P.parse_copy(memoryview(payload))
         sender = self.senders.get(remote)
         if sender is None:
@@ -187,7 +245,9 @@ class Deliverer:
             log.error("undecodable copy; giving it up", extra=ctx(remote=remote, error=str(exc)))
             link.send(P.ack_frame(seq, P.ACK_GAVE_UP))
             return
-        sender.submit(Item(seq, rec, raw, lambda s, st: link.send(P.ack_frame(s, st)), lambda: link.alive))
+        item = Item(seq, rec, raw, lambda s, st: link.send(P.ack_frame(s, st)), lambda: link.alive,
+                    maybe_stored=maybe_stored)
+        self.hold.admit(link.worker, sender, item)
 
     def stop(self) -> None:
         if self.server is not None:

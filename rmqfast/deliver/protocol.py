@@ -5,8 +5,13 @@ Frames: ``u32 length`` (of what follows) + ``u8 type`` + payload.
 ========  ==================  ==========================================================
 type      direction           payload
 ========  ==================  ==========================================================
-``H``     worker → deliver    JSON ``{"worker": N, "pid": P}`` (hello)
+``H``     worker → deliver    JSON ``{"worker": N, "pid": P, "replaying": bool}`` (hello)
 ``C``     worker → deliver    ``u64 seq`` + ``u8 len`` + remote name + encoded CopyRecord
+``R``     worker → deliver    as ``C``, for a copy that may already be stored in the remote
+                              (it was handed over before a link broke or a worker crashed):
+                              the remote is asked for its UNIQ_KEY before it is sent again
+``D``     worker → deliver    empty: every copy the worker inherited from its spill at start
+                              was handed over (sent after a hello with ``replaying`` true)
 ``A``     deliver → worker    ``u64 seq`` + ``u8 status`` (0 delivered, 1 given up, counted)
 ``S``     deliver → worker    JSON ``{"remote": R, "up": bool, "error": "..."}``
 ========  ==================  ==========================================================
@@ -14,6 +19,12 @@ type      direction           payload
 A copy is acknowledged (``A``) only after the remote broker answered SUCCESS; the worker
 then deletes it from its spill.  Everything unacknowledged when the connection breaks is
 sent again by the worker (duplicates are possible, losses are not).
+
+Order across a worker crash: when worker N's link breaks, its deliver process holds the copies
+of every other worker (they are parked, not sent) until a worker N says hello with
+``replaying`` false, or sends ``D`` (its inherited spill was handed over, so it is queued ahead
+of the parked copies), or ``replicate.order_hold_max`` seconds passed.  See
+:mod:`rmqfast.deliver.hold`.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ HELLO = ord("H")
 COPY = ord("C")
 ACK = ord("A")
 STATUS = ord("S")
+REPLAYED = ord("D")
+RESEND = ord("R")
 
 ACK_DELIVERED = 0
 ACK_GAVE_UP = 1
@@ -55,9 +68,9 @@ def frame(kind: int, payload: bytes) -> bytes:
     return _HEAD.pack(len(payload) + 1, kind) + payload
 
 
-def copy_frame(seq: int, remote: str, record: bytes) -> bytes:
+def copy_frame(seq: int, remote: str, record: bytes, kind: int = COPY) -> bytes:
     r = remote.encode()
-    return _HEAD.pack(1 + 8 + 1 + len(r) + len(record), COPY) + _SEQ.pack(seq) + bytes([len(r)]) + r + record
+    return _HEAD.pack(1 + 8 + 1 + len(r) + len(record), kind) + _SEQ.pack(seq) + bytes([len(r)]) + r + record
 
 
 def parse_copy(payload: memoryview) -> tuple[int, str, bytes]:

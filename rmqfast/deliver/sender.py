@@ -7,9 +7,16 @@ the ``TBW102`` route with ``defaultTopic`` set, like the Java client does, so a 
 
 Queue: the writable queues of the route, sorted by (broker name, queue id) as the Java client
 sorts them; the copy goes to queue ``original_queue_id mod count``, so every message of one
-original queue (one sharding key of an ordered producer) lands in one remote queue.  Each
-remote queue is a lane served by one greenlet that sends one copy at a time and waits for its
-answer: order per queue is kept, retries included.
+original queue (one sharding key of an ordered producer) lands in one remote queue.
+
+Lanes: one per *source* queue (topic, A's broker name, A's queue id), whatever the route says
+and whether or not there is a route at all: the remote queue is chosen when a copy is sent, not
+when it is submitted.  One greenlet per lane sends one copy at a time and waits for its answer
+before the next, so the copies of one source queue are stored in B in the order they were
+submitted, retries, a remote outage and a missing route included.  (Lanes used to be keyed by
+the remote queue, with copies submitted while B had no route parked in a lane of their own;
+after B came back both lanes sent at once and B stored later copies of a key before earlier
+ones.)  A lane keeps the remote queue it chose while that broker stays a master of the route.
 
 Request: ``SEND_MESSAGE_V2`` (310), or ``SEND_BATCH_MESSAGE`` (320) for batches, to the master
 of the chosen queue's broker, header fields ``a``..``n`` of ``SendMessageRequestHeaderV2``.
@@ -46,6 +53,10 @@ from rmqfast.spill.record import CopyRecord
 
 log = logging.getLogger("rmqfast.deliver")
 
+QUERY_MESSAGE = 12
+QUERY_NOT_FOUND = 22
+
+
 @dataclass
 class Item:
     seq: int
@@ -54,6 +65,19 @@ class Item:
     done: Callable[[int, int], None]  # (seq, status)
     alive: Callable[[], bool]
     attempts: int = 0
+    #: it may already be stored in B (sent before a crash, or a send whose answer was lost):
+    #: B is asked for its UNIQ_KEY before it is sent (again)
+    maybe_stored: bool = False
+
+
+def uniq_key(properties: str) -> str | None:
+    """The ``UNIQ_KEY`` of a properties string (None: none)."""
+    i = properties.find("UNIQ_KEY\x01")
+    if i < 0 or (i > 0 and properties[i - 1] != "\x02"):
+        return None
+    i += 9
+    j = properties.find("\x02", i)
+    return properties[i:] if j < 0 else properties[i:j]
 
 
 @dataclass
@@ -69,6 +93,12 @@ class _Lane:
     items: deque[Item] = field(default_factory=deque)
     wake: Event = field(default_factory=Event)
     greenlet: Any = None
+    dest: tuple[str, int] | None = None  # the remote (broker name, queue id) it sends to
+
+
+def lane_key(rec: CopyRecord) -> tuple[str, str, int]:
+    """The unit of order: the source queue (topic, A's broker name, A's queue id) of a copy."""
+    return rec.topic, rec.broker_name, rec.queue_id
 
 
 class RemoteSender:
@@ -102,6 +132,7 @@ class RemoteSender:
         self.delivered = 0
         self.retries = 0
         self.failures = 0
+        self.skipped = 0  # copies found already stored in B (not sent again)
 
     # Routing --------------------------------------------------------------------------------
 
@@ -139,13 +170,9 @@ class RemoteSender:
     # Lanes ----------------------------------------------------------------------------------
 
     def submit(self, item: Item) -> None:
-        try:
-            bname, qid = self.target(item.record)
-        except Exception as exc:
-            # No route yet (remote away): park in a lane of its own; it re-routes when sending.
-            self._set_up(False, str(exc))
-            bname, qid = "", -1
-        key = (item.record.topic, bname, qid)
+        """Queue a copy behind the earlier copies of its source queue (no network here: the
+        remote queue is chosen when it is sent, so a missing route cannot split a lane)."""
+        key = lane_key(item.record)
         lane = self.lanes.get(key)
         if lane is None:
             lane = self.lanes[key] = _Lane()
@@ -166,19 +193,24 @@ class RemoteSender:
             if not item.alive():  # the worker that sent it went away; it sends again
                 lane.items.popleft()
                 continue
-            status = self._send_until_done(item, key)
+            status = self._send_until_done(item, lane)
             lane.items.popleft()
             item.done(item.seq, status)
 
-    def _send_until_done(self, item: Item, key: tuple[str, str, int]) -> int:
+    def _send_until_done(self, item: Item, lane: _Lane) -> int:
         delay = self.retry_initial
         rec = item.record
         while True:
             try:
-                bname, qid = self._destination(rec, key)
+                bname, qid = self._destination(rec, lane)
                 addr = self.route(rec.topic).masters[bname]
+                if item.maybe_stored and self._already_stored(rec, addr):
+                    return 0
+                item.maybe_stored = False
                 code, ext, body = build_request(rec, bname, qid, self.origin)
+                item.maybe_stored = True  # until the answer says otherwise: it may be stored unanswered
                 resp = self.pool.request(addr, code, ext, body, timeout=self.timeout)
+                item.maybe_stored = False
                 done, err = self._answered(rec, addr, resp)
                 if done is not None:
                     return done
@@ -200,14 +232,36 @@ class RemoteSender:
             if not item.alive():
                 return 1  # the worker will send it again; nothing to acknowledge
 
-    def _destination(self, rec: CopyRecord, key: tuple[str, str, int]) -> tuple[str, int]:
-        """(broker name, queue id) a copy goes to: its lane's queue while that broker is a master
-        of the topic's route, else the target the route gives."""
-        if key[2] < 0:
-            return self.target(rec)
-        if key[1] not in self.route(rec.topic).masters:
-            return self.target(rec)
-        return key[1], key[2]
+    def _already_stored(self, rec: CopyRecord, addr: str) -> bool:
+        """Whether the broker ``addr`` already holds this copy, by its ``UNIQ_KEY`` (QUERY_MESSAGE,
+        12, with ``_UNIQUE_KEY_QUERY``): a copy that may have been stored without an answer is not
+        stored twice.  A batch or a copy without UNIQ_KEY cannot be looked up: False (sent again,
+        at least once).  RemoteError when B cannot answer (the caller retries)."""
+        key = None if rec.is_batch else uniq_key(rec.properties)
+        if key is None:
+            return False
+        ext = {"topic": rec.topic, "key": key, "maxNum": "32", "beginTimestamp": "0",
+               "endTimestamp": str(2**63 - 1), "_UNIQUE_KEY_QUERY": "true"}
+        resp = self.pool.request(addr, QUERY_MESSAGE, ext, b"", timeout=self.timeout)
+        if resp.code == QUERY_NOT_FOUND:
+            return False
+        if resp.code != 0:
+            raise RemoteError(f"{addr} answered code {resp.code} to the look-up of a copy by UNIQ_KEY: {resp.remark}")
+        self.skipped += 1
+        self._set_up(True, "")
+        log.info("copy already stored in the remote; not sent again", extra=ctx(remote=self.name, topic=rec.topic,
+                                                                               uniq_key=key))
+        if self.metrics is not None:
+            self.metrics.already_stored(self.name)
+        return True
+
+    def _destination(self, rec: CopyRecord, lane: _Lane) -> tuple[str, int]:
+        """(broker name, queue id) a copy goes to: the lane's remote queue while that broker is a
+        master of the topic's route, else the target the route gives (kept for the next ones)."""
+        route = self.route(rec.topic)  # RemoteError when there is none: the caller retries
+        if lane.dest is None or lane.dest[0] not in route.masters:
+            lane.dest = self.target(rec)
+        return lane.dest
 
     def _answered(self, rec: CopyRecord, addr: str, resp: Any) -> tuple[int | None, str]:
         """The remote's answer: (0, "") stored, (1, "") refused for good, (None, error) retry."""

@@ -109,7 +109,7 @@ class Gate:
         self.by_client: dict[str, int] = {}
         self.keys: dict[Conn, str] = {}
         self.closed = dict.fromkeys(REASONS, 0)
-        self.peak = 0  # the most connections open at once since rmqfast.grpcfront.heap last trimmed
+        self.peak = 0  # the most connections open at once since rmqfast.heap last trimmed
         self._logged = dict.fromkeys(REASONS, -_LOG_EVERY)
 
     def __len__(self) -> int:

@@ -47,7 +47,7 @@ from rmqfast.grpcfront.h2wire import (
     parse_timeout,
     trailer,
 )
-from rmqfast.grpcfront.heap import Trimmer
+from rmqfast.heap import Trimmer
 
 log = logging.getLogger("rmqfast.grpc")
 
@@ -538,7 +538,7 @@ class H2Server:
         self._server: asyncio.AbstractServer | None = None
         self._gone = asyncio.Event()
         self._sweeper: asyncio.TimerHandle | None = None
-        self.heap = Trimmer()  # the C heap given back after a peak of connections (rmqfast.grpcfront.heap)
+        self.heap = Trimmer()  # the C heap given back after a peak of connections (rmqfast.heap)
 
     @property
     def refused(self) -> int:

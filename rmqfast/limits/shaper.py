@@ -1,7 +1,7 @@
 """Peak shaving: ``[[limits.rule]] mode = "shape"``.
 
 A shape rule limits like ``limit`` (same GCRA bucket, shared by every worker), but a send it
-refuses is not answered SYSTEM_BUSY: the send-limit filter (:mod:`rmqfast.limits.filter`)
+refuses is not answered SYSTEM_BUSY: the send-limit filter (:mod:`rmqfast.filters.limits`)
 hands it here (:func:`shape_send`) and
 
 1. it is committed, synced, to the worker's spill (the RocksDB of cross-cloud delivery,
@@ -49,8 +49,8 @@ from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import TAGS, UNIQ_KEY, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.config import Config
+from rmqfast.filters.api import SEND_RESPONSE_EXT, Frame, Verdict, busy_answer, divert, reply
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import SEND_RESPONSE_EXT, Frame, Verdict, busy_answer, divert, reply
 from rmqfast.spill.commit import CommitFailed, GroupCommitter
 from rmqfast.spill.record import CopyRecord
 from rmqfast.spill.store import SHAPE_REMOTE_PREFIX, SpillStore, lane_prefix, worker_dir

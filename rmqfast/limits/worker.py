@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from rmqfast import codec
+from rmqfast.filters.api import Frame, Verdict, busy_answer, close, reply
 from rmqfast.limits import open_limiter
 from rmqfast.limits.rules import MODE_REJECT_CODE, LimitsSection
-from rmqfast.proxy.policy import Frame, Verdict, busy_answer, close, reply
 
 
 class WorkerLimits:

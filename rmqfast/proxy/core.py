@@ -25,8 +25,8 @@ from rmqfast.codec import code_slot
 from rmqfast.codec import codes as C
 from rmqfast.codec.command import decode_frame
 from rmqfast.codec.tables import R_ONEWAY, result_index
+from rmqfast.filters.api import PASS, FilterChain, Frame, Kind, Verdict
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import PASS, FilterChain, Frame, Kind, Verdict
 
 log = logging.getLogger("rmqfast.relay")
 

@@ -9,7 +9,7 @@ caller then decodes the header the strict way, so what the filter decides is wha
 from __future__ import annotations
 
 from rmqfast.codec import codes as C
-from rmqfast.proxy.policy import Frame
+from rmqfast.filters.api import Frame
 
 
 def quick_topic(frame: Frame) -> str | None:

@@ -343,11 +343,15 @@ class RelaySettings:
         BUDGET.limit = buffer_budget  # the process-wide budget follows the (re)loaded config
 
 
-def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
+def close_idle(sessions: Any, limit: float, now: float | None = None,
+               counted: Callable[[str, str], None] | None = None) -> int:
     """Close every session with no bytes received on either side for ``limit`` seconds, and
     every session whose peer stopped sending in the middle of a frame for longer than the
-    ``frame_timeout`` of its settings (slowloris: a half-sent frame may hold a grown buffer)."""
+    ``frame_timeout`` of its settings (slowloris: a half-sent frame may hold a grown buffer).
+    ``counted(role, reason)`` is told of each close (reason ``idle``, ``first_frame`` or
+    ``frame_stalled``: the worker's ``rmqfast_deadline_closes_total``)."""
     now = time.monotonic() if now is None else now
+    count = counted if counted is not None else _not_counted
     now_ns = int(now * 1e9)
     closed = 0
     for s in list(sessions):
@@ -356,6 +360,7 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
         if s.idle_for(now) > limit:
             log.info("closing idle connection", extra=ctx(role=s.role, client=s.client_addr))
             s.close()
+            count(s.role, "idle")
             closed += 1
             continue
         fft = s.settings.first_frame_timeout
@@ -364,6 +369,7 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
             log.info("closing connection: no first frame in time",
                      extra=ctx(role=s.role, client=s.client_addr, first_frame_timeout=fft))
             s.close()
+            count(s.role, "first_frame")
             closed += 1
             continue
         ft = s.settings.frame_timeout
@@ -376,8 +382,13 @@ def close_idle(sessions: Any, limit: float, now: float | None = None) -> int:
                               frame_timeout=ft),
                 )
                 s.close()
+                count(s.role, "frame_stalled")
                 closed += 1
     return closed
+
+
+def _not_counted(role: str, reason: str) -> None:
+    pass
 
 
 def _sent_a_frame(s: Session) -> bool:

@@ -37,8 +37,7 @@ from rmqfast.codec.command import RemotingCommand
 from rmqfast.codec.properties import TAGS, parse_properties
 from rmqfast.codec.sendheader import TRANSACTION_PREPARED, field_int, is_batch, send_fields
 from rmqfast.config import Config, TopicRule
-from rmqfast.log import ctx
-from rmqfast.proxy.policy import (
+from rmqfast.filters.api import (
     Filter,
     Frame,
     Session,
@@ -49,6 +48,7 @@ from rmqfast.proxy.policy import (
     rewrite,
     slots_of,
 )
+from rmqfast.log import ctx
 from rmqfast.proxy.quicktopic import quick_topic
 from rmqfast.replicate.replicator import Replicator
 from rmqfast.spill.commit import CommitFailed, SpillFull

@@ -27,6 +27,11 @@ pending).
 The feeder greenlet sends copies, lane heads first, over the Unix socket to the worker's deliver
 process, at most ``replicate.max_in_flight`` unacknowledged; acknowledged copies are deleted.
 When the link breaks every unacknowledged copy is sent again after reconnecting, in order.
+
+A worker that starts with copies in its spill (it replaced a crashed one) says so in its hello
+(``replaying``) and tells its deliver process once every copy it inherited was handed over
+(``D``): meanwhile the deliver process holds the other workers' copies, so an ordered producer
+that moved to another worker does not overtake its own older copies (:mod:`rmqfast.deliver.hold`).
 """
 
 from __future__ import annotations
@@ -132,6 +137,13 @@ class Replicator:
         self.gave_up = 0
         self._greenlets: list[gevent.Greenlet] = []
         self.closed = False
+        # copies inherited from a previous run (sequence <= replay_upto) are replayed before the
+        # deliver process lets the other workers' newer copies pass (rmqfast.deliver.hold)
+        self.replay_upto = self.store.next_seq() - 1
+        self.replaying = bool(self.lanes)
+        # copies up to this sequence may have reached the remote already (handed over by the
+        # previous run, or before a link broke): sent as RESEND, looked up in B before sending
+        self.maybe_sent_upto = self.replay_upto
         if self.store.messages:
             log.info("resuming spilled copies", extra=ctx(worker=index, messages=self.store.messages,
                                                            bytes=self.store.bytes))
@@ -291,7 +303,7 @@ class Replicator:
             s.connect(str(self.sock_path))
             # a deliver process killed between its accept and this HELLO resets the link here: try
             # again later (an exception would end the feeder, and no copy would leave this worker)
-            s.sendall(P.json_frame(P.HELLO, {"worker": self.index, "pid": os.getpid()}))
+            s.sendall(P.json_frame(P.HELLO, {"worker": self.index, "pid": os.getpid(), "replaying": self.replaying}))
         except OSError:
             s.close()
             return False
@@ -330,6 +342,8 @@ class Replicator:
         for r in self.remote_up:
             self.remote_up[r] = True
         back: dict[tuple[str, str], list[_Copy]] = {}
+        if self.inflight:
+            self.maybe_sent_upto = max(self.maybe_sent_upto, max(self.inflight))
         for f in self.inflight.values():
             back.setdefault((f.lane.remote, f.lane.topic), []).append(f.copy)
             f.lane.inflight -= 1
@@ -403,6 +417,8 @@ class Replicator:
                     continue
             try:
                 self.pump()
+                if self.replaying:
+                    self._check_replayed()
             except Exception as exc:  # the feeder must never die: log, drop the link, start over
                 if not isinstance(exc, OSError):
                     log.exception("feeder failed; resetting the deliver link", extra=ctx(worker=self.index))
@@ -469,7 +485,8 @@ class Replicator:
                     ln.cursor = max(ln.cursor, c.seq)
                     ln.inflight += 1
                     self.inflight[c.seq] = _InFlight(ln, c, now)
-                    out.append(P.copy_frame(c.seq, ln.remote, c.value))
+                    out.append(P.copy_frame(c.seq, ln.remote, c.value,
+                                            P.RESEND if c.seq <= self.maybe_sent_upto else P.COPY))
                     n += 1
                 if n:
                     progress = True
@@ -477,6 +494,20 @@ class Replicator:
         if out:
             link.sendall(b"".join(out))
         return sent
+
+    def _check_replayed(self) -> None:
+        """Tell the deliver process once every inherited copy was handed over (or dropped)."""
+        link = self.link
+        if link is None:
+            return
+        now = time.monotonic()
+        for ln in list(self.lanes.values()):
+            c, _blocked = self._head(ln, now)
+            if c is not None and c.seq <= self.replay_upto:
+                return
+        link.sendall(P.frame(P.REPLAYED, b""))
+        self.replaying = False
+        log.info("inherited copies handed over", extra=ctx(worker=self.index, upto=self.replay_upto))
 
     # Stats ----------------------------------------------------------------------------------
 

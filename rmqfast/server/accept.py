@@ -116,13 +116,14 @@ class RateLimitedLog:
 class ConnectionCaps:
     """Counts of a worker's open client connections, in all and per client address."""
 
-    __slots__ = ("total", "per_client", "open", "by_client")
+    __slots__ = ("total", "per_client", "open", "by_client", "peak")
 
     def __init__(self, total: int, per_client: int) -> None:
         self.total = total
         self.per_client = per_client
         self.open = 0
         self.by_client: dict[str, int] = {}
+        self.peak = 0  # most connections open since the last heap trim (rmqfast.heap.Trimmer)
 
     def set_limits(self, total: int, per_client: int) -> None:
         """New caps (a reload); connections open over them are kept, new ones are refused."""
@@ -132,14 +133,29 @@ class ConnectionCaps:
         """(key, "") and counted when a connection from ``host`` may be served, else (key, why not):
         ``"worker"`` (the worker's cap is reached) or ``"client"`` (this address's)."""
         key = client_key(host)
-        if self.open >= self.total:
-            return key, "worker"
         n = self.by_client.get(key, 0)
         if n >= self.per_client:
             return key, "client"
+        if self.open >= self.total:
+            return key, "worker"
         self.by_client[key] = n + 1
         self.open += 1
+        if self.open > self.peak:
+            self.peak = self.open
         return key, ""
+
+    def admit_over(self, host: str) -> tuple[str, str]:
+        """Count a connection past the worker's cap: :meth:`admit` said ``"worker"`` (so this
+        address is under its own cap) and a connection was evicted to make room for this one (its
+        release follows when its session has ended)."""
+        key = client_key(host)
+        self.by_client[key] = self.by_client.get(key, 0) + 1
+        self.open += 1
+        return key, ""
+
+    def full(self) -> bool:
+        """Is the worker at its cap (a newcomer needs an eviction)?"""
+        return self.open >= self.total
 
     def release(self, key: str) -> None:
         """A connection admitted under ``key`` has ended (called once per admitted connection)."""
@@ -167,6 +183,18 @@ class ListenMetrics:
             "rmqfast_accept_errors_total",
             "Failed accepts on a Remoting listener, by role and errno name (EMFILE, ENFILE...)",
             ["role", "error"],
+        )
+        self.evicted = Counter(
+            "rmqfast_connections_evicted_total",
+            "Idle client connections closed at the worker's cap to admit a new one (rmqfast.server.evict), "
+            "by role of the evicted connection",
+            ["role"],
+        )
+        self.deadline_closes = Counter(
+            "rmqfast_deadline_closes_total",
+            "Client connections closed by a deadline, by role and reason (first_frame: no whole frame within "
+            "proxy.first_frame_timeout; idle: proxy.idle_timeout; frame_stalled: a frame stopped arriving)",
+            ["role", "reason"],
         )
         self.local_shortage = Counter(
             "rmqfast_local_shortage_total",

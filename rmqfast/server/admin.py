@@ -550,6 +550,18 @@ class _Handler(BaseHTTPRequestHandler):
 _NO_BODY = object()
 
 
+def _import_prometheus() -> None:
+    """Import prometheus_client completely, in the thread that starts the endpoint.
+
+    The scrape path imports it lazily (the supervisor sets PROMETHEUS_MULTIPROC_DIR first).  Left
+    to the first scrapes, several handler threads import it at once under a flood, and a thread
+    can see the package half-initialised: ``ImportError: cannot import name 'Counter' from
+    partially initialized module`` became ``/metrics`` 500s (issue 30, hostile run of 22:00).
+    """
+    import prometheus_client  # noqa: F401
+    import prometheus_client.multiprocess  # noqa: F401
+
+
 class AdminServer:
     """The endpoint on ``listen``; ``start()`` serves it from a daemon thread."""
 
@@ -570,6 +582,7 @@ class AdminServer:
         h.names = OwnNames.build(self.listen.host, self.port, allowed_hosts, h.pods)
 
     def start(self) -> None:
+        _import_prometheus()  # before any handler thread can race to import it
         threading.Thread(target=self.httpd.serve_forever, name="admin-http", daemon=True).start()
         log.info("admin endpoint listening", extra=ctx(admin=str(self.listen)))
 

@@ -49,6 +49,9 @@ class RelayServer(StreamServer):
     caps: ConnectionCaps | None = None
     guard: AcceptGuard | None = None
     on_refused: Callable[[str, tuple], None] | None = None
+    #: set by the worker: at the worker's cap, close an idle connection for the newcomer (True when
+    #: one was closed: rmqfast.server.evict)
+    make_room: Callable[[], bool] | None = None
 
     def do_read(self) -> tuple[Any, Any] | None:
         listener = self.socket
@@ -74,6 +77,8 @@ class RelayServer(StreamServer):
             caps = self.caps
             if caps is not None:
                 cap = caps.admit(address[0])[1]
+                if cap == "worker" and self.make_room is not None and self.make_room():
+                    cap = caps.admit_over(address[0])[1]
                 if cap:
                     _socket.close(fd)  # at once: a connection past a cap holds nothing
                     if self.on_refused is not None:

@@ -1,26 +1,19 @@
-"""A worker process: gevent, SO_REUSEPORT listeners, relay sessions.
+"""A worker: gevent, SO_REUSEPORT listeners, relay sessions (the process around it, its
+arguments, status pipe and signals: :mod:`rmqfast.server.workerproc`).
 
-Started by the supervisor as ``python -P -m rmqfast.server.worker --runtime DIR --index N
---status-fd FD``.  It reads the validated configuration from ``DIR/config.json``, binds every
-listener with SO_REUSEPORT (all workers bind the same ports; the kernel spreads
-connections), reports ``ready`` on the status pipe, and serves until SIGTERM.
-
-Signals: SIGTERM stops accepting, lets in-flight requests finish (bounded by
-``proxy.drain_timeout``) and exits 0; SIGHUP re-reads ``config.json`` and applies it without
-dropping established connections.
+The worker binds every listener with SO_REUSEPORT (all workers bind the same ports; the kernel
+spreads connections), builds its filter chains from the filter registry
+(:mod:`rmqfast.filters.registry`) after the services they front (:mod:`rmqfast.server.services`),
+serves, drains on SIGTERM and applies a reloaded configuration without dropping established
+connections.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import logging
-import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,37 +21,32 @@ import gevent
 import gevent.event
 from gevent import socket
 
-from rmqfast import config as config_mod
 from rmqfast import log as log_mod
-from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, is_compiled, slot_code
-from rmqfast.codec import codes as C
-from rmqfast.codec.admincodes import preset_codes
+from rmqfast.codec import IMPLEMENTATION, ScanStats, code_slot, slot_code
 from rmqfast.codec.command import decode_frame
 from rmqfast.codec.tables import result_index
 from rmqfast.config import Config, HostPort
-from rmqfast.limits.filter import SendLimitFilter
+from rmqfast.filters.api import Session as PolicySession
+from rmqfast.filters.goaway import build as goaway_filter
+from rmqfast.filters.goaway import go_away_from_now_on, may_close
+from rmqfast.filters.registry import adopt_chains, build_chains
+from rmqfast.heap import Trimmer
 from rmqfast.log import ctx
-from rmqfast.proxy.acl import AclTopics
-from rmqfast.proxy.addresses import RewriteMessageAddresses
 from rmqfast.proxy.connect import to_gevent
 from rmqfast.proxy.endpoints import Endpoint, EndpointRegistry
 from rmqfast.proxy.failover import (
     RESEND_DEADLINE,
     FailoverService,
-    KeepSendsInFlight,
     RouteBook,
     answer_in_flight,
     stalled_sends,
     wait_resends,
     with_requests,
 )
-from rmqfast.proxy.goaway import GoAway, draining, may_close
 from rmqfast.proxy.health import BrokerHealth, HealthMetrics
-from rmqfast.proxy.policy import DenyAdminCodes, Filter, FilterChain
-from rmqfast.proxy.policy import Session as PolicySession
 from rmqfast.proxy.relay import RelaySettings, Session, close_idle
-from rmqfast.proxy.routes import RewriteRoutes
 from rmqfast.proxy.tls import TlsContexts
+from rmqfast.server import services
 from rmqfast.server.accept import (
     AcceptGuard,
     ConnectionCaps,
@@ -69,7 +57,7 @@ from rmqfast.server.accept import (
     effective_caps,
     is_shortage,
 )
-from rmqfast.server.fdlimit import raise_nofile
+from rmqfast.server.evict import Evictor
 from rmqfast.server.listener import Listener, RelayServer, bind_reuseport
 
 if TYPE_CHECKING:
@@ -77,15 +65,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rmqfast.worker")
 
-EXIT_FATAL = 3  # startup failed for a reason a restart will not fix (bind error, bad state)
 #: seconds between two reports of the listeners' state to the supervisor (a listener that flaps
 #: between blocked and accepting must not flood the status pipe, whose writes block the worker)
 LISTENERS_REPORT_PERIOD = 0.1
-
-
-def spill_dir(state_dir: str | Path, index: int) -> Path:
-    """``rmqfast.spill.store.worker_dir`` without importing the spill (a test keeps them equal)."""
-    return Path(state_dir) / "spill" / f"worker-{index}"
 
 
 class _SessionEnd:
@@ -148,6 +130,9 @@ class Worker:
         self._listeners_sent = 0.0
         self._listeners_report: Any = None  # the pending report's greenlet
         self.sessions: set[Session] = set()
+        self.evictor = Evictor(self.sessions, self.caps, self.listen_metrics, self.rate_log,  # at the cap a newcomer
+                               lambda why: self._listener_state("admission", why))  # evicts an idle connection
+        self.trimmer = Trimmer()  # the C heap back to the system after a peak of connections
         #: the sessions set up so far, by their in-flight table (``Session._setup`` adds, ``close``
         #: removes): the stalled-send sweep looks at the tables only (``with_requests``)
         self.tables: dict[Any, Session] = {}
@@ -176,7 +161,7 @@ class Worker:
         self.registry = EndpointRegistry(cfg, self._bind_endpoint)
         self._build_chains()
         self.shaper: Any = None  # [limits] mode "shape": peak shaving (rmqfast.limits.shaper)
-        self._setup_shaper()
+        services.setup_shaper(self)
 
     # Configuration ---------------------------------------------------------------------------
 
@@ -188,170 +173,30 @@ class Worker:
                              first_frame_timeout=p.first_frame_timeout)
 
     def _build_chains(self) -> None:
-        pol = self.cfg.policy
-        fo = self.cfg.failover
-        broker_filters: list[Filter] = []
+        """The services the filters front (replication, delay), then the chains from the filter
+        registry (:mod:`rmqfast.filters.registry`), then what the failover service borrows of them."""
         if self.cfg.replication_enabled:  # cross-cloud copies (rmqfast.replicate)
-            from rmqfast.replicate import ReplicationService
+            services.setup_replication(self)
+        services.setup_delay(self)
+        self.chains, built = build_chains(self)
+        fo = self.failover
+        # sends the failover service moves take tokens, are held and copied to remote clouds like
+        # relayed ones (the chain's copy filter never sees them), keep their gray share, and their
+        # answers get the message-address rewrite
+        fo.limits, fo.delay = self.limits, self.delay
+        fo.replicate = self.replication.filter if self.cfg.replication_enabled else None
+        self.message_addresses = built["addresses"]
+        fo.offset_ids = self.message_addresses.map_offset_ids
+        self.gray = built.get("gray")  # [gray]: its hand-over ticks (_gray_loop); a reload's carries the fences on
+        fo.place = self.gray.place if self.gray is not None else None
 
-            if getattr(self, "replication", None) is None:
-                self.replication = ReplicationService(self.cfg, self.index)
-            else:
-                self.replication.reconfigure(self.cfg)
-            broker_filters.append(self.replication.filter)
-        self._setup_delay()
-        if self.delay is not None:  # first: a held send is answered here and not copied
-            broker_filters.insert(0, self.delay.filter)
-        # sends the failover service moves take tokens and are held like relayed ones (rmqfast.proxy.failover)
-        self.failover.limits, self.failover.delay = self.limits, self.delay
-        # and are copied to remote clouds like relayed ones (the chain's copy filter never sees them)
-        self.failover.replicate = self.replication.filter if self.cfg.replication_enabled else None
-        # broker addresses inside messages -> proxy endpoints (last: the others see the frames first)
-        self.message_addresses = RewriteMessageAddresses(self.registry, pol.message_addresses)
-        self.failover.offset_ids = self.message_addresses.map_offset_ids  # moved sends' answers
-        # [acl]: the per-AccessKey topic allowlist, before the filters that copy or hold sends
-        acl: list[Filter] = [AclTopics(self.cfg.acl, self._denied)] if self.cfg.acl.enabled else []
-        # [limits]: sends the scanner's limiter refused get SYSTEM_BUSY or are shaped, before the
-        # filters that hold or copy sends (a refused send is neither held nor copied)
-        limit: list[Filter] = [SendLimitFilter(self.limits)] if self.limits is not None else []
-        # [gray]: canary releases (rmqfast.gray): consumer lists, pulls, offset commits and the queue
-        # ids of sends of split topics; after the limits, before the filters that hold or copy sends
-        gray: list[Filter] = [self._gray_filter()] if self.cfg.gray.enabled else []
-        if not gray:
-            self.failover.place = None
-            self.gray = None
-        # [failover] resend: copies of the sends in flight, for a resend when their broker dies (last:
-        # what it keeps is what the broker was sent)
-        keep: list[Filter] = ([KeepSendsInFlight(everything=fo.resend == "all")]
-                              if fo.enabled and fo.resend != "off" else [])
-        ns_allow = [*pol.allow_codes, *preset_codes(pol.preset, "namesrv")]
-        broker_allow = [*pol.allow_codes, *preset_codes(pol.preset, "broker")]
-        self.chains = {
-            "namesrv": FilterChain(
-                [
-                    DenyAdminCodes(C.NAMESRV_DATA_PLANE_CODES, ns_allow, pol.deny_codes, self._denied,
-                                   preset=pol.preset),
-                    RewriteRoutes(self.registry, self._rewritten,
-                                  health=self.health if fo.enabled and fo.heal_routes else None,
-                                  book=self.book if fo.enabled else None, on_heal=self._healed),
-                ]
-            ),
-            "broker": FilterChain(
-                [
-                    DenyAdminCodes(C.BROKER_DATA_PLANE_CODES, broker_allow, pol.deny_codes, self._denied,
-                                   preset=pol.preset),
-                    *acl,
-                    *limit,
-                    *gray,
-                    *broker_filters,
-                    self.message_addresses,
-                    *keep,
-                ]
-            ),
-        }
-
-    def _gray_filter(self) -> Filter:
-        from rmqfast.gray.filter import GrayFilter, gray_metrics
-        from rmqfast.gray.state import Commands, state_path
-
-        def queues(topic: str, broker: str) -> int | None:
-            route = self.book.get(topic)  # cached; else asked of the name server (this greenlet waits)
-            if route is None:
-                return None
-            return next((n for name, n, _ in route[1] if name == broker), None)
-
-        def broker_name(addr: str, topic: str) -> str | None:
-            self.book.get(topic)  # the route names the brokers
-            return self.book.broker_name_of(addr)
-
-        g = self.cfg.gray
-        # every worker reads the file within 0.35 s (0.25 s + its 0.1 s tick) and switches 0.5 s after it was
-        # written: all at the same instant (a client rebalancing meanwhile sees one phase everywhere)
-        commands = Commands(state_path(g.state_file, self.cfg.proxy.state_dir), interval=0.25,
-                            lead=0.5 if g.handover > 0 else 0.0)
-        gray = GrayFilter(g, queues, commands, gray_metrics(), broker_name=broker_name)
-        old = getattr(self, "gray", None)
-        gray.handover.carry(old.handover if old is not None else None)  # a reload keeps the fences under way
-        self.gray = gray
-        self.failover.place = gray.place  # sends the failover service moves keep their share
-        return gray
-
-    def _setup_delay(self) -> None:
-        """[delay]: proxy-held delayed messages, in the worker's spill (the replicator's when there is one)."""
-        if getattr(self, "delay", None) is not None:
-            self.delay.reconfigure(self.cfg.delay)
-            return
-        self.delay: Any = None
-        repl = getattr(self, "replication", None)
-        if not self.cfg.delay.enabled and repl is None and not spill_dir(self.cfg.proxy.state_dir, self.index).exists():
-            return
-        try:
-            spill = repl.replicator.store if repl is not None else self._own_spill()
-            from rmqfast.delay import open_delay
-
-            self.delay = open_delay(self.cfg, self.index, spill)
-            if self.delay is not None:  # released sends speak TLS where [tls.upstream] says so
-                self.delay.releaser.pool.wrap = self.tls.wrapper("broker", self.cfg.proxy.connect_timeout)
-        except Exception as exc:  # an unusable spill: delayed sends go to the broker as they are
-            log.error("proxy-held delay unavailable: cannot open the spill",
-                      extra=ctx(worker=self.index, error=str(exc)))
-            return
-        if self.delay is not None and getattr(self, "_started", False):
-            self.delay.start()
-
-    def _own_spill(self) -> Any:
-        """The worker's own spill (no replicator), opened once and shared by [delay] and the
-        shaper: one writer per RocksDB (a second open of it fails on its lock)."""
-        if getattr(self, "own_spill", None) is None:
-            from rmqfast.spill.store import SpillStore, worker_dir  # here: ~0.6 MiB a worker without a spill skips
-
-            rp = self.cfg.replicate
-            self.own_spill = SpillStore(
-                worker_dir(self.cfg.proxy.state_dir, self.index), write_buffer_bytes=rp.write_buffer_bytes,
-                block_cache_bytes=rp.block_cache_bytes, disk_cap_bytes=rp.disk_cap_bytes)
-        return self.own_spill
-
-    def _setup_shaper(self) -> None:
-        """Start peak shaving when a shape rule exists or the spill may hold a shaped backlog.
-
-        It shares the cross-cloud replicator's spill when there is one (one writer per RocksDB).
-        """
-        if self.limits is None or self.shaper is not None:
-            return
-        repl = getattr(self, "replication", None)
-        if (repl is None and getattr(self, "own_spill", None) is None and not any(
-                r.mode == "shape" for r in self.cfg.limits.rules)
-                and not spill_dir(self.cfg.proxy.state_dir, self.index).exists()):
-            return  # shaping_wanted's answer without importing the shaper and the spill (~1 MiB)
-        from rmqfast.limits.shaper import Shaper, shaping_wanted
-
-        if not shaping_wanted(self.cfg, self.index, repl.replicator.store if repl is not None
-                              else getattr(self, "own_spill", None)):
-            return
-        try:
-            shaper = Shaper(self.cfg, self.index, self.limits, metrics=self.metrics,
-                            store=repl.replicator.store if repl is not None else self._own_spill(),
-                            committer=repl.replicator.committer if repl is not None else None)
-        except Exception as exc:  # an unusable spill: shape rules answer SYSTEM_BUSY instead
-            log.error("peak shaving unavailable: cannot open the spill; sends over a shape rule get SYSTEM_BUSY",
-                      extra=ctx(worker=self.index, error=str(exc)))
-            return
-        if not shaper.needed:
-            shaper.close()
-            return
-        self.shaper = shaper
-        self.limits.shaper = shaper
-        shaper.pool.wrap = self.tls.wrapper("broker", self.cfg.proxy.connect_timeout)  # [tls.upstream]
-        if getattr(self, "_started", False):
-            shaper.start()
-
-    def _denied(self, session: PolicySession, code: int) -> None:
+    def on_denied(self, session: PolicySession, code: int) -> None:
         self.metrics.denied.labels(session.role, str(code)).inc()
 
-    def _healed(self, addr: str) -> None:
+    def on_healed(self, addr: str) -> None:
         self.health_metrics.route_heals.labels(addr).inc()
 
-    def _rewritten(self, session: PolicySession, code: int) -> None:
+    def on_rewritten(self, session: PolicySession, code: int) -> None:
         self.metrics.route_rewrites.labels(str(code)).inc()
 
     # Listeners -------------------------------------------------------------------------------
@@ -378,7 +223,7 @@ class Worker:
         gevent.spawn(self._publish_loop)
         gevent.spawn(self._idle_loop)
         gevent.spawn(self._stall_loop)
-        gevent.spawn(self._gray_loop)
+        gevent.spawn(services.gray_loop, self)
         if self.cfg.failover.enabled:
             self._watch_brokers()
         self.metrics.workers_up.set(1)
@@ -400,6 +245,7 @@ class Worker:
         server.guard = AcceptGuard(role, str(listen), self.listen_metrics,
                                    lambda why, at=str(listen): self._listener_state(at, why), self.rate_log)
         server.on_refused = lambda cap, addr, role=role: self._refused(role, cap, addr)
+        server.make_room = self.evictor.make_room
         server.start()
         self.listeners[listen] = Listener(role, listen, server, upstream)
 
@@ -495,6 +341,9 @@ class Worker:
         """A session's both directions have ended."""
         self.sessions.discard(session)
         self.caps.release(client_key(session.client_addr.rpartition(":")[0]))
+        if self.evictor.blocked:
+            self.evictor.check()
+        self.trimmer.maybe_trim(self.caps.open, self.caps)
         if session.role == "broker" and session.upstreams and not session.upstream_addr:  # connect failed: probe now
             if session.local_shortage:  # our own descriptors ran out: says nothing about the broker
                 self.listen_metrics.local_shortage.labels("upstream_connect").inc()
@@ -633,26 +482,15 @@ class Worker:
             except Exception:
                 log.exception("stalled-send sweep failed")
 
-    def _gray_loop(self) -> None:
-        """[gray]: phase changes seen within 0.1 s, consumers notified, held pulls answered
-        (:meth:`rmqfast.gray.filter.GrayFilter.tick`)."""
-        while not self.draining:
-            gevent.sleep(0.1)
-            gray = getattr(self, "gray", None)
-            if gray is None or not self.cfg.gray.enabled:
-                continue
-            try:
-                gray.tick(self.sessions)
-            except Exception:
-                log.exception("gray hand-over tick failed")
-
     def _idle_loop(self) -> None:
         """Close connections idle for longer than ``proxy.idle_timeout`` (checked a few times per period)."""
         while True:
             limit = self.settings.idle_timeout
             fft = self.settings.first_frame_timeout or limit
             gevent.sleep(min(max(min(limit, fft) / 4, 0.05), 5.0))
-            close_idle(self.sessions, limit)
+            close_idle(self.sessions, limit,
+                       counted=lambda role, why: self.listen_metrics.deadline_closes.labels(role, why).inc())
+            self.evictor.check()
 
     def _publish_loop(self) -> None:
         while True:
@@ -704,7 +542,7 @@ class Worker:
         log.info("draining", extra=ctx(worker=self.index, sessions=len(self.sessions)))
         self.failover.stopping = True
         if self.cfg.failover.go_away:  # requests arriving from now on: GO_AWAY to clients that reconnect on it
-            go_away_from_now_on(self.sessions, GoAway(lambda s, code: self.health_metrics.go_away.labels(s.role).inc()))
+            go_away_from_now_on(self.sessions, goaway_filter(self, ""))
         go = self.cfg.failover.go_away
         while self.sessions and time.monotonic() < deadline:
             now = time.monotonic()
@@ -716,7 +554,7 @@ class Worker:
         for s in list(self.sessions):
             s.close()
         self.publish()
-        _close_services(self)
+        services.close_services(self)
         log.info("worker stopped", extra=ctx(worker=self.index, cut_sessions=left))
 
     def reload(self, cfg: Config) -> None:
@@ -732,18 +570,10 @@ class Worker:
         if self.limits_publisher is not None:
             self.limits_publisher.reconfigure(cfg.limits)  # live sessions see it at once
         self._build_chains()
-        self._setup_shaper()
+        services.setup_shaper(self)
         if self.shaper is not None:
             self.shaper.reconfigure()  # holds follow the new shape rules
-        for s in list(self.sessions):
-            if s.c2u is not None:
-                s.c2u.set_actions(self.chains[s.role].request_actions)
-                s.c2u.delay_topics = self.chains[s.role].delay_topics
-                s.c2u.policy_topics = self.chains[s.role].policy_topics
-            u2c = getattr(s, "u2c", None)
-            if u2c is not None:  # the new chain's store-host map (a records answer's other half)
-                u2c.address_map = self.chains[s.role].address_map(is_compiled(u2c))
-            s.chain = self.chains[s.role]
+        adopt_chains(self.sessions, self.chains)  # live sessions: their scanners read the new chains
         wanted = {cfg.namesrv.listen} | {ep.listen for ep in self.registry.endpoints()}
         for hp in list(self.listeners):
             if hp not in wanted:
@@ -762,105 +592,9 @@ class Worker:
         log.info("configuration reloaded", extra=ctx(worker=self.index, was_workers=old.proxy.workers))
 
 
+if __name__ == "__main__":  # the supervisor's ``python -P -m rmqfast.server.worker``
+    # this module is the Worker the process runs: not executed a second time by the import below
+    sys.modules.setdefault("rmqfast.server.worker", sys.modules[__name__])
+    from rmqfast.server.workerproc import main
 
-def go_away_from_now_on(sessions: Iterable[Session], go_away: GoAway) -> None:
-    """Every open session's chain with ``go_away`` first (a draining worker).  Sessions share their
-    role's chain: one draining chain is made per chain, not per session (a chain per session kept
-    the event loop for seconds with 10,000 connections)."""
-    made: dict[int, tuple[FilterChain, FilterChain]] = {}  # id(chain) -> (chain, its draining chain)
-    for s in list(sessions):
-        if s.closed:
-            continue
-        pair = made.get(id(s.chain))
-        if pair is None:
-            pair = made[id(s.chain)] = (s.chain, draining(s.chain, go_away))
-        s.chain = pair[1]
-        if s.c2u is not None:
-            s.c2u.set_actions(s.chain.request_actions)
-
-
-def _close_services(w: Any) -> None:
-    """A draining worker's records, shaper, delay, spill and replication, in that order, once
-    its sessions are closed."""
-    if w.records is not None:
-        w.records.close()
-    if w.shaper is not None:
-        w.shaper.close()  # before the replicator: they may share its spill
-    if getattr(w, "delay", None) is not None:
-        w.delay.close()
-    if getattr(w, "own_spill", None) is not None:
-        w.own_spill.close()
-    if getattr(w, "replication", None) is not None:
-        w.replication.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rmqfast-worker")
-    ap.add_argument("--runtime", required=True)
-    ap.add_argument("--index", type=int, required=True)
-    ap.add_argument("--status-fd", type=int, default=-1)
-    args = ap.parse_args(argv)
-    runtime = Path(args.runtime)
-    from rmqfast.metrics import light_prometheus
-
-    light_prometheus()  # the metric classes only: a worker never serves /metrics (~6 MiB less RSS)
-    cfg = config_mod.from_json((runtime / "config.json").read_text())
-    log_mod.setup(cfg.log.format, cfg.log.level)
-    # two descriptors per client connection: the soft limit (often 1024) would cap a worker at ~500
-    raise_nofile(args.index)
-    status_file = os.fdopen(args.status_fd, "w", buffering=1) if args.status_fd >= 0 else None
-
-    def status(msg: dict) -> None:
-        if status_file is not None:
-            try:
-                status_file.write(json.dumps(msg) + "\n")
-            except OSError:
-                pass
-
-    try:
-        worker = Worker(cfg, args.index, status, runtime)
-        worker.start()
-    except Exception as exc:  # bind errors, unreadable endpoint table...
-        log.error("worker cannot start", extra=ctx(worker=args.index, error=str(exc)))
-        status({"event": "fatal", "error": str(exc)})
-        return EXIT_FATAL
-    # [grpc]: this worker's gRPC front, a process of its own (rmqfast.grpcfront.server); it ends with
-    # the worker (its lifeline pipe closes)
-    grpc_front = None
-    if cfg.grpc.enabled:
-        from rmqfast.grpcfront.keeper import FrontKeeper
-
-        grpc_front = FrontKeeper(runtime)
-        grpc_front.start()
-    done = gevent.event.Event()
-
-    def on_term() -> None:
-        gevent.spawn(lambda: (worker.drain(), done.set()))
-
-    def on_hup() -> None:
-        try:
-            new = config_mod.from_json((runtime / "config.json").read_text())
-        except Exception as exc:
-            log.error("reload failed; keeping the running configuration", extra=ctx(error=str(exc)))
-            return
-        worker.reload(new)
-        status({"event": "reloaded"})
-
-    gevent.signal_handler(signal.SIGTERM, on_term)
-    gevent.signal_handler(signal.SIGINT, on_term)
-    gevent.signal_handler(signal.SIGHUP, on_hup)
-    from rmqfast.server.spawn import identity
-
-    # what the set-up made (modules, configuration, tables) lives as long as the worker: kept out of
-    # the collector's scans, a full collection pauses the event loop only for what came since
-    gc.freeze()
-    # version, codec twin and package directory: the supervisor refuses a worker that differs
-    status({"event": "ready", "worker_pid": os.getpid(), **identity()})
-    done.wait()
-    if grpc_front is not None:
-        grpc_front.stop()
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 The decision stays in the hot path: the scanner runs the limiter (compiled with the compiled
 scanner) on every send whose topic a rule covers and hands only a refused send to Python, whole,
-with the refusing rule's index in :attr:`rmqfast.proxy.policy.Frame.limited`.  Sends under their
+with the refusing rule's index in :attr:`rmqfast.filters.api.Frame.limited`.  Sends under their
 limits, and every send when no rule applies, never become Python objects.  This filter answers
 the refused ones:
 
@@ -18,9 +18,12 @@ every proxy-made answer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict
+from rmqfast.filters.api import Filter, Frame, Session, Verdict
+
+if TYPE_CHECKING:
+    from rmqfast.filters.host import ChainHost
 
 
 class SendLimitFilter(Filter):
@@ -41,3 +44,9 @@ class SendLimitFilter(Filter):
         if index < 0:
             return None
         return self.limits.answer(frame, index, session.upstream_addr)
+
+
+def build(host: ChainHost, role: str) -> Filter:
+    """``[limits]``: the worker's shared buckets (the registry asks for it only when there are some)."""
+    assert host.limits is not None
+    return SendLimitFilter(host.limits)

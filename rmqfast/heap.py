@@ -1,4 +1,4 @@
-"""Giving the C heap back after a peak of connections (``[grpc] server = "h2"``).
+"""Giving the C heap back after a peak of connections (the gRPC front and the Remoting workers).
 
 Each open connection of the nghttp2 server holds about 40 KiB of C heap (its nghttp2 session, frame
 and event buffers, the transport); all of it is freed when the connection closes, but glibc keeps
@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-log = logging.getLogger("rmqfast.grpc")
+log = logging.getLogger("rmqfast.heap")
 
 TRIM_MIN_DROP = 64  # connections that must have closed since the peak before a trim is worth it
 
@@ -35,7 +35,8 @@ def _malloc_trim() -> Any:
 
 class Trimmer:
     """:meth:`maybe_trim` trims once the open connections fell by a quarter of their peak (and at
-    least ``TRIM_MIN_DROP``); the peak is the gate's (:attr:`rmqfast.grpcfront.gate.Gate.peak`)."""
+    least ``TRIM_MIN_DROP``); the peak is the caller's (:attr:`rmqfast.grpcfront.gate.Gate.peak`,
+    :attr:`rmqfast.server.accept.ConnectionCaps.peak`)."""
 
     def __init__(self) -> None:
         self.trims = 0
@@ -52,5 +53,5 @@ class Trimmer:
         t0 = time.perf_counter()
         self._fn(0)
         self.last_ms = (time.perf_counter() - t0) * 1000
-        log.debug("gRPC front: malloc_trim after %d connections closed took %.1f ms", closed, self.last_ms)
+        log.debug("malloc_trim after %d connections closed took %.1f ms", closed, self.last_ms)
         return True

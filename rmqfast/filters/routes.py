@@ -4,7 +4,7 @@ Name-server answers to ``GET_ROUTEINFO_BY_TOPIC`` (105) and ``GET_BROKER_CLUSTER
 carry the real brokers' addresses; this filter byte-patches each one to the proxy endpoint that
 serves it (:mod:`rmqfast.proxy.endpoints`), heals the routes of a dead master
 (:mod:`rmqfast.proxy.health`) and teaches the route book that moves sends off it
-(:mod:`rmqfast.proxy.failover`). The filter API it implements is :mod:`rmqfast.proxy.policy`.
+(:mod:`rmqfast.proxy.failover`). The filter API it implements is :mod:`rmqfast.filters.api`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 from rmqfast.codec import codes as C
 from rmqfast.codec.route import PERM_WRITE, BrokerAddr, parse_route, rewrite_broker_addrs
+from rmqfast.filters.api import Filter, Frame, Session, Verdict, close, rewrite, slots_of
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, rewrite, slots_of
 
 if TYPE_CHECKING:
+    from rmqfast.filters.host import ChainHost
     from rmqfast.proxy.endpoints import EndpointRegistry
     from rmqfast.proxy.failover import RouteBook
     from rmqfast.proxy.health import BrokerHealth
@@ -132,3 +133,12 @@ class RewriteRoutes(Filter):
         if self.on_rewrite is not None:
             self.on_rewrite(session, req_code)
         return rewrite(frame.with_body(new_body))
+
+
+def build(host: ChainHost, role: str) -> Filter:
+    """Route answers rewritten to the proxy's endpoints; healed from the health probes with
+    ``[failover]`` ``heal_routes``."""
+    fo = host.cfg.failover
+    return RewriteRoutes(host.registry, host.on_rewritten,
+                         health=host.health if fo.enabled and fo.heal_routes else None,
+                         book=host.book if fo.enabled else None, on_heal=host.on_healed)

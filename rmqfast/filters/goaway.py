@@ -16,11 +16,15 @@ ordinary retry then applies).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from rmqfast.codec import CODE_SLOTS
 from rmqfast.codec import codes as C
-from rmqfast.proxy.policy import Filter, FilterChain, Frame, Session, Verdict, error_response, reply
+from rmqfast.filters.api import Filter, FilterChain, Frame, Session, Verdict, error_response, reply
+
+if TYPE_CHECKING:
+    from rmqfast.filters.host import ChainHost
 
 #: ``MQVersion.Version.V5_3_1.ordinal()``: clients above it reconnect on GO_AWAY.
 V5_3_1 = 475
@@ -71,3 +75,24 @@ def may_close(session: Session, idle: float) -> bool:
 def draining(chain: FilterChain, go_away: GoAway) -> FilterChain:
     """``chain`` with :class:`GoAway` first: every request reaches Python while the worker drains."""
     return FilterChain([go_away, *chain.filters])
+
+
+def go_away_from_now_on(sessions: Iterable[Any], go_away: GoAway) -> None:
+    """Every open session's chain with ``go_away`` first (a draining worker).  Sessions share their
+    role's chain: one draining chain is made per chain, not per session (a chain per session kept
+    the event loop for seconds with 10,000 connections)."""
+    made: dict[int, tuple[FilterChain, FilterChain]] = {}  # id(chain) -> (chain, its draining chain)
+    for s in list(sessions):
+        if s.closed:
+            continue
+        pair = made.get(id(s.chain))
+        if pair is None:
+            pair = made[id(s.chain)] = (s.chain, draining(s.chain, go_away))
+        s.chain = pair[1]
+        if s.c2u is not None:
+            s.c2u.set_actions(s.chain.request_actions)
+
+
+def build(host: ChainHost, role: str) -> Filter:
+    """GO_AWAY counted per role in the health metrics (:data:`rmqfast.filters.registry.DRAINING`)."""
+    return GoAway(lambda s, code: host.health_metrics.go_away.labels(s.role).inc())

@@ -50,10 +50,11 @@ from typing import TYPE_CHECKING, Any
 from rmqfast import codec
 from rmqfast.codec import codes as C
 from rmqfast.codec.msgaddr import format_host, header_field_span, host_bytes, patch_offset_ids, patch_store_hosts
+from rmqfast.filters.api import Filter, Frame, Session, Verdict, close, rewrite, slots_of
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, close, rewrite, slots_of
 
 if TYPE_CHECKING:
+    from rmqfast.filters.host import ChainHost
     from rmqfast.proxy.endpoints import EndpointRegistry
 
 log = logging.getLogger("rmqfast.addresses")
@@ -234,3 +235,8 @@ class RewriteMessageAddresses(Filter):
 
     def on_close(self, session: Session) -> None:
         session.state.pop(_PENDING, None)
+
+
+def build(host: ChainHost, role: str) -> Filter:
+    """``[policy]`` ``message_addresses``: broker addresses inside messages become proxy endpoints."""
+    return RewriteMessageAddresses(host.registry, host.cfg.policy.message_addresses)

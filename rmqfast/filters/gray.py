@@ -43,6 +43,7 @@ from rmqfast.codec import codes as C
 from rmqfast.codec.command import RemotingCommand, encode, make_response
 from rmqfast.codec.properties import parse_properties
 from rmqfast.codec.sendheader import V1_CODES, field_int, send_fields
+from rmqfast.filters.api import Filter, Frame, Session, Verdict, divert, reply, rewrite, slots_of
 from rmqfast.gray.config import GrayGroup, GraySection
 from rmqfast.gray.handover import Handover, commit_of_pull, held_answer, run_due
 from rmqfast.gray.rules import (
@@ -59,7 +60,6 @@ from rmqfast.gray.rules import (
 )
 from rmqfast.gray.state import Commands
 from rmqfast.log import ctx
-from rmqfast.proxy.policy import Filter, Frame, Session, Verdict, divert, reply, rewrite, slots_of
 
 log = logging.getLogger("rmqfast.gray")
 
