@@ -7,9 +7,14 @@ ones a preset or ``policy.allow_codes`` let through).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from rmqfast import config as config_mod
 from rmqfast.codec import admincodes
 from rmqfast.codec import codes as C
+from rmqfast.settings.engine import sections
+from rmqfast.settings.reference import changed, reference, replace_generated
 
 #: How many codes a line lists by number before it only counts them.
 _LIST_AT_MOST = 12
@@ -139,5 +144,24 @@ def summary(path: str | None, cfg: config_mod.Config) -> str:
         ("TLS", describe_tls(cfg.tls)),
         ("logs", f"{cfg.log.format}, level {cfg.log.level}; state in {p.state_dir}"),
     ]
+    own = [line for name in sorted(sections()) for line in changed(name, getattr(cfg, name))]
+    # generated from the declarations: every declared value the file changes, written as TOML
+    rows.append(("changed keys", "; ".join(own) or "none (every declared key at its default)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{path or '(flags only)'}: ok"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def write_reference(page: Path) -> bool:
+    """Rewrite the generated part of ``page`` (docs/configuration.md); True when it changed."""
+    old = page.read_text(encoding="utf-8")
+    new = replace_generated(old, reference(sections()))
+    if new != old:
+        page.write_text(new, encoding="utf-8")
+    return new != old
+
+
+if __name__ == "__main__":  # python -m rmqfast.checkconfig --write-reference [PAGE]
+    if sys.argv[1:2] != ["--write-reference"]:
+        sys.exit("usage: python -m rmqfast.checkconfig --write-reference [docs/configuration.md]")
+    target = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/configuration.md")
+    print(f"{target}: {'rewritten' if write_reference(target) else 'up to date'}")

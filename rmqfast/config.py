@@ -11,35 +11,34 @@ supervisor can hand exactly the same configuration to every worker process.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rmqfast.delay.settings import DelaySection, parse_delay
+from rmqfast.delay.settings import DelaySection
 from rmqfast.errors import ConfigError
 from rmqfast.gray.config import GraySection, parse_gray
-from rmqfast.grpcfront.settings import KEYS as GRPC_KEYS
 from rmqfast.grpcfront.settings import GrpcSection, parse_grpc
 from rmqfast.grpcfront.settings import check_tls as check_grpc_tls
 from rmqfast.limits.rules import LimitsSection, parse_limits, parse_rule
 from rmqfast.proxy.acl import AclSection, parse_acl
-from rmqfast.proxy.health import FailoverSection, parse_failover
+from rmqfast.proxy.health import FailoverSection
 from rmqfast.proxy.tls import TlsSection, parse_tls
 from rmqfast.server.admin_names import parse_allowed_hosts
 from rmqfast.settings.base import ConfigErrors as ConfigErrors  # re-exported: rmqfast.config.ConfigErrors
 from rmqfast.settings.base import Errors as _Errors
-from rmqfast.settings.base import boolean as _bool
 from rmqfast.settings.base import check_keys as _check_keys
 from rmqfast.settings.base import choice as _choice
 from rmqfast.settings.base import integer as _int
-from rmqfast.settings.base import seconds as _float
 from rmqfast.settings.base import string as _str
 from rmqfast.settings.base import table as _table
 from rmqfast.settings.base import toml_value as _t
 from rmqfast.settings.base import toml_value as toml_value  # re-exported
 from rmqfast.settings.base import valid_host
 from rmqfast.settings.cpus import usable_cpus_at_start
+from rmqfast.settings.engine import parse_section, revive, section, sections, setting
 from rmqfast.settings.hostport import HostPort as HostPort  # re-exported: rmqfast.config.HostPort
 from rmqfast.settings.hostport import parse_hostport as parse_hostport  # re-exported
 from rmqfast.settings.hostport import parse_hostport_list as parse_hostport_list  # re-exported
@@ -53,82 +52,139 @@ class StaticBroker:
     upstream: HostPort
 
 
+@section("proxy", "The listeners, frames, buffers and timeouts of every worker.")
 @dataclass
 class ProxySection:
-    workers: int = 0
-    advertise_host: str = ""
-    max_frame_size: int = 16 * 1024 * 1024
-    max_header_size: int = 1024 * 1024
-    buffer_size: int = 256 * 1024
-    connect_timeout: float = 3.0
-    idle_timeout: float = 120.0
-    drain_timeout: float = 10.0
-    state_dir: str = ".rmqfast-state"
-    # seconds a frame a peer started sending may wait for its next bytes (0: no deadline)
-    frame_timeout: float = 30.0
-    # bytes per worker for frames held whole (policy, limited sends, batches) beyond the base buffers
-    buffer_budget: int = 64 * 1024 * 1024
-    # client connections per worker on the Remoting listeners (0: from the open-files limit)
-    max_connections: int = 0
-    # ... per client address, IPv6 by /64 (0: half of the worker's cap)
-    max_connections_per_client: int = 0
-    # seconds a new Remoting connection may take to send its first frame (0: no deadline)
-    first_frame_timeout: float = 10.0
+    workers: int = setting(0, lo=0, hi=256, what=" (one per CPU)", doc="worker processes (0: one per usable CPU)")
+    advertise_host: str = setting("", doc="host written into rewritten routes (default: namesrv.listen's host)")
+    max_frame_size: int = setting(16 << 20, kind="size", lo=1024, hi=1 << 30, doc="largest Remoting frame accepted")
+    max_header_size: int = setting(1 << 20, kind="size", lo=64, hi=0xFFFFFF, doc="largest frame header accepted")
+    buffer_size: int = setting(256 << 10, kind="size", lo=4096, hi=64 << 20, doc="socket buffer per direction")
+    connect_timeout: float = setting(3.0, kind="duration", lo=0.1, hi=60, doc="connecting to an upstream")
+    idle_timeout: float = setting(120.0, kind="duration", lo=20, hi=86400, doc="a connection with no traffic is closed")
+    drain_timeout: float = setting(10.0, kind="duration", lo=0, hi=600, doc="in-flight requests finish on shutdown")
+    state_dir: str = setting(".rmqfast-state", doc="directory of the proxy's state (spill, delay, gray)")
+    frame_timeout: float = setting(30.0, kind="duration", lo=1, hi=3600, zero_off=True,
+                                   doc="a frame a peer started sending may wait this long for its next bytes")
+    buffer_budget: int = setting(64 << 20, kind="size", lo=1 << 20, hi=1 << 40,
+                                 doc="bytes per worker for frames held whole (policy, limited sends, batches)")
+    max_connections: int = setting(0, lo=0, hi=1 << 24, what=" (0: automatic)",
+                                   doc="client connections per worker (0: from the open-files limit)")
+    max_connections_per_client: int = setting(0, lo=0, hi=1 << 24, what=" (0: automatic)",
+                                              doc="... per client address, IPv6 by /64 (0: half the worker's cap)")
+    first_frame_timeout: float = setting(10.0, kind="duration", lo=1, hi=3600, zero_off=True,
+                                         doc="a new Remoting connection must send its first frame within this")
+
+    def check(self) -> list[str]:
+        out = []
+        if 0 < self.max_connections < self.max_connections_per_client:
+            out.append(f"proxy.max_connections_per_client: {self.max_connections_per_client} is not allowed; it "
+                       f"must not exceed proxy.max_connections ({self.max_connections})")
+        if self.max_header_size > self.max_frame_size:
+            out.append(f"proxy.max_header_size: {self.max_header_size} is not allowed; it must not exceed "
+                       f"proxy.max_frame_size ({self.max_frame_size})")
+        return out
 
 
+@section("namesrv", "Where clients reach the proxy's name server, and the real RocketMQ name servers.")
 @dataclass
 class NamesrvSection:
-    listen: HostPort | None = None
-    upstreams: list[HostPort] = field(default_factory=list)
+    listen: HostPort | None = setting(parse_hostport("namesrv.listen", DEFAULT_NAMESRV_LISTEN),
+                                      parse=lambda k, v: parse_hostport(k, v), expect='"host:port"',
+                                      doc="where clients connect")
+    upstreams: list[HostPort] = setting(factory=list, parse=lambda k, v: _upstreams(k, v), required=True,
+                                        expect='a non-empty list of "host:port"', doc="the real name servers")
 
 
+def _upstreams(key: str, ups: Any) -> list[HostPort]:
+    if not isinstance(ups, list | str) or not ups:
+        raise ConfigError(
+            f"{key}: {_t(ups)} is not allowed; expected a non-empty list of \"host:port\" "
+            "(the real RocketMQ name servers), e.g. [\"10.0.0.1:9876\"]"
+        )
+    return parse_hostport_list(key, ups)
+
+
+@section("brokers", "The endpoints clients reach the brokers through.")
 @dataclass
 class BrokersSection:
-    port_range: tuple[int, int] | None = (30900, 30999)
-    listen_host: str = ""
-    vip_channel: bool = True
-    static: list[StaticBroker] = field(default_factory=list)
+    port_range: tuple[int, int] | None = setting(
+        (30900, 30999), parse=lambda k, v: parse_port_range(k, v), expect='"FIRST-LAST", or "" for none',
+        doc="ports of the automatically allocated broker endpoints")
+    listen_host: str = setting("", doc="host those endpoints bind (default: namesrv.listen's host)")
+    vip_channel: bool = setting(True, doc="also listen at port - 2 for the clients' VIP channel")
+    static: list[StaticBroker] = setting(factory=list, parse=lambda k, v: _statics(k, v),
+                                         expect='[[brokers.static]] tables of listen and upstream "host:port"',
+                                         doc="fixed endpoints: listen -> upstream")
 
 
+def _statics(key: str, statics: Any) -> list[StaticBroker]:
+    if not isinstance(statics, list):
+        raise ConfigError(f"{key}: {_t(statics)} is not allowed; expected an array of tables")
+    errs = _Errors()
+    out = []
+    for i, s in enumerate(statics):
+        k = f"{key}[{i}]"
+        with errs.check():
+            s = _table(k, s)
+            _check_keys(k, s, {"listen", "upstream"})
+            if "listen" not in s or "upstream" not in s:
+                raise ConfigError(f"{k}: both 'listen' and 'upstream' are required")
+            out.append(StaticBroker(parse_hostport(f"{k}.listen", s["listen"]),
+                                    parse_hostport(f"{k}.upstream", s["upstream"])))
+    errs.raise_if_any()
+    return out
+
+
+@section("policy", "Which request codes pass, and the broker addresses rewritten inside messages.")
 @dataclass
 class PolicySection:
-    allow_codes: list[int] = field(default_factory=list)
-    deny_codes: list[int] = field(default_factory=list)
-    # "read-only-admin": also let through the read-only admin codes (rmqfast.codec.admincodes)
-    preset: str = ""
-    # broker addresses inside messages (rmqfast.proxy.addresses): "all" (store hosts in pull, pop,
-    # query and view answers and the offset msgId of send answers, both mapped in C), "records"
-    # (not the send answers: queryMsgById then reaches the real broker), "off"
-    message_addresses: str = "all"
+    allow_codes: list[int] = setting(factory=list, parse=lambda k, v: _codes(k, v), expect="a list of request codes",
+                                     doc="admin request codes let through besides the data plane")
+    deny_codes: list[int] = setting(factory=list, parse=lambda k, v: _codes(k, v), expect="a list of request codes",
+                                    doc="request codes refused whatever else says")
+    preset: str = setting("", choices=("", "read-only-admin"),
+                          doc='"read-only-admin": also let through the read-only admin codes')
+    message_addresses: str = setting(
+        "all", choices=("records", "all", "off"),
+        doc='"all": store hosts and send answers\' msgIds mapped; "records": not send answers; "off": none')
 
 
+@section("admin", "The admin HTTP endpoint: /metrics, /healthz, /readyz, /limits.")
 @dataclass
 class AdminSection:
-    listen: HostPort | None = None
-    # Required (as "Authorization: Bearer <token>") to change limits over HTTP; without one,
-    # changes are accepted only when the admin endpoint listens on a loopback address.
-    token: str = ""
-    # Names (besides its listen address, localhost, 127.0.0.1, [::1] and $POD_IP) a request may
-    # give in Host or Origin: "name" with any port, "name:port" with that one (rmqfast.server.admin_names)
-    allowed_hosts: list[str] = field(default_factory=list)
+    listen: HostPort | None = setting(None, parse=lambda k, v: parse_hostport(k, v) if v else None,
+                                      expect='"host:port"', doc="where it listens (default: off)")
+    token: str = setting("", doc='required as "Authorization: Bearer <token>" to change limits (else loopback only)')
+    allowed_hosts: list[str] = setting(factory=list, parse=lambda k, v: parse_allowed_hosts(k, v),
+                                       expect='a list of "name" or "name:port"',
+                                       doc="names besides the listen address a request may give in Host or Origin")
 
 
+@section("log", "How the proxy logs.")
 @dataclass
 class LogSection:
-    format: str = "json"
-    level: str = "info"
+    format: str = setting("json", choices=("json", "human"), doc="one JSON object per line, or text for people")
+    level: str = setting("info", choices=("debug", "info", "warning", "error"), doc="the least level written")
 
 
+@section("records", "Traffic records for the Spark jobs (docs/records.md).")
 @dataclass
 class RecordsSection:
-    """``[records]``: traffic records for the Spark jobs (docs/records.md)."""
+    enabled: bool = setting(False, doc="write traffic records")
+    dir: str = setting("records", parse=lambda k, v: _records_dir(k, v), expect="a directory path",
+                       doc="where (created if missing)")
+    rotate_seconds: float = setting(60.0, kind="duration", lo=1, hi=86400, doc="a new file this often")
+    rotate_bytes: int = setting(64 << 20, kind="size", lo=4096, hi=1 << 40, doc="... or when a file reaches this")
+    sample_rate: float = setting(0.0, lo=0, hi=1, what=" (no per-request records)", kind="float",
+                                 doc="share of requests written as sampled per-request records")
+    format: str = setting("parquet", choices=("parquet", "jsonl"), doc="file format")
 
-    enabled: bool = False
-    dir: str = "records"
-    rotate_seconds: float = 60.0
-    rotate_bytes: int = 64 << 20
-    sample_rate: float = 0.0  # share of requests written as sampled per-request records
-    format: str = "parquet"  # parquet | jsonl
+
+def _records_dir(key: str, value: Any) -> str:
+    if not _str(key, value):
+        raise ConfigError(f"{key}: \"\" is not allowed; expected a directory path (created if missing)")
+    return str(value)
 
 
 @dataclass
@@ -147,12 +203,20 @@ class RemoteCloud:
         return (self.access_key, self.secret_key) if self.access_key else None
 
 
+@section("clouds", "The local cloud's name and the remote clusters copies go to (docs/cross-cloud.md).")
 @dataclass
 class CloudsSection:
-    local: str = "local"
-    detect_interval: float = 2.0
-    detect_timeout: float = 3.0
-    remotes: list[RemoteCloud] = field(default_factory=list)
+    local: str = setting("local", parse=lambda k, v: _name(k, v), expect="a name of 1 to 64 letters, digits, "
+                         "'-', '_' or '.'", doc="this cluster's name")
+    detect_interval: float = setting(2.0, kind="duration", lo=0.1, hi=3600, doc="between online checks of remotes")
+    detect_timeout: float = setting(3.0, kind="duration", lo=0.1, hi=60, doc="an online check's deadline")
+    remotes: list[RemoteCloud] = setting(factory=list, key="remote", parse=lambda k, v: _remotes(k, v),
+                                         expect="[[clouds.remote]] tables of name, namesrv, access_key, secret_key",
+                                         doc="the remote clusters")
+
+    def check(self) -> list[str]:
+        return [f"clouds.remote[{i}].name: {_t(r.name)} is the local cloud's name (clouds.local); pick another"
+                for i, r in enumerate(self.remotes) if r.name == self.local]
 
 
 @dataclass
@@ -166,27 +230,31 @@ class TopicRule:
     groups: list[str] = field(default_factory=list)  # consumer groups to ask the remotes about
 
 
+_REPLICATE_CHOICES = ("online", "always", "never")
+
+
+@section("replicate", "When copies go to the remote clouds, and the spill that holds them (docs/cross-cloud.md).")
 @dataclass
 class ReplicateSection:
-    durability: str = "fast"  # fast | durable
-    default: str = "never"  # rule for topics no [[replicate.topic]] names
-    channel_size: int = 10000
-    disk_cap_bytes: int = 1 << 30
-    on_disk_full: str = "reject"  # reject | drop
-    # RocksDB memory of a worker's spill (also what holds [delay] messages): up to two memtables of
-    # write_buffer_bytes and the block cache (index partitions included); with 8 MiB each a worker
-    # holding 10 M delayed messages peaked at 68 MB RSS while accepting; 57 MB with 4 MiB each and
-    # partitioned indexes (bench/delay_bench.py)
-    write_buffer_bytes: int = 4 << 20
-    block_cache_bytes: int = 4 << 20
-    deliver_processes: int = 1
-    max_in_flight: int = 1024
-    retry_initial: float = 0.1
-    retry_max: float = 5.0
-    # seconds a deliver process holds the other workers' copies after a worker's link broke, until
-    # that worker's replacement handed over the copies it inherited (order across a worker crash)
-    order_hold_max: float = 30.0
-    topics: list[TopicRule] = field(default_factory=list)
+    durability: str = setting("fast", choices=("fast", "durable"), doc="answer sends before or after the copy is kept")
+    default: str = setting("never", choices=_REPLICATE_CHOICES, doc="rule for topics no [[replicate.topic]] names")
+    channel_size: int = setting(10000, lo=0, hi=10_000_000, doc="copies queued in memory per worker")
+    disk_cap_bytes: int = setting(1 << 30, kind="size", lo=1 << 20, hi=1 << 50, doc="the spill's disk cap")
+    on_disk_full: str = setting("reject", choices=("reject", "drop"), doc="a send past the cap: refused or not copied")
+    # RocksDB memory of a worker's spill (also what holds [delay] messages): with 8 MiB each a worker holding
+    # 10 M delayed messages peaked at 68 MB RSS while accepting; 57 MB with 4 MiB each (bench/delay_bench.py)
+    write_buffer_bytes: int = setting(4 << 20, kind="size", lo=64 << 10, hi=1 << 30, doc="RocksDB memtable (two)")
+    block_cache_bytes: int = setting(4 << 20, kind="size", lo=64 << 10, hi=1 << 34, doc="RocksDB block cache")
+    deliver_processes: int = setting(1, lo=1, hi=64, doc="processes delivering copies")
+    max_in_flight: int = setting(1024, lo=1, hi=1_000_000, doc="copies in flight per delivery process")
+    retry_initial: float = setting(0.1, kind="duration", lo=0.001, hi=60, doc="first retry of a failed copy")
+    retry_max: float = setting(5.0, kind="duration", lo=0.01, hi=3600, doc="longest wait between retries")
+    order_hold_max: float = setting(30.0, kind="duration", lo=0, hi=3600,
+                                    doc="a deliver process holds the other workers' copies after a worker's link "
+                                    "broke, until its replacement handed over the copies it inherited")
+    topics: list[TopicRule] = setting(factory=list, key="topic", parse=lambda k, v: _topic_rules(k, v),
+                                      expect="[[replicate.topic]] tables of name, replicate, tags, remotes, groups",
+                                      doc="per-topic rules")
 
 
 @dataclass
@@ -278,56 +346,8 @@ def _codes(key: str, value: Any) -> list[int]:
     return out
 
 
-_KNOWN = {
-    "proxy": {
-        "workers",
-        "advertise_host",
-        "max_frame_size",
-        "max_header_size",
-        "buffer_size",
-        "connect_timeout",
-        "idle_timeout",
-        "drain_timeout",
-        "state_dir",
-        "frame_timeout",
-        "buffer_budget",
-        "max_connections",
-        "max_connections_per_client",
-        "first_frame_timeout",
-    },
-    "namesrv": {"listen", "upstreams"},
-    "brokers": {"port_range", "listen_host", "vip_channel", "static"},
-    "policy": {"allow_codes", "deny_codes", "preset", "message_addresses"},
-    "admin": {"listen", "token", "allowed_hosts"},
-    "limits": {"global_rate", "global_burst", "global_bytes_rate", "global_bytes_burst", "rule"},
-    "log": {"format", "level"},
-    "records": {"enabled", "dir", "rotate_seconds", "rotate_bytes", "sample_rate", "format"},
-    "clouds": {"local", "detect_interval", "detect_timeout", "remote"},
-    "replicate": {
-        "durability",
-        "default",
-        "channel_size",
-        "disk_cap_bytes",
-        "on_disk_full",
-        "write_buffer_bytes",
-        "block_cache_bytes",
-        "deliver_processes",
-        "max_in_flight",
-        "retry_initial",
-        "retry_max",
-        "order_hold_max",
-        "topic",
-    },
-    "delay": {"topics", "max_pending_bytes", "max_delay", "levels", "release_in_flight", "queue_window"},
-    "acl": {"topics", "unsigned", "other_keys", "secret_keys", "signature_max_age"},
-    "tls": {"listen", "upstream"},
-    "gray": {"settle", "grace", "drain_timeout", "backlog_interval", "state_file", "group"},
-    "grpc": set(GRPC_KEYS),
-    "failover": {"enabled", "heal_routes", "probe_interval", "probe_interval_down", "probe_timeout", "hang_timeout",
-                 "send_timeout", "ordered_topics", "ordered_property", "go_away", "resend"},
-}
+_DECLARED = [name for name, spec in sections().items() if spec.parse is None]
 
-_REPLICATE_CHOICES = ("online", "always", "never")
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -347,58 +367,27 @@ def _str_list(key: str, value: Any) -> list[str]:
     return list(value)
 
 
-def _section(errs: _Errors, raw: dict[str, Any], name: str) -> dict[str, Any]:
-    """The known keys of table ``raw[name]`` ({} when absent or not a table); errors recorded."""
-    with errs.check():
-        tbl = _table(name, raw.get(name, {}))
+def _table_list(key: str, value: Any, each: Callable[[str, Any, list[Any]], Any]) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: {_t(value)} is not allowed; expected an array of tables [[{key}]]")
+    errs = _Errors()
+    out: list[Any] = []
+    for i, r in enumerate(value):
         with errs.check():
-            _check_keys(name, tbl, _KNOWN[name])
-        return {k: v for k, v in tbl.items() if k in _KNOWN[name]}
-    return {}
+            out.append(each(f"{key}[{i}]", r, out))
+    errs.raise_if_any()
+    return out
 
 
-def _parse_clouds(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
-    cl = _section(errs, raw, "clouds")
-    c = cfg.clouds
-    _set(errs, cl, c, "clouds", "local", _name)
-    _set(errs, cl, c, "clouds", "detect_interval", lambda key, v: _float(key, v, 0.1, 3600))
-    _set(errs, cl, c, "clouds", "detect_timeout", lambda key, v: _float(key, v, 0.1, 60))
-    remotes = cl.get("remote", [])
-    if not isinstance(remotes, list):
-        errs.messages.append(
-            f"clouds.remote: {_t(remotes)} is not allowed; expected an array of tables [[clouds.remote]]")
-        remotes = []
-    for i, r in enumerate(remotes):
-        with errs.check():
-            c.remotes.append(_parse_remote(f"clouds.remote[{i}]", r, c))
-
-    rp = _section(errs, raw, "replicate")
-    r = cfg.replicate
-    for k, choices in (("durability", ("fast", "durable")), ("default", _REPLICATE_CHOICES),
-                       ("on_disk_full", ("reject", "drop"))):
-        _set(errs, rp, r, "replicate", k, lambda key, v, choices=choices: _choice(key, v, choices))
-    for k, lo, hi in (
-        ("channel_size", 0, 10_000_000),
-        ("disk_cap_bytes", 1 << 20, 1 << 50),
-        ("write_buffer_bytes", 64 << 10, 1 << 30),
-        ("block_cache_bytes", 64 << 10, 1 << 34),
-        ("deliver_processes", 1, 64),
-        ("max_in_flight", 1, 1_000_000),
-    ):
-        _set(errs, rp, r, "replicate", k, lambda key, v, lo=lo, hi=hi: _int(key, v, lo, hi))
-    for k, flo, fhi in (("retry_initial", 0.001, 60), ("retry_max", 0.01, 3600), ("order_hold_max", 0.0, 3600)):
-        _set(errs, rp, r, "replicate", k, lambda key, v, flo=flo, fhi=fhi: _float(key, v, flo, fhi))
-    topics = rp.get("topic", [])
-    if not isinstance(topics, list):
-        errs.messages.append(
-            f"replicate.topic: {_t(topics)} is not allowed; expected an array of tables [[replicate.topic]]")
-        topics = []
-    for i, t in enumerate(topics):
-        with errs.check():
-            r.topics.append(_parse_topic_rule(f"replicate.topic[{i}]", t, c, r))
+def _remotes(key: str, value: Any) -> list[RemoteCloud]:
+    return _table_list(key, value, _parse_remote)
 
 
-def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
+def _topic_rules(key: str, value: Any) -> list[TopicRule]:
+    return _table_list(key, value, _parse_topic_rule)
+
+
+def _parse_remote(key: str, r: Any, before: list[RemoteCloud]) -> RemoteCloud:
     r = _table(key, r)
     _check_keys(key, r, {"name", "namesrv", "access_key", "secret_key"})
     if "name" not in r or "namesrv" not in r:
@@ -408,9 +397,7 @@ def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
         raise ConfigError(f"{key}: 'access_key' and 'secret_key' go together (the proxy's own credentials in that "
                           "cluster, for brokers with ACL on); give both or neither")
     name = _name(f"{key}.name", r["name"])
-    if name == c.local:
-        raise ConfigError(f"{key}.name: {_t(name)} is the local cloud's name (clouds.local); pick another")
-    if any(x.name == name for x in c.remotes):
+    if any(x.name == name for x in before):
         raise ConfigError(f"{key}.name: {_t(name)} is used by another [[clouds.remote]]")
     ns = [str(hp) for hp in parse_hostport_list(f"{key}.namesrv", r["namesrv"])]
     if not ns:
@@ -418,7 +405,7 @@ def _parse_remote(key: str, r: Any, c: CloudsSection) -> RemoteCloud:
     return RemoteCloud(name, ns, *creds)
 
 
-def _parse_topic_rule(key: str, t: Any, c: CloudsSection, r: ReplicateSection) -> TopicRule:
+def _parse_topic_rule(key: str, t: Any, before: list[TopicRule]) -> TopicRule:
     t = _table(key, t)
     _check_keys(key, t, {"name", "replicate", "tags", "remotes", "groups"})
     if not isinstance(t.get("name"), str) or not t["name"]:
@@ -430,15 +417,20 @@ def _parse_topic_rule(key: str, t: Any, c: CloudsSection, r: ReplicateSection) -
     for k in ("tags", "remotes", "groups"):
         with errs.check():
             fields[k] = _str_list(f"{key}.{k}", t.get(k, []))
-    names = {x.name for x in c.remotes}
-    for rn in fields.get("remotes", []):
-        if rn not in names:
-            errs.messages.append(
-                f"{key}.remotes: {_t(rn)} is not a configured remote; known: {', '.join(sorted(names)) or 'none'}")
-    if any(x.name == t["name"] for x in r.topics):
+    if any(x.name == t["name"] for x in before):
         errs.messages.append(f"{key}.name: topic {_t(t['name'])} has another rule already")
     errs.raise_if_any()
     return TopicRule(t["name"], fields["replicate"], fields["tags"], fields["remotes"], fields["groups"])
+
+
+def _check_rule_remotes(cfg: Config, errs: _Errors) -> None:
+    """Every remote a ``[[replicate.topic]]`` names is a ``[[clouds.remote]]``."""
+    names = {x.name for x in cfg.clouds.remotes}
+    for i, rule in enumerate(cfg.replicate.topics):
+        for rn in rule.remotes:
+            if rn not in names:
+                errs.messages.append(f"replicate.topic[{i}].remotes: {_t(rn)} is not a configured remote; known: "
+                                     f"{', '.join(sorted(names)) or 'none'}")
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -449,33 +441,13 @@ def from_dict(raw: dict[str, Any]) -> Config:
     """
     errs = _Errors()
     with errs.check():
-        _check_keys("", raw, set(_KNOWN))
+        _check_keys("", raw, set(sections()))
     cfg = Config()
-    _parse_proxy(cfg, raw, errs)
-    _parse_namesrv(cfg, raw, errs)
-    _parse_brokers(cfg, raw, errs)
-    _parse_policy(cfg, raw, errs)
-    ad = _section(errs, raw, "admin")
-    with errs.check():
-        if ad.get("listen"):
-            cfg.admin.listen = parse_hostport("admin.listen", ad["listen"])
-    _set(errs, ad, cfg.admin, "admin", "token", _str)
-    _set(errs, ad, cfg.admin, "admin", "allowed_hosts", parse_allowed_hosts)
+    for name in _DECLARED:  # the sections declared field by field (rmqfast.settings.engine)
+        setattr(cfg, name, parse_section(type(getattr(cfg, name)), name, raw.get(name, {}), errs))
     _parse_limits(cfg, raw, errs)
-    lg = _section(errs, raw, "log")
-    with errs.check():
-        cfg.log.format = _choice("log.format", lg.get("format", "json"), ("json", "human"))
-    with errs.check():
-        cfg.log.level = _choice("log.level", lg.get("level", "info"), ("debug", "info", "warning", "error"))
-
-    _parse_records(cfg, raw, errs)
-    _parse_clouds(cfg, raw, errs)
-    with errs.check():
-        if "failover" in raw:
-            cfg.failover = parse_failover(raw["failover"])
-    with errs.check():
-        if "delay" in raw:
-            cfg.delay = parse_delay(raw["delay"])
+    if not errs.any_under("clouds", "replicate"):
+        _check_rule_remotes(cfg, errs)
     with errs.check():
         if "acl" in raw:
             cfg.acl = parse_acl(raw["acl"])
@@ -498,98 +470,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
     return cfg
 
 
-def _set(errs: _Errors, section: dict[str, Any], target: Any, where: str, key: str,
-         parse: Callable[[str, Any], Any]) -> None:
-    """``target.key = parse("where.key", value)`` when the section has the key; a problem is recorded."""
-    with errs.check():
-        if key in section:
-            setattr(target, key, parse(f"{where}.{key}", section[key]))
-
-
-def _parse_proxy(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
-    px = _section(errs, raw, "proxy")
-    p = cfg.proxy
-    ints = (("workers", 0, 256, " (one per CPU)"), ("max_frame_size", 1024, 1 << 30, ""),
-            ("max_header_size", 64, 0xFFFFFF, ""), ("buffer_size", 4096, 64 << 20, ""))
-    for k, lo, hi, what in ints:
-        _set(errs, px, p, "proxy", k, lambda key, v, lo=lo, hi=hi, what=what: _int(key, v, lo, hi, what))
-    for k, flo, fhi in (("connect_timeout", 0.1, 60), ("idle_timeout", 20, 86400), ("drain_timeout", 0, 600)):
-        _set(errs, px, p, "proxy", k, lambda key, v, flo=flo, fhi=fhi: _float(key, v, flo, fhi))
-    for k in ("advertise_host", "state_dir"):
-        _set(errs, px, p, "proxy", k, _str)
-    with errs.check():
-        if "frame_timeout" in px:
-            p.frame_timeout = _float("proxy.frame_timeout", px["frame_timeout"], 0, 3600)
-            if 0 < p.frame_timeout < 1:
-                raise ConfigError(f"proxy.frame_timeout: {p.frame_timeout!r} is not allowed; use 0 (no deadline) "
-                                  "or at least 1 second")
-    _set(errs, px, p, "proxy", "buffer_budget", lambda key, v: _int(key, v, 1 << 20, 1 << 40, " (1 MiB)"))
-    for k in ("max_connections", "max_connections_per_client"):  # 0: automatic (rmqfast.server.accept)
-        _set(errs, px, p, "proxy", k, lambda key, v: _int(key, v, 0, 1 << 24, " (0: automatic)"))
-    with errs.check():
-        if "first_frame_timeout" in px:
-            p.first_frame_timeout = _float("proxy.first_frame_timeout", px["first_frame_timeout"], 0, 3600)
-            if 0 < p.first_frame_timeout < 1:
-                raise ConfigError(f"proxy.first_frame_timeout: {p.first_frame_timeout!r} is not allowed; use 0 "
-                                  "(no deadline) or at least 1 second")
-    if 0 < p.max_connections < p.max_connections_per_client:
-        errs.messages.append(
-            f"proxy.max_connections_per_client: {p.max_connections_per_client} is not allowed; it must not "
-            f"exceed proxy.max_connections ({p.max_connections})"
-        )
-    if p.max_header_size > p.max_frame_size:
-        errs.messages.append(
-            f"proxy.max_header_size: {p.max_header_size} is not allowed; it must not exceed "
-            f"proxy.max_frame_size ({p.max_frame_size})"
-        )
-
-
-def _parse_namesrv(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
-    ns = _section(errs, raw, "namesrv")
-    with errs.check():
-        cfg.namesrv.listen = parse_hostport("namesrv.listen", ns.get("listen", DEFAULT_NAMESRV_LISTEN))
-    with errs.check():
-        ups = ns.get("upstreams", [])
-        if not isinstance(ups, list | str) or not ups:
-            raise ConfigError(
-                f"namesrv.upstreams: {_t(ups)} is not allowed; expected a non-empty list of \"host:port\" "
-                "(the real RocketMQ name servers), e.g. [\"10.0.0.1:9876\"]"
-            )
-        cfg.namesrv.upstreams = parse_hostport_list("namesrv.upstreams", ups)
-
-
-def _parse_brokers(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
-    br = _section(errs, raw, "brokers")
-    b = cfg.brokers
-    _set(errs, br, b, "brokers", "port_range", parse_port_range)
-    _set(errs, br, b, "brokers", "listen_host", _str)
-    _set(errs, br, b, "brokers", "vip_channel", _bool)
-    statics = br.get("static", [])
-    if not isinstance(statics, list):
-        errs.messages.append(f"brokers.static: {_t(statics)} is not allowed; expected an array of tables")
-        statics = []
-    for i, s in enumerate(statics):
-        key = f"brokers.static[{i}]"
-        with errs.check():
-            s = _table(key, s)
-            _check_keys(key, s, {"listen", "upstream"})
-            if "listen" not in s or "upstream" not in s:
-                raise ConfigError(f"{key}: both 'listen' and 'upstream' are required")
-            b.static.append(StaticBroker(parse_hostport(f"{key}.listen", s["listen"]),
-                                         parse_hostport(f"{key}.upstream", s["upstream"])))
-
-
-def _parse_policy(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
-    po = _section(errs, raw, "policy")
-    with errs.check():
-        cfg.policy.allow_codes = _codes("policy.allow_codes", po.get("allow_codes", []))
-    with errs.check():
-        cfg.policy.deny_codes = _codes("policy.deny_codes", po.get("deny_codes", []))
-    _set(errs, po, cfg.policy, "policy", "preset", lambda key, v: _choice(key, v, ("", "read-only-admin")))
-    _set(errs, po, cfg.policy, "policy", "message_addresses",
-         lambda key, v: _choice(key, v, ("records", "all", "off")))
-
-
 def _parse_limits(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
     """``[limits]``: each rule checked on its own first, so every bad rule is reported."""
     lim = raw.get("limits", {})
@@ -601,29 +481,6 @@ def _parse_limits(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
     if len(errs.messages) == before:
         with errs.check():
             cfg.limits = parse_limits(lim)
-
-
-def _parse_records(cfg: Config, raw: dict[str, Any], errs: _Errors) -> None:
-    rc = _section(errs, raw, "records")
-    r = cfg.records
-    _set(errs, rc, r, "records", "enabled", _bool)
-    with errs.check():
-        if "dir" in rc:
-            r.dir = _str("records.dir", rc["dir"])
-            if not r.dir:
-                raise ConfigError("records.dir: \"\" is not allowed; expected a directory path (created if missing)")
-    _set(errs, rc, r, "records", "rotate_seconds", lambda key, v: _float(key, v, 1, 86400))
-    _set(errs, rc, r, "records", "rotate_bytes", lambda key, v: _int(key, v, 4096, 1 << 40))
-    with errs.check():
-        if "sample_rate" in rc:
-            v = rc["sample_rate"]
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
-                raise ConfigError(
-                    f"records.sample_rate: {_t(v)} is not allowed; expected a number from 0 (no per-request "
-                    "records) to 1 (every request)"
-                )
-            r.sample_rate = float(v)
-    _set(errs, rc, r, "records", "format", lambda key, v: _choice(key, v, ("parquet", "jsonl")))
 
 
 def _check_ports(cfg: Config, errs: _Errors) -> None:
@@ -724,46 +581,5 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
 def from_json(text: str) -> Config:
     """Inverse of :meth:`Config.to_json` (used by workers; the data was validated already)."""
     d = json.loads(text)
-
-    def hp(x: Any) -> HostPort | None:
-        return HostPort(x["host"], x["port"]) if x else None
-
-    cfg = Config(
-        proxy=ProxySection(**d["proxy"]),
-        namesrv=NamesrvSection(listen=hp(d["namesrv"]["listen"]), upstreams=[hp(u) for u in d["namesrv"]["upstreams"]]),  # type: ignore[misc]
-        brokers=BrokersSection(
-            port_range=tuple(d["brokers"]["port_range"]) if d["brokers"]["port_range"] else None,  # type: ignore[arg-type]
-            listen_host=d["brokers"]["listen_host"],
-            vip_channel=d["brokers"]["vip_channel"],
-            static=[StaticBroker(hp(s["listen"]), hp(s["upstream"])) for s in d["brokers"]["static"]],  # type: ignore[arg-type]
-        ),
-        policy=PolicySection(**d["policy"]),
-        admin=AdminSection(listen=hp(d["admin"]["listen"]), token=d["admin"].get("token", ""),
-                           allowed_hosts=list(d["admin"].get("allowed_hosts", []))),
-        log=LogSection(**d["log"]),
-    )
-    if "limits" in d:
-        cfg.limits = LimitsSection.from_dict(d["limits"])
-    if "records" in d:
-        cfg.records = RecordsSection(**d["records"])
-    if "clouds" in d:
-        cl = dict(d["clouds"])
-        cl["remotes"] = [RemoteCloud(**x) for x in cl.get("remotes", [])]
-        cfg.clouds = CloudsSection(**cl)
-    if "replicate" in d:
-        rp = dict(d["replicate"])
-        rp["topics"] = [TopicRule(**x) for x in rp.get("topics", [])]
-        cfg.replicate = ReplicateSection(**rp)
-    if "delay" in d:
-        cfg.delay = DelaySection(**d["delay"])
-    if "acl" in d:
-        cfg.acl = AclSection.from_dict(d["acl"])
-    if "tls" in d:
-        cfg.tls = TlsSection.from_dict(d["tls"])
-    if "failover" in d:
-        cfg.failover = FailoverSection.from_dict(d["failover"])
-    if "gray" in d:
-        cfg.gray = GraySection.from_dict(d["gray"])
-    if "grpc" in d:
-        cfg.grpc = GrpcSection(**d["grpc"])
-    return cfg
+    hints = typing.get_type_hints(Config)
+    return Config(**{f.name: revive(hints[f.name], d[f.name]) for f in fields(Config) if f.name in d})

@@ -279,7 +279,8 @@ def test_order_hold_max_is_checked_and_travels_to_the_deliver_processes() -> Non
     from rmqfast.errors import ConfigError
 
     base = {"namesrv": {"upstreams": ["127.0.0.1:9876"]}}
-    with pytest.raises(ConfigError, match=r"replicate.order_hold_max: -1 is not allowed; expected a number of seconds"):
+    with pytest.raises(ConfigError,
+                       match=r"replicate.order_hold_max: -1 is not allowed; expected a duration from 0ms to 1h"):
         config_mod.from_dict({**base, "replicate": {"order_hold_max": -1}})
     assert config_mod.from_dict(base).replicate.order_hold_max == 30.0
     cfg = config_mod.from_dict({**base, "replicate": {"order_hold_max": 5}})

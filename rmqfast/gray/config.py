@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rmqfast.errors import ConfigError
+from rmqfast.settings.engine import section
 
 
 @dataclass
@@ -23,6 +24,7 @@ class GrayGroup:
     property: str = ""  # "KEY=VALUE": sends carrying this user property are gray ("" = none)
 
 
+@section("gray", "Gray (canary) releases (docs/gray.md).", parse=lambda raw: parse_gray(raw))
 @dataclass
 class GraySection:
     settle: float = 8.0  # seconds from promote/abort to the gray queues changing hands (a promote: at least)

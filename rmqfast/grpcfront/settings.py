@@ -10,83 +10,65 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rmqfast.errors import ConfigError
+from rmqfast.settings.base import toml_value
+from rmqfast.settings.engine import parse_section, section, setting, toml_keys
+
+SERVERS = ("h2", "grpcio")
 
 
+def _listen(key: str, v: Any) -> str:
+    host, sep, port = str(v).rpartition(":")
+    if not isinstance(v, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f'{key}: {toml_value(v)} is not allowed; expected "host:port"')
+    return v
+
+
+@section("grpc", "The RocketMQ 5 gRPC front (apache.rocketmq.v2.MessagingService).", parse=lambda raw: parse_grpc(raw))
 @dataclass
 class GrpcSection:
-    enabled: bool = False
-    listen: str = "0.0.0.0:8081"  # host:port, bound with SO_REUSEPORT by every worker's gRPC process
-    notify: bool = True  # pop with notify; false: one pop long-polling on one broker (as Apache's proxy)
-    max_fanout: int = 8  # brokers a receive sends NOTIFICATION to at once
-    min_poll: float = 0.2  # s: no new notification round with less long-poll time left
-    long_poll_reserve: float = 0.5  # s kept from the client's deadline for the answer to travel
-    request_timeout: float = 3.0  # s: sends, short pops, acks, routes
-    connect_timeout: float = 3.0
-    route_ttl: float = 5.0  # s a topic's route is cached
-    default_invisible: float = 60.0  # s, for receives that name no invisible duration
-    max_body_size: int = 4 * 1024 * 1024
-    max_connections: int = 10000  # per gRPC process (server = "h2"): handshaken connections; past it closed
-    max_connections_per_client: int = 1000  # per client address (IPv6: its /64), handshaken or not (server = "h2")
-    handshake_timeout: float = 10.0  # s from accept to the client's preface and first SETTINGS (and the TLS one)
-    idle_timeout: float = 300.0  # s with no open stream: GOAWAY and closed
-    tls: bool = False  # the listener serves TLS only, with [tls.listen]'s cert, key, ca and verify_client
-    server: str = "h2"  # "h2": the nghttp2 server (rmqfast.grpcfront.h2server); "grpcio": grpc.aio
+    enabled: bool = setting(False, doc="serve RocketMQ 5 gRPC clients")
+    listen: str = setting("0.0.0.0:8081", parse=_listen, expect='"host:port"',
+                          doc="bound with SO_REUSEPORT by every worker's gRPC process")
+    notify: bool = setting(True, doc="pop with notify; false: one pop long-polling on one broker (as Apache's proxy)")
+    max_fanout: int = setting(8, lo=1, hi=256, doc="brokers a receive sends NOTIFICATION to at once")
+    min_poll: float = setting(0.2, kind="duration", lo=0.01, hi=60,
+                              doc="no new notification round with less long-poll time left")
+    long_poll_reserve: float = setting(0.5, kind="duration", lo=0, hi=10,
+                                       doc="kept from the client's deadline for the answer to travel")
+    request_timeout: float = setting(3.0, kind="duration", lo=0.1, hi=60, doc="sends, short pops, acks, routes")
+    connect_timeout: float = setting(3.0, kind="duration", lo=0.1, hi=60, doc="connecting to a broker")
+    route_ttl: float = setting(5.0, kind="duration", lo=0.1, hi=3600, doc="a topic's route is cached this long")
+    default_invisible: float = setting(60.0, kind="duration", lo=1, hi=43200,
+                                       doc="for receives that name no invisible duration")
+    max_body_size: int = setting(4 << 20, kind="size", lo=1, hi=1 << 30, doc="largest message body")
+    max_connections: int = setting(10000, lo=1, hi=1_000_000,
+                                   doc='per gRPC process (server = "h2"): handshaken connections; past it closed')
+    max_connections_per_client: int = setting(1000, lo=1, hi=1_000_000,
+                                              doc="per client address (IPv6: its /64), handshaken or not")
+    handshake_timeout: float = setting(10.0, kind="duration", lo=0.05, hi=600,
+                                       doc="from accept to the client's preface and first SETTINGS (and TLS)")
+    idle_timeout: float = setting(300.0, kind="duration", lo=0.1, hi=86400, doc="with no open stream: GOAWAY, closed")
+    tls: bool = setting(False, doc="serve TLS only, with [tls.listen]'s cert, key, ca and verify_client")
+    server: str = setting("h2", choices=SERVERS,
+                          doc='"h2": the nghttp2 server (rmqfast.grpcfront.h2server); "grpcio": grpc.aio')
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_FLOATS = {"min_poll": (0.01, 60.0), "long_poll_reserve": (0.0, 10.0), "request_timeout": (0.1, 60.0),
-           "connect_timeout": (0.1, 60.0), "route_ttl": (0.1, 3600.0), "default_invisible": (1.0, 43200.0),
-           "handshake_timeout": (0.05, 600.0), "idle_timeout": (0.1, 86400.0)}
-_INTS = {"max_fanout": (1, 256), "max_body_size": (1, 1 << 30), "max_connections": (1, 1_000_000),
-         "max_connections_per_client": (1, 1_000_000)}
-SERVERS = ("h2", "grpcio")
-KEYS = {"enabled", "notify", "tls", "listen", "server", *_FLOATS, *_INTS}
+KEYS = set(toml_keys(GrpcSection))
 
 
 def parse_grpc(raw: Any) -> GrpcSection:
-    if not isinstance(raw, dict):
-        raise ConfigError("grpc: must be a table")
-    unknown = set(raw) - KEYS
-    if unknown:
-        raise ConfigError(f"grpc: unknown key(s) {', '.join(sorted(unknown))}")
-    s = GrpcSection()
-    for k in ("enabled", "notify", "tls"):
-        if k in raw:
-            if not isinstance(raw[k], bool):
-                raise ConfigError(f"grpc.{k}: must be true or false")
-            setattr(s, k, raw[k])
-    if "listen" in raw:
-        v = raw["listen"]
-        host, sep, port = str(v).rpartition(":")
-        if not isinstance(v, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"grpc.listen: expected host:port, got {v!r}")
-        s.listen = v
-    _parse_server(raw, s)
-    for k, (lo, hi) in _FLOATS.items():
-        if k in raw:
-            v = raw[k]
-            if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-                raise ConfigError(f"grpc.{k}: expected a number in [{lo}, {hi}], got {v!r}")
-            setattr(s, k, float(v))
-    for k, (lo, hi) in _INTS.items():
-        if k in raw:
-            v = raw[k]
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ConfigError(f"grpc.{k}: expected an integer in [{lo}, {hi}], got {v!r}")
-            setattr(s, k, v)
+    """Validate ``[grpc]``; every problem reported at once (the h2 binding checked when it is used)."""
+    s = parse_section(GrpcSection, "grpc", raw)
+    _check_server(s)
     return s
 
 
-def _parse_server(raw: dict[str, Any], s: GrpcSection) -> None:
-    """``server``: "h2" (the nghttp2 server, rmqfast.grpcfront.h2server) or "grpcio" (grpc.aio); "h2" needs its
-    binding built (libnghttp2-dev at build time)."""
-    if "server" in raw:
-        if raw["server"] not in SERVERS:
-            raise ConfigError(f'grpc.server: expected "h2" (the nghttp2 server) or "grpcio" (grpc.aio), '
-                              f'got {raw["server"]!r}')
-        s.server = raw["server"]
+def _check_server(s: GrpcSection) -> None:
+    """``server = "h2"`` (the nghttp2 server, rmqfast.grpcfront.h2server) needs its binding built
+    (libnghttp2-dev at build time)."""
     if s.enabled and s.server == "h2":
         try:
             from rmqfast.grpcfront.h2server import H2Unavailable, available

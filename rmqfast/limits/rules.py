@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rmqfast.errors import ConfigError
+from rmqfast.settings.engine import section
 
 MODES = ("limit", "reject", "open", "shape")
 # The limiter sees a shape rule as a limit; the relay shapes what it refuses (rmqfast.limits.shaper).
@@ -79,6 +80,7 @@ class LimitRule:
         return f"{what} is over its limit of {' and '.join(parts)}"
 
 
+@section("limits", "Send limits and peak shaving (docs/limits.md).", parse=lambda raw: parse_limits(raw))
 @dataclass
 class LimitsSection:
     global_rate: float = 0.0

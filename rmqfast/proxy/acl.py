@@ -56,6 +56,7 @@ from rmqfast.codec import codes as C
 from rmqfast.errors import ConfigError
 from rmqfast.filters.api import Frame
 from rmqfast.settings.base import ConfigErrors
+from rmqfast.settings.engine import section
 
 log = logging.getLogger("rmqfast.acl")
 
@@ -86,6 +87,7 @@ _KNOWN = {"topics", "unsigned", "other_keys", "secret_keys", "signature_max_age"
 SIGNATURE_MAX_AGE = 900.0
 
 
+@section("acl", "Per-AccessKey topic allowlist (docs/acl.md).", parse=lambda raw: parse_acl(raw))
 @dataclass
 class AclSection:
     """``[acl]``: AccessKey -> topic patterns; what to do with unsigned requests and unlisted keys."""

@@ -44,7 +44,7 @@ import select
 import socket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import gevent
@@ -54,6 +54,8 @@ from gevent.event import Event
 from rmqfast.errors import ConfigError
 from rmqfast.log import ctx
 from rmqfast.proxy.looplag import LoopLag
+from rmqfast.settings.base import toml_value
+from rmqfast.settings.engine import parse_section, section, setting
 
 log = logging.getLogger("rmqfast.health")
 
@@ -68,27 +70,38 @@ _SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _ASK_SLACK = 4
 
 
+RESEND_MODES = ("policy", "all", "off")
+
+
+def _patterns(key: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+        raise ConfigError(f"{key}: {toml_value(value)} is not allowed; expected a list of topic names or patterns "
+                          "(fnmatch)")
+    return list(value)
+
+
+def _secs(default: float, doc: str) -> Any:
+    return setting(default, kind="duration", lo=0.01, hi=600, doc=doc)
+
+
+@section("failover", "Broker health, route healing and send failover.")
 @dataclass
 class FailoverSection:
     """``[failover]``: broker health, route healing and send failover."""
 
-    enabled: bool = True  # health probes, route healing and moving sends off a dead broker
-    heal_routes: bool = True  # route answers (105) mark a dead master's queues unwritable
-    probe_interval: float = 1.0  # seconds between probes of a broker that is up
-    probe_interval_down: float = 0.2  # ... of a broker that is down
-    probe_timeout: float = 1.0  # a probe not answered within this time fails
-    # relayed sends unanswered this long with nothing read back, and a probe unanswered half as long: hung
-    hang_timeout: float = 0.5
-    send_timeout: float = 3.0  # a moved send waits this long for the other broker's answer
-    # topics (fnmatch patterns) whose sends are never moved: their order matters
-    ordered_topics: list[str] = field(default_factory=list)
-    # sends carrying this property are ordered (5.x SHARDING_KEY, set for FIFO messages); "" disables
-    ordered_property: str = "__SHARDINGKEY"
-    go_away: bool = True  # draining workers answer 5.3.2+ clients GO_AWAY (1500) instead of cutting them
-    # sends in flight when their broker dies are resent to another live master by rmqfast: "policy" (the
-    # sends another filter hands to Python anyway are kept), "all" (every send kept: leaves the fast path),
-    # "off" (all answered SYSTEM_ERROR, the producer retries)
-    resend: str = "policy"
+    enabled: bool = setting(True, doc="health probes, route healing and moving sends off a dead broker")
+    heal_routes: bool = setting(True, doc="route answers (105) mark a dead master's queues unwritable")
+    probe_interval: float = _secs(1.0, "between probes of a broker that is up")
+    probe_interval_down: float = _secs(0.2, "... of a broker that is down")
+    probe_timeout: float = _secs(1.0, "a probe not answered within this time fails")
+    hang_timeout: float = _secs(0.5, "relayed sends unanswered this long with nothing read back (a probe: half): hung")
+    send_timeout: float = _secs(3.0, "a moved send waits this long for the other broker's answer")
+    ordered_topics: list[str] = setting(factory=list, parse=_patterns, expect="a list of topic names or patterns "
+                                        "(fnmatch)", doc="topics whose sends are never moved: their order matters")
+    ordered_property: str = setting("__SHARDINGKEY", doc='sends carrying this property are ordered; "" disables')
+    go_away: bool = setting(True, doc="draining workers answer 5.3.2+ clients GO_AWAY (1500) instead of cutting them")
+    resend: str = setting("policy", choices=RESEND_MODES, doc='sends in flight when their broker dies: "policy" '
+                          '(those Python holds anyway) resent, "all" (leaves the fast path), "off" (SYSTEM_ERROR)')
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FailoverSection:
@@ -98,41 +111,9 @@ class FailoverSection:
         return any(fnmatch.fnmatchcase(topic, p) for p in self.ordered_topics)
 
 
-RESEND_MODES = ("policy", "all", "off")
-
-_FIELDS = {
-    "enabled": bool, "heal_routes": bool, "go_away": bool,
-    "probe_interval": float, "probe_interval_down": float, "probe_timeout": float, "send_timeout": float,
-    "hang_timeout": float,
-    "ordered_topics": list, "ordered_property": str, "resend": str,
-}
-
-
 def parse_failover(raw: Any) -> FailoverSection:
-    """The ``[failover]`` table, checked; a :class:`ConfigError` names the bad key and what is allowed."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"failover: expected a table, got {type(raw).__name__}")
-    out = FailoverSection()
-    for key, value in raw.items():
-        kind = _FIELDS.get(key)
-        if kind is None:
-            raise ConfigError(f"failover.{key}: unknown key; expected one of {', '.join(sorted(_FIELDS))}")
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise ConfigError(f"failover.{key}: {value!r} is not allowed; expected true or false")
-        elif kind is float:
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.01 <= value <= 600:
-                raise ConfigError(f"failover.{key}: {value!r} is not allowed; expected seconds from 0.01 to 600")
-            value = float(value)
-        elif kind is list:
-            if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
-                raise ConfigError(f"failover.{key}: expected a list of topic names or patterns (fnmatch)")
-        elif not isinstance(value, str):
-            raise ConfigError(f"failover.{key}: {value!r} is not allowed; expected a string")
-        elif key == "resend" and value not in RESEND_MODES:
-            raise ConfigError(f"failover.resend: {value!r} is not allowed; expected one of {', '.join(RESEND_MODES)}")
-        setattr(out, key, value)
-    return out
+    """The ``[failover]`` table, checked; every problem named at once."""
+    return parse_section(FailoverSection, "failover", raw)
 
 
 class HealthMetrics:

@@ -43,6 +43,7 @@ from rmqfast.settings.base import choice as _choice
 from rmqfast.settings.base import seconds as _float
 from rmqfast.settings.base import string as _str
 from rmqfast.settings.base import toml_value as _t
+from rmqfast.settings.engine import section
 
 if TYPE_CHECKING:
     import ssl
@@ -94,6 +95,7 @@ class TlsUpstreamSection:
         return self.enable and role in self.roles
 
 
+@section("tls", "TLS of the listeners and of the upstream connections (docs/tls.md).", parse=lambda raw: parse_tls(raw))
 @dataclass
 class TlsSection:
     listen: TlsListenSection = field(default_factory=TlsListenSection)
