@@ -175,18 +175,25 @@ class Releaser(ReleaseLanes):
                 self.wmarks[prefix] = last
             self.wcursor[prefix] = last + b"\x00"
             for k, v in items:
-                if k in self.dispatched:
-                    continue
-                self.dispatched.add(k)
-                try:
-                    held = Held.decode(v)
-                except Exception as exc:
-                    log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
-                    self._done(k, v, None, "undecodable")
+                held = self._take(k, v)
+                if held is None:
                     continue
                 self._queue(k, v, held)
                 took = True
         return took
+
+    def _take(self, k: bytes, v: bytes) -> Held | None:
+        """A read message to dispatch once: None when it is dispatched already, or undecodable (then
+        given up, counted and logged)."""
+        if k in self.dispatched:
+            return None
+        self.dispatched.add(k)
+        try:
+            return Held.decode(v)
+        except Exception as exc:
+            log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
+            self._done(k, v, None, "undecodable")
+            return None
 
     def _step(self) -> None:
         cap = self.limit * 4
@@ -222,14 +229,8 @@ class Releaser(ReleaseLanes):
         held_for = self.held_for
         parked = self.parked if any(self.parked.values()) else None
         for k, v in items:
-            if k in self.dispatched:
-                continue
-            self.dispatched.add(k)
-            try:
-                held = Held.decode(v)
-            except Exception as exc:
-                log.error("undecodable held message; giving it up", extra=ctx(error=str(exc)))
-                self._done(k, v, None, "undecodable")
+            held = self._take(k, v)
+            if held is None:
                 continue
             if held_for.get(held.addr, 0) >= per or parked is not None and parked.get(parked_prefix(held.addr)):
                 self._park(k, v, held)  # its broker is at its share, or older ones of it wait already
